@@ -1,0 +1,143 @@
+"""The model's shape and numerics, as one frozen dataclass with named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+__all__ = ["GPTConfig", "PRESETS"]
+
+Position = Literal["learned", "sinusoidal", "rope"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """A decoder-only transformer.
+
+    Attributes:
+      vocab_size: number of token ids; 50257 for GPT-2's BPE.
+      block_size: the context length, in tokens.
+      n_layer, n_head, n_embd: depth, attention heads, model width (n_embd % n_head == 0).
+      position: how positions enter: a `learned` table (GPT-2), a fixed `sinusoidal` table added to the
+        token embeddings, or `rope` (rotary, applied to queries and keys in every layer).
+      rope_theta: the rotary base frequency.
+      dropout: dropout rate on embeddings and residual branches while training.
+      bias: biases in linear layers and LayerNorms (GPT-2 has them).
+      layer_norm_epsilon: LayerNorm's epsilon (GPT-2: 1e-5).
+      mlp_ratio: hidden width of the MLP over n_embd.
+      dtype: the compute dtype of activations and matmuls.
+      param_dtype: the dtype parameters are stored in (float32 for training).
+      remat: recompute each block's activations in the backward pass to save memory.
+    """
+
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    position: Position = "learned"
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+    bias: bool = True
+    layer_norm_epsilon: float = 1e-5
+    mlp_ratio: int = 4
+    dtype: DType = "float32"
+    param_dtype: DType = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig.n_embd={self.n_embd} must be divisible by GPTConfig.n_head={self.n_head}"
+            )
+        if self.position not in ("learned", "sinusoidal", "rope"):
+            raise ValueError(
+                f"GPTConfig.position must be 'learned', 'sinusoidal' or 'rope', got {self.position!r}"
+            )
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"GPTConfig.position='rope' needs an even head_dim, but n_embd/n_head = "
+                f"{self.n_embd}/{self.n_head} = {self.head_dim}"
+            )
+        if self.position == "sinusoidal" and self.n_embd % 2:
+            raise ValueError(f"GPTConfig.position='sinusoidal' needs an even n_embd, got {self.n_embd}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"GPTConfig.rope_theta must be positive, got {self.rope_theta}")
+        if self.layer_norm_epsilon <= 0:
+            raise ValueError(f"GPTConfig.layer_norm_epsilon must be positive, got {self.layer_norm_epsilon}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(
+                    f"GPTConfig.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}"
+                )
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.mlp_ratio * self.n_embd
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(_DTYPES[self.dtype])
+
+    @property
+    def storage_dtype(self) -> jnp.dtype:
+        return jnp.dtype(_DTYPES[self.param_dtype])
+
+    def replace(self, **changes) -> GPTConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> GPTConfig:
+        """A named configuration, optionally with some fields changed.
+
+        `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl` are OpenAI's shapes; `small` trains on a CPU in
+        minutes; `tiny` is for tests.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPTConfig preset {name!r}; known presets: {', '.join(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count; the LM head is tied to the token embedding, so it is counted once."""
+        d, f, layers = self.n_embd, self.mlp_dim, self.n_layer
+        bias = 1 if self.bias else 0
+        per_layer = (
+            2 * d * (1 + bias)  # two LayerNorms
+            + d * 3 * d + bias * 3 * d  # qkv
+            + d * d + bias * d  # attention output
+            + d * f + bias * f  # mlp in
+            + f * d + bias * d  # mlp out
+        )
+        count = layers * per_layer + d * (1 + bias)  # + final LayerNorm
+        if include_embedding:
+            count += self.vocab_size * d
+            if self.position == "learned":
+                count += self.block_size * d
+        return count
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+    # Trains on 2 CPU cores in a few minutes (the train.py default).
+    "small": GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=256),
+    # For tests: every code path, in milliseconds.
+    "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=32),
+}

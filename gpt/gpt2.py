@@ -1,0 +1,291 @@
+"""OpenAI GPT-2 checkpoints in the Hugging Face format: load them into a GPT, and write a GPT back.
+
+A checkpoint is a directory with `config.json` and `model.safetensors` (or `pytorch_model.bin`, read with
+a restricted unpickler that can only rebuild tensors, so loading never executes pickled code).
+
+Hugging Face's GPT-2 uses `Conv1D` layers whose weights are stored [in, out] -- already the layout of a
+JAX kernel -- so every tensor maps onto ours by a reshape alone (the fused qkv [D, 3D] becomes
+[D, 3, N, H]); the one table `_TABLE` below names them all.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickle
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from gpt.config import GPTConfig
+from gpt.model import GPT
+
+__all__ = ["load", "save", "config_from_hf", "resolve"]
+
+HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+# (our parameter path, Hugging Face name with {} for the layer, is it per layer)
+_TABLE = (
+    ("wte", "wte.weight", False),
+    ("wpe", "wpe.weight", False),
+    ("lnf_scale", "ln_f.weight", False),
+    ("lnf_bias", "ln_f.bias", False),
+    ("blocks.ln1_scale", "h.{}.ln_1.weight", True),
+    ("blocks.ln1_bias", "h.{}.ln_1.bias", True),
+    ("blocks.qkv_kernel", "h.{}.attn.c_attn.weight", True),
+    ("blocks.qkv_bias", "h.{}.attn.c_attn.bias", True),
+    ("blocks.out_kernel", "h.{}.attn.c_proj.weight", True),
+    ("blocks.out_bias", "h.{}.attn.c_proj.bias", True),
+    ("blocks.ln2_scale", "h.{}.ln_2.weight", True),
+    ("blocks.ln2_bias", "h.{}.ln_2.bias", True),
+    ("blocks.fc_kernel", "h.{}.mlp.c_fc.weight", True),
+    ("blocks.fc_bias", "h.{}.mlp.c_fc.bias", True),
+    ("blocks.proj_kernel", "h.{}.mlp.c_proj.weight", True),
+    ("blocks.proj_bias", "h.{}.mlp.c_proj.bias", True),
+)
+# Buffers that older checkpoints carry (the causal mask) and the tied LM head: not parameters of ours.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def _hf_shape(config: GPTConfig, hf_name: str) -> tuple[int, ...]:
+    D, F = config.n_embd, config.mlp_dim
+    shapes = {
+        "wte.weight": (config.vocab_size, D), "wpe.weight": (config.block_size, D),
+        "c_attn.weight": (D, 3 * D), "c_attn.bias": (3 * D,), "mlp.c_fc.weight": (D, F), "c_fc.bias": (F,),
+        "attn.c_proj.weight": (D, D), "mlp.c_proj.weight": (F, D),
+    }
+    for suffix, shape in shapes.items():
+        if hf_name.endswith(suffix):
+            return shape
+    return (D,)  # LayerNorm scales and biases, and the output-projection biases
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+def config_from_hf(hf: dict, **overrides) -> GPTConfig:
+    """A GPTConfig from a Hugging Face GPT-2 `config.json`; ValueError if it describes another model."""
+    if hf.get("model_type") != "gpt2":
+        raise ValueError(f"config.json: model_type must be 'gpt2', got {hf.get('model_type')!r}")
+    requirements = {
+        "activation_function": ("gelu_new", ("gelu_new", "gelu_pytorch_tanh")),
+        "scale_attn_weights": (True, (True,)),
+        "scale_attn_by_inverse_layer_idx": (False, (False,)),
+        "tie_word_embeddings": (True, (True,)),
+    }
+    for field, (default, allowed) in requirements.items():
+        if hf.get(field, default) not in allowed:
+            raise ValueError(f"config.json: {field}={hf.get(field)!r} is not supported (expected one of {allowed})")
+    n_embd = hf.get("n_embd", 768)
+    n_inner = hf.get("n_inner") or 4 * n_embd
+    if n_inner % n_embd:
+        raise ValueError(f"config.json: n_inner={n_inner} must be a multiple of n_embd={n_embd}")
+    fields = dict(
+        vocab_size=hf.get("vocab_size", 50257), block_size=hf.get("n_positions", 1024),
+        n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd,
+        layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), mlp_ratio=n_inner // n_embd,
+        position="learned", bias=True,
+    )
+    return GPTConfig(**{**fields, **overrides})
+
+
+def config_to_hf(config: GPTConfig) -> dict:
+    if config.position != "learned" or not config.bias:
+        raise ValueError(
+            f"the GPT-2 format needs position='learned' and bias=True, got position={config.position!r}, "
+            f"bias={config.bias}"
+        )
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
+        "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_ctx": config.block_size,
+        "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head,
+        "n_inner": config.mlp_dim, "layer_norm_epsilon": config.layer_norm_epsilon,
+        "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+        "bos_token_id": 50256, "eos_token_id": 50256, "tie_word_embeddings": True,
+        "scale_attn_weights": True, "initializer_range": 0.02, "torch_dtype": "float32",
+    }
+
+
+# ----------------------------------------------------------------------------------------------- files
+
+def _hub_cache_dirs() -> list[Path]:
+    if os.environ.get("HF_HUB_CACHE"):
+        return [Path(os.environ["HF_HUB_CACHE"])]
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    return [home / "hub"]
+
+
+def resolve(source: str | os.PathLike) -> Path:
+    """The checkpoint directory for a path, or for a hub name found in the local Hugging Face cache."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if str(source) in HUB_NAMES:
+        looked = []
+        for cache in _hub_cache_dirs():
+            for repo in (f"models--{source}", f"models--openai-community--{source}"):
+                repo_dir = cache / repo
+                looked.append(str(repo_dir))
+                ref = repo_dir / "refs" / "main"
+                snapshots = [repo_dir / "snapshots" / ref.read_text().strip()] if ref.is_file() else sorted(
+                    (repo_dir / "snapshots").glob("*")
+                )
+                for snapshot in snapshots:
+                    if (snapshot / "config.json").is_file():
+                        return snapshot
+        raise FileNotFoundError(
+            f"GPT-2 checkpoint {str(source)!r} is not in the local Hugging Face cache (looked in "
+            f"{', '.join(looked)}); download it where there is a network (`huggingface-cli download "
+            f"{source}`) or pass a directory with config.json and model.safetensors"
+        )
+    raise FileNotFoundError(
+        f"{str(source)!r} is neither a directory nor a GPT-2 hub name ({', '.join(HUB_NAMES)})"
+    )
+
+
+_TORCH_STORAGE_DTYPES = {
+    "FloatStorage": np.float32, "HalfStorage": np.float16, "BFloat16Storage": ml_dtypes.bfloat16,
+    "DoubleStorage": np.float64, "LongStorage": np.int64, "IntStorage": np.int32, "ByteStorage": np.uint8,
+    "BoolStorage": np.bool_,
+}
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_unused):
+    itemsize = storage.dtype.itemsize
+    view = np.lib.stride_tricks.as_strided(
+        storage[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
+    )
+    return np.array(view)
+
+
+class _TensorOnlyUnpickler(pickle.Unpickler):
+    """Rebuilds a PyTorch state dict as numpy arrays; any other object in the pickle is refused."""
+
+    def __init__(self, file, archive: zipfile.ZipFile, prefix: str):
+        super().__init__(file)
+        self.archive, self.prefix = archive, prefix
+
+    def find_class(self, module, name):
+        if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")):
+            return _rebuild_tensor
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in _TORCH_STORAGE_DTYPES:
+            return _TORCH_STORAGE_DTYPES[name]
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: only tensors may be in a checkpoint")
+
+    def persistent_load(self, pid):
+        kind, dtype, key, _location, _numel = pid
+        if kind != "storage":
+            raise pickle.UnpicklingError(f"unexpected persistent id {kind!r}")
+        raw = self.archive.read(f"{self.prefix}/data/{key}")
+        return np.frombuffer(raw, dtype=np.dtype(dtype))
+
+
+def read_torch_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Tensors of a `torch.save` zip file as numpy arrays, without executing any pickled code."""
+    with zipfile.ZipFile(path) as archive:
+        pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+        if len(pickles) != 1:
+            raise ValueError(f"{path}: not a torch.save zip archive (found {len(pickles)} data.pkl entries)")
+        prefix = pickles[0][: -len("/data.pkl")]
+        with archive.open(pickles[0]) as file:
+            state = _TensorOnlyUnpickler(file, archive, prefix).load()
+    return dict(state)
+
+
+def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
+    if (directory / "model.safetensors").is_file():
+        tensors = load_file(directory / "model.safetensors")
+    elif (directory / "pytorch_model.bin").is_file():
+        tensors = read_torch_state_dict(directory / "pytorch_model.bin")
+    else:
+        raise FileNotFoundError(f"{directory} has neither model.safetensors nor pytorch_model.bin")
+    # GPT2LMHeadModel prefixes its names with "transformer."; GPT2Model (the hub's own files) does not.
+    return {name.removeprefix("transformer."): array for name, array in tensors.items()}
+
+
+# ----------------------------------------------------------------------------------------------- load / save
+
+def _param(model: GPT, path: str) -> nnx.Param | None:
+    target = model
+    for part in path.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None) -> GPT:
+    """A GPT with the weights of a Hugging Face GPT-2 checkpoint.
+
+    Args:
+      source: a directory (config.json + model.safetensors or pytorch_model.bin), or a hub name
+        (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`) already in the local Hugging Face cache.
+      dtype: the compute dtype; param_dtype: the storage dtype (defaults to dtype).
+    """
+    directory = resolve(source)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json")
+    config = config_from_hf(json.loads(config_path.read_text()), dtype=dtype, param_dtype=param_dtype or dtype)
+    tensors = _read_tensors(directory)
+
+    lm_head = tensors.pop("lm_head.weight", None)
+    if lm_head is not None and not np.array_equal(lm_head, tensors.get("wte.weight")):
+        raise ValueError("lm_head.weight differs from wte.weight, but GPT-2's LM head is tied to the embedding")
+    for name in [n for n in tensors if n.endswith(_IGNORED_SUFFIXES)]:
+        del tensors[name]
+
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    for path, hf_name, per_layer in _TABLE:
+        names = [hf_name.format(i) for i in range(config.n_layer)] if per_layer else [hf_name]
+        arrays = []
+        for name in names:
+            if name not in tensors:
+                raise ValueError(f"{directory}: missing tensor {name!r}")
+            array, expected = tensors.pop(name), _hf_shape(config, name)
+            if array.shape != expected:
+                raise ValueError(f"{directory}: tensor {name!r} has shape {array.shape}, expected {expected}")
+            arrays.append(array)
+        param = _param(model, path)
+        value = (np.stack(arrays) if per_layer else arrays[0]).reshape(param.shape)
+        param.set_value(jnp.asarray(value.astype(np.float32), dtype=config.storage_dtype))
+    if tensors:
+        raise ValueError(f"{directory}: unexpected tensors {sorted(tensors)[:8]}")
+    return model
+
+
+def save(model: GPT, out_dir: str | os.PathLike) -> Path:
+    """Write `model` as a Hugging Face GPT-2 checkpoint (config.json + model.safetensors, float32).
+
+    The directory appears whole or not at all: it is written beside its destination and renamed.
+    """
+    config, out_dir = model.config, Path(out_dir)
+    hf_config = config_to_hf(config)
+    tensors = {}
+    for path, hf_name, per_layer in _TABLE:
+        value = np.asarray(_param(model, path)[...], dtype=np.float32)
+        if per_layer:
+            for i in range(config.n_layer):
+                name = hf_name.format(i)
+                tensors[f"transformer.{name}"] = np.ascontiguousarray(value[i].reshape(_hf_shape(config, name)))
+        else:
+            tensors[f"transformer.{hf_name}"] = np.ascontiguousarray(value.reshape(_hf_shape(config, hf_name)))
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,83 @@
+"""The key/value cache: an explicit pytree that the forward takes and returns, never hidden module state.
+
+Rows of a batch are left-padded to one length, so every row writes its new keys at the same slot
+(`index`) with one `dynamic_update_slice`; `start` remembers where each row's real tokens begin, which
+gives each row its own positions and hides its padding from attention.
+
+    slot:      0   1   2   3   4   5   6   7
+    row 0:     .   .   a   b   c | d   e   f     start[0] = 2
+    row 1:     p   q   r   s   t | u   v   w     start[1] = 0
+                                 ^ index after a prefill of 5 slots
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gpt.config import GPTConfig
+
+__all__ = ["KVCache"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of every layer for a batch of sequences.
+
+    Attributes:
+      k, v: [L, B, S, N, H] in the compute dtype; S is the preallocated length.
+      index: int32 scalar, the next slot to write (shared by all rows).
+      start: int32 [B], the first slot of each row that holds a real token.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
+    start: jax.Array
+
+    @classmethod
+    def init(cls, config: GPTConfig, start_B: jax.Array, length: int) -> KVCache:
+        """An empty cache of `length` slots for len(start_B) rows whose real tokens begin at start_B."""
+        batch = start_B.shape[0]
+        shape = (config.n_layer, batch, length, config.n_head, config.head_dim)
+        zeros = jnp.zeros(shape, config.compute_dtype)
+        return cls(k=zeros, v=zeros, index=jnp.zeros((), jnp.int32), start=start_B.astype(jnp.int32))
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    def positions(self, num_tokens: int) -> jax.Array:
+        """int32 [B, T]: each row's position for the next T slots (padding slots get negative values)."""
+        slots_T = self.index + jnp.arange(num_tokens, dtype=jnp.int32)
+        return slots_T[None, :] - self.start[:, None]
+
+    def mask(self, num_tokens: int) -> jax.Array:
+        """bool [B, T, S]: which cached slots each of the next T slots may attend to.
+
+        A slot sees the real (non-padding) slots at or before it. A padding slot also sees itself, so its
+        softmax is never over an empty set (which would make NaNs that leak into real rows).
+        """
+        query_T = self.index + jnp.arange(num_tokens, dtype=jnp.int32)
+        key_S = jnp.arange(self.length, dtype=jnp.int32)
+        causal_TS = key_S[None, :] <= query_T[:, None]
+        real_BS = key_S[None, :] >= self.start[:, None]
+        itself_TS = key_S[None, :] == query_T[:, None]
+        return (causal_TS[None] & real_BS[:, None, :]) | itself_TS[None]
+
+    def write(self, layer: jax.Array, k_BTNH: jax.Array, v_BTNH: jax.Array) -> KVCache:
+        """This cache with one layer's new keys and values written at slots [index, index + T)."""
+        at = (layer, 0, self.index, 0, 0)
+        k = jax.lax.dynamic_update_slice(self.k, k_BTNH[None].astype(self.k.dtype), at)
+        v = jax.lax.dynamic_update_slice(self.v, v_BTNH[None].astype(self.v.dtype), at)
+        return dataclasses.replace(self, k=k, v=v)
+
+    def layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One layer's keys and values, each [B, S, N, H]."""
+        return self.k[layer], self.v[layer]
+
+    def advance(self, num_tokens: int) -> KVCache:
+        return dataclasses.replace(self, index=self.index + num_tokens)

@@ -1,0 +1,222 @@
+"""The GPT: Flax NNX modules used functionally (nnx.split the model, jit pure functions of its state).
+
+Shape letters: B batch, T positions, S cache slots, D width, N heads, H head dim, F MLP width,
+V vocabulary, L layers. Every parameter carries logical axis names in its `axes` metadata; gpt/sharding.py
+maps them onto a device mesh.
+
+    tokens -> embed (+ learned or sinusoidal positions) -> L x Block -> LayerNorm -> x @ wte.T -> logits
+    Block:  x + Attention(LayerNorm(x)),  then  x + MLP(LayerNorm(x))       (pre-LN, GELU-tanh MLP)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gpt.attention import apply_rope, attend, sinusoidal_embedding
+from gpt.config import GPTConfig
+from gpt.kv_cache import KVCache
+from gpt.sharding import constrain
+
+__all__ = ["GPT"]
+
+
+def _normal(rngs: nnx.Rngs, shape, axes, dtype, std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
+
+
+def _constant(value: float, shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.full(shape, value, dtype), axes=axes)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, epsilon: float) -> jax.Array:
+    """LayerNorm over the last axis, computed in float32 and returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    variance = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(variance + epsilon) * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class Blocks(nnx.Module):
+    """All decoder blocks, their parameters stacked on a leading `layers` axis so that one `lax.scan` runs
+    them: compile time stays flat in depth."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        L, D, N, H, F = config.n_layer, config.n_embd, config.n_head, config.head_dim, config.mlp_dim
+        dtype, std = config.storage_dtype, 0.02
+        # GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2L).
+        residual_std = std / (2 * L) ** 0.5
+        bias = config.bias
+        self.ln1_scale = _constant(1.0, (L, D), ("layers", "embed"), dtype)
+        self.ln1_bias = _constant(0.0, (L, D), ("layers", "embed"), dtype) if bias else None
+        self.qkv_kernel = _normal(rngs, (L, D, 3, N, H), ("layers", "embed", None, "heads", "head_dim"), dtype, std)
+        self.qkv_bias = _constant(0.0, (L, 3, N, H), ("layers", None, "heads", "head_dim"), dtype) if bias else None
+        self.out_kernel = _normal(rngs, (L, N, H, D), ("layers", "heads", "head_dim", "embed"), dtype, residual_std)
+        self.out_bias = _constant(0.0, (L, D), ("layers", "embed"), dtype) if bias else None
+        self.ln2_scale = _constant(1.0, (L, D), ("layers", "embed"), dtype)
+        self.ln2_bias = _constant(0.0, (L, D), ("layers", "embed"), dtype) if bias else None
+        self.fc_kernel = _normal(rngs, (L, D, F), ("layers", "embed", "mlp"), dtype, std)
+        self.fc_bias = _constant(0.0, (L, F), ("layers", "mlp"), dtype) if bias else None
+        self.proj_kernel = _normal(rngs, (L, F, D), ("layers", "mlp", "embed"), dtype, residual_std)
+        self.proj_bias = _constant(0.0, (L, D), ("layers", "embed"), dtype) if bias else None
+
+    def stacked(self) -> dict[str, jax.Array | None]:
+        """The raw parameter arrays, each with its leading layer axis."""
+        names = ("ln1_scale", "ln1_bias", "qkv_kernel", "qkv_bias", "out_kernel", "out_bias",
+                 "ln2_scale", "ln2_bias", "fc_kernel", "fc_bias", "proj_kernel", "proj_bias")
+        return {name: (None if getattr(self, name) is None else getattr(self, name)[...]) for name in names}
+
+
+def block(
+    config: GPTConfig,
+    p: dict[str, jax.Array | None],
+    x_BTD: jax.Array,
+    positions_BT: jax.Array,
+    cache: KVCache | None,
+    layer: jax.Array,
+    dropout_key: jax.Array | None,
+) -> tuple[jax.Array, KVCache | None]:
+    """One decoder block. `p` holds this layer's parameters (no layer axis)."""
+    dtype = config.compute_dtype
+    cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
+    attn_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+
+    h_BTD = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"], config.layer_norm_epsilon)
+    qkv_BT3NH = jnp.einsum("BTD,DCNH->BTCNH", h_BTD, cast(p["qkv_kernel"]))
+    if p["qkv_bias"] is not None:
+        qkv_BT3NH = qkv_BT3NH + cast(p["qkv_bias"])
+    q_BTNH, k_BTNH, v_BTNH = qkv_BT3NH[:, :, 0], qkv_BT3NH[:, :, 1], qkv_BT3NH[:, :, 2]
+    if config.position == "rope":
+        q_BTNH = apply_rope(q_BTNH, positions_BT, config.rope_theta)
+        k_BTNH = apply_rope(k_BTNH, positions_BT, config.rope_theta)
+    q_BTNH = constrain(q_BTNH, ("batch", None, "heads", None))
+
+    if cache is None:
+        attn_BTNH = attend(q_BTNH, k_BTNH, v_BTNH, None)
+    else:
+        num_tokens = x_BTD.shape[1]
+        cache = cache.write(layer, k_BTNH, v_BTNH)
+        k_BSNH, v_BSNH = cache.layer(layer)
+        attn_BTNH = attend(q_BTNH, k_BSNH, v_BSNH, cache.mask(num_tokens))
+
+    out_BTD = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, cast(p["out_kernel"]))
+    if p["out_bias"] is not None:
+        out_BTD = out_BTD + cast(p["out_bias"])
+    x_BTD = x_BTD + dropout(out_BTD, config.dropout, attn_key)
+
+    h_BTD = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"], config.layer_norm_epsilon)
+    h_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, cast(p["fc_kernel"]))
+    if p["fc_bias"] is not None:
+        h_BTF = h_BTF + cast(p["fc_bias"])
+    h_BTF = constrain(jax.nn.gelu(h_BTF, approximate=True), ("batch", None, "mlp"))
+    h_BTD = jnp.einsum("BTF,FD->BTD", h_BTF, cast(p["proj_kernel"]))
+    if p["proj_bias"] is not None:
+        h_BTD = h_BTD + cast(p["proj_bias"])
+    x_BTD = x_BTD + dropout(h_BTD, config.dropout, mlp_key)
+    return constrain(x_BTD, ("batch", None, None)), cache
+
+
+class GPT(nnx.Module):
+    """A decoder-only transformer with a tied LM head.
+
+    `model(tokens_BT)` -> float32 logits [B, T, V].
+    `model(tokens_BT, positions_BT, cache)` -> (logits [B, T, V], the updated cache).
+    """
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        D, dtype = config.n_embd, config.storage_dtype
+        self.wte = _normal(rngs, (config.vocab_size, D), ("vocab", "embed"), dtype, 0.02)
+        self.wpe = (
+            _normal(rngs, (config.block_size, D), (None, "embed"), dtype, 0.02)
+            if config.position == "learned" else None
+        )
+        self.blocks = Blocks(config, rngs=rngs)
+        self.lnf_scale = _constant(1.0, (D,), ("embed",), dtype)
+        self.lnf_bias = _constant(0.0, (D,), ("embed",), dtype) if config.bias else None
+
+    def embed(self, tokens_BT: jax.Array, positions_BT: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Token (+ learned or sinusoidal position) embeddings, [B, T, D] in the compute dtype."""
+        config = self.config
+        x_BTD = self.wte[...][tokens_BT].astype(jnp.float32)
+        # Padding slots of ragged batches have negative positions; clip them into the table (they are
+        # masked out of attention anyway).
+        positions_BT = jnp.clip(positions_BT, 0, config.block_size - 1)
+        if config.position == "learned":
+            x_BTD = x_BTD + self.wpe[...][positions_BT].astype(jnp.float32)
+        elif config.position == "sinusoidal":
+            x_BTD = x_BTD + sinusoidal_embedding(positions_BT, config.n_embd)
+        x_BTD = dropout(x_BTD.astype(config.compute_dtype), config.dropout, dropout_key)
+        return constrain(x_BTD, ("batch", None, None))
+
+    def transform(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        cache: KVCache | None = None,
+        dropout_key: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Run every block (one lax.scan over the stacked layers) and the final LayerNorm."""
+        config = self.config
+        layers = jnp.arange(config.n_layer, dtype=jnp.int32)
+        keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
+
+        def step(carry, xs):
+            x_BTD, cache = carry
+            p, layer, key = xs
+            return block(config, p, x_BTD, positions_BT, cache, layer, key), None
+
+        if config.remat:
+            step = jax.checkpoint(step, prevent_cse=False)
+        (x_BTD, cache), _ = jax.lax.scan(step, (x_BTD, cache), (self.blocks.stacked(), layers, keys))
+        x_BTD = layer_norm(x_BTD, self.lnf_scale[...], None if self.lnf_bias is None else self.lnf_bias[...],
+                           config.layer_norm_epsilon)
+        return x_BTD, cache
+
+    def logits(self, x_BTD: jax.Array) -> jax.Array:
+        """The tied LM head: float32 logits [B, T, V]."""
+        logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.wte[...].astype(x_BTD.dtype))
+        return constrain(logits_BTV.astype(jnp.float32), ("batch", None, "vocab"))
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        cache: KVCache | None = None,
+        *,
+        dropout_key: jax.Array | None = None,
+    ):
+        """Logits for int32 tokens [B, T].
+
+        Args:
+          tokens_BT: int32 token ids [B, T].
+          positions_BT: int32 positions [B, T]; defaults to 0..T-1 (or, with a cache, the cache's next slots).
+          cache: a KVCache to read and extend; None for the plain (training) forward.
+          dropout_key: a PRNG key to apply dropout with (training); None disables dropout.
+        Returns:
+          float32 logits [B, T, V] without a cache; (logits, updated cache) with one.
+        """
+        num_tokens = tokens_BT.shape[1]
+        if positions_BT is None:
+            positions_BT = (
+                jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), tokens_BT.shape)
+                if cache is None else cache.positions(num_tokens)
+            )
+        embed_key, blocks_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+        x_BTD = self.embed(tokens_BT, positions_BT, embed_key)
+        x_BTD, new_cache = self.transform(x_BTD, positions_BT, cache, blocks_key)
+        logits_BTV = self.logits(x_BTD)
+        if cache is None:
+            return logits_BTV
+        return logits_BTV, new_cache.advance(num_tokens)

@@ -1,0 +1,122 @@
+"""Every bad GPT-2 checkpoint gets a clear error, and loading never executes pickled code."""
+
+import json
+import os
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from gpt import GPT, GPTConfig
+from gpt import gpt2
+
+CONFIG = GPTConfig.preset("tiny")
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    return gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(0)), tmp_path / "ckpt")
+
+
+def _edit_tensors(directory, edit):
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_round_trip_is_exact(checkpoint):
+    model = GPT(CONFIG, rngs=nnx.Rngs(0))
+    tokens = np.arange(24, dtype=np.int32).reshape(2, 12)
+    np.testing.assert_array_equal(np.asarray(gpt2.load(checkpoint)(tokens)), np.asarray(model(tokens)))
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is neither a directory nor a GPT-2 hub name"):
+        gpt2.load(tmp_path / "nope")
+
+
+def test_missing_weights_file(checkpoint):
+    (checkpoint / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor pytorch_model.bin"):
+        gpt2.load(checkpoint)
+
+
+def test_missing_config(checkpoint):
+    (checkpoint / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        gpt2.load(checkpoint)
+
+
+def test_hub_name_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(FileNotFoundError, match="'gpt2-medium' is not in the local Hugging Face cache"):
+        gpt2.load("gpt2-medium")
+
+
+def test_hub_name_found_in_cache(checkpoint, tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--gpt2" / "snapshots" / "abc123"
+    snapshot.parent.mkdir(parents=True)
+    checkpoint.rename(snapshot)
+    (tmp_path / "hub" / "models--gpt2" / "refs").mkdir()
+    (tmp_path / "hub" / "models--gpt2" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert gpt2.resolve("gpt2") == snapshot
+    assert gpt2.load("gpt2").config.n_layer == CONFIG.n_layer
+
+
+def test_wrong_shape_names_tensor_expected_and_found(checkpoint):
+    _edit_tensors(checkpoint, lambda t: t.update({"transformer.h.1.mlp.c_fc.weight": np.zeros((32, 100), np.float32)}))
+    with pytest.raises(ValueError, match=r"'h.1.mlp.c_fc.weight' has shape \(32, 100\), expected \(32, 128\)"):
+        gpt2.load(checkpoint)
+
+
+def test_missing_tensor(checkpoint):
+    _edit_tensors(checkpoint, lambda t: t.pop("transformer.h.0.ln_2.bias"))
+    with pytest.raises(ValueError, match="missing tensor 'h.0.ln_2.bias'"):
+        gpt2.load(checkpoint)
+
+
+def test_unexpected_tensor(checkpoint):
+    _edit_tensors(checkpoint, lambda t: t.update({"transformer.h.0.attn.q_norm.weight": np.ones(8, np.float32)}))
+    with pytest.raises(ValueError, match=r"unexpected tensors \['h.0.attn.q_norm.weight'\]"):
+        gpt2.load(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "llama"}, "model_type must be 'gpt2', got 'llama'"),
+        ({"activation_function": "relu"}, "activation_function='relu' is not supported"),
+        ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True is not supported"),
+        ({"tie_word_embeddings": False}, "tie_word_embeddings=False is not supported"),
+    ],
+)
+def test_config_that_is_not_gpt2(checkpoint, change, message):
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        gpt2.load(checkpoint)
+
+
+def test_export_refuses_what_gpt2_cannot_express(tmp_path):
+    model = GPT(CONFIG.replace(position="rope"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="position='learned' and bias=True, got position='rope'"):
+        gpt2.save(model, tmp_path / "rope")
+    assert not (tmp_path / "rope").exists()
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_pickle_with_code_is_refused(checkpoint, tmp_path):
+    (checkpoint / "model.safetensors").unlink()
+    with zipfile.ZipFile(checkpoint / "pytorch_model.bin", "w") as archive:
+        archive.writestr("archive/data.pkl", pickle.dumps({"wte.weight": _Exploit()}))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load posix.system"):
+        gpt2.load(checkpoint)
+    assert not (tmp_path / "pwned").exists() and not os.path.exists("pwned")

@@ -1,0 +1,85 @@
+"""The model's shape, size, causality and config validation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gpt import GPT, GPTConfig
+
+POSITIONS = ("learned", "sinusoidal", "rope")
+
+
+def test_gpt2_preset_has_124m_parameters():
+    config = GPTConfig.preset("gpt2")
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    counted = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert counted == config.num_params() == 124_439_808
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_forward_shapes_and_dtypes(position):
+    config = GPTConfig.preset("tiny", position=position)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    logits = model(jnp.zeros((3, 7), jnp.int32))
+    assert logits.shape == (3, 7, config.vocab_size) and logits.dtype == jnp.float32
+    assert bool(jnp.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_loss_at_t_has_no_gradient_from_later_tokens(position):
+    config = GPTConfig.preset("tiny", position=position)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    T, t = 16, 6
+    tokens = jax.random.randint(jax.random.key(1), (2, T), 0, config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(T), (2, T))
+    embeddings = model.embed(tokens, positions)
+
+    def loss_at_t(x):
+        hidden, _ = model.transform(x, positions)
+        logits = model.logits(hidden)
+        return -jax.nn.log_softmax(logits[:, t])[jnp.arange(2), tokens[:, t + 1]].sum()
+
+    grad = np.asarray(jax.grad(loss_at_t)(embeddings))
+    assert np.all(grad[:, t + 1 :] == 0.0)
+    assert np.all(np.abs(grad[:, : t + 1]).sum(-1) > 0)  # and the past does matter
+
+
+def test_bf16_compute_with_float32_params():
+    config = GPTConfig.preset("tiny", dtype="bfloat16", param_dtype="float32")
+    model = GPT(config, rngs=nnx.Rngs(0))
+    assert model.wte[...].dtype == jnp.float32
+    reference = GPT(config.replace(dtype="float32"), rngs=nnx.Rngs(0))
+    tokens = jnp.arange(20, dtype=jnp.int32).reshape(2, 10)
+    low, high = model(tokens), reference(tokens)
+    assert low.dtype == jnp.float32
+    assert float(jnp.abs(low - high).max()) < 0.05 * float(jnp.abs(high).max())
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(n_embd=30, n_head=4), "n_embd=30 must be divisible by GPTConfig.n_head=4"),
+        (dict(n_embd=36, n_head=4, position="rope"), "even head_dim"),
+        (dict(position="alibi"), "GPTConfig.position must be"),
+        (dict(n_layer=0), "GPTConfig.n_layer must be a positive integer"),
+        (dict(dropout=1.5), "GPTConfig.dropout must be in [0, 1)"),
+        (dict(dtype="float8"), "GPTConfig.dtype must be one of"),
+    ],
+)
+def test_invalid_config_names_the_field(fields, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        GPTConfig(**fields)
+
+
+def test_unknown_preset_lists_known_ones():
+    with pytest.raises(ValueError, match="unknown GPTConfig preset 'gpt3'.*gpt2-medium"):
+        GPTConfig.preset("gpt3")
+
+
+def test_presets_have_openai_shapes():
+    shapes = {name: (c.n_layer, c.n_head, c.n_embd) for name, c in
+              ((n, GPTConfig.preset(n)) for n in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"))}
+    assert shapes == {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024),
+                      "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}

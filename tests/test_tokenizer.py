@@ -1,0 +1,60 @@
+"""The vendored tokenizer against tiktoken's own `gpt2` encoding."""
+
+import pytest
+import tiktoken
+
+from gpt.tokenizer import get_tokenizer
+
+EDGE_CASES = [
+    "",
+    " ",
+    "   leading and trailing   ",
+    "tabs\tand\nnewlines\r\n\n\n",
+    "héllo wörld — naïve café, ΑΒΓ, Привет, 日本語のテキスト, 한국어",
+    "emoji 👩‍👩‍👧‍👦 🇺🇸 and combining e\u0301",
+    "numbers 1234567890 3.14159 -42",
+    "it's they're I'll we've he'd",
+    "<|endoftext|> inside text",
+    "a<|endoftext|>b<|endoftext|>",
+    "\x00\x01 control chars \u200b zero-width",
+    "x" * 5000,
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as error:  # no TIKTOKEN_CACHE_DIR and no network
+        pytest.skip(f"tiktoken.get_encoding('gpt2') is unavailable offline: {error}")
+
+
+@pytest.mark.parametrize("text", EDGE_CASES)
+def test_edge_cases_match_tiktoken(reference, text):
+    tokenizer = get_tokenizer()
+    assert tokenizer.encode(text) == reference.encode(text, disallowed_special=())
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_special_token_is_one_id_when_allowed(reference):
+    tokenizer = get_tokenizer()
+    text = "end<|endoftext|>start"
+    assert tokenizer.encode(text, allow_special=True) == reference.encode(text, allowed_special="all")
+    assert tokenizer.eot_id == 50256 in tokenizer.encode(text, allow_special=True)
+    assert 50256 not in tokenizer.encode(text)
+
+
+def test_shakespeare_matches_tiktoken(reference, shakespeare_text):
+    tokenizer = get_tokenizer()
+    ids = tokenizer.encode(shakespeare_text)
+    assert ids == reference.encode(shakespeare_text)
+    assert tokenizer.decode(ids) == shakespeare_text
+
+
+def test_batch_encode_equals_one_by_one():
+    tokenizer = get_tokenizer()
+    assert tokenizer.encode_batch(EDGE_CASES) == [tokenizer.encode(text) for text in EDGE_CASES]
+
+
+def test_vocabulary_size():
+    assert get_tokenizer().vocab_size == 50257
