@@ -196,6 +196,7 @@ class GPT(nnx.Module):
         cache: KVCache | None = None,
         *,
         dropout_key: jax.Array | None = None,
+        last_only: bool = False,
     ):
         """Logits for int32 tokens [B, T].
 
@@ -204,6 +205,7 @@ class GPT(nnx.Module):
           positions_BT: int32 positions [B, T]; defaults to 0..T-1 (or, with a cache, the cache's next slots).
           cache: a KVCache to read and extend; None for the plain (training) forward.
           dropout_key: a PRNG key to apply dropout with (training); None disables dropout.
+          last_only: only the last position's logits ([B, 1, V]), as a prefill needs.
         Returns:
           float32 logits [B, T, V] without a cache; (logits, updated cache) with one.
         """
@@ -216,7 +218,7 @@ class GPT(nnx.Module):
         embed_key, blocks_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
         x_BTD = self.embed(tokens_BT, positions_BT, embed_key)
         x_BTD, new_cache = self.transform(x_BTD, positions_BT, cache, blocks_key)
-        logits_BTV = self.logits(x_BTD)
+        logits_BTV = self.logits(x_BTD[:, -1:] if last_only else x_BTD)
         if cache is None:
             return logits_BTV
         return logits_BTV, new_cache.advance(num_tokens)

@@ -1,0 +1,180 @@
+"""KV-cache decoding against the plain forward, ragged batches, bucketing, sampling rules and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gpt import GPT, GPTConfig, KVCache
+from gpt.generate import _compiled_decode_loop, generate, generate_text
+from gpt.sampling import SamplingParams, choose, filter_logits, penalize_repetition
+
+POSITIONS = ("learned", "sinusoidal", "rope")
+
+
+def scaled_model(position: str, scale: float = 4.0, seed: int = 0, **fields) -> GPT:
+    """A tiny random model whose matrices are scaled up, so greedy paths are varied and far from ties."""
+    model = GPT(GPTConfig.preset("tiny", position=position, **fields), rngs=nnx.Rngs(seed))
+    for path, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param) and param.ndim >= 2:
+            param[...] = param[...] * scale
+    return model
+
+
+@pytest.fixture(scope="module", params=POSITIONS)
+def model(request):
+    return scaled_model(request.param)
+
+
+def test_cached_decoding_equals_plain_forward(model):
+    rng = np.random.default_rng(0)
+    lengths, total, prefill = [20, 13], 20, 6
+    # Row 1 is left-padded by 7 slots, as in a ragged batch.
+    tokens = np.zeros((2, total), np.int32)
+    tokens[0] = rng.integers(0, 256, 20)
+    tokens[1, 7:] = rng.integers(0, 256, 13)
+    start = jnp.asarray([total - n for n in lengths], jnp.int32)
+    cache = KVCache.init(model.config, start, 32)
+    logits, cache = model(jnp.asarray(tokens[:, :prefill]), cache=cache)
+    cached = [logits]
+    for t in range(prefill, total):
+        logits, cache = model(jnp.asarray(tokens[:, t : t + 1]), cache=cache)
+        cached.append(logits)
+    cached = np.concatenate([np.asarray(c) for c in cached], axis=1)
+    for row, n in enumerate(lengths):
+        plain = np.asarray(model(jnp.asarray(tokens[row : row + 1, total - n :])))[0]
+        first_real = max(prefill, total - n) - (total - n)  # compare every real position
+        np.testing.assert_allclose(cached[row, total - n + first_real :], plain[first_real:], atol=1e-5, rtol=0)
+
+
+def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
+    prompts = [[5, 17, 99], list(range(30, 51)), [200], [7, 7, 8, 9, 10, 250, 3]]
+    batched = generate(model, prompts, 12, temperature=0)
+    alone = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
+    assert batched == alone
+    assert len({tuple(t) for t in batched}) == len(prompts)  # the rows really differ
+
+
+def test_compile_count_is_flat_within_a_bucket():
+    model = scaled_model("rope", rope_theta=5000.0)  # a config no other test compiles for
+    size = _compiled_decode_loop._cache_size()
+    generate(model, [[1, 2, 3]], 5, temperature=0)
+    assert _compiled_decode_loop._cache_size() == size + 1
+    for length, new, temperature in [(4, 9, 0.0), (11, 16, 0.8), (16, 2, 1.0), (7, 13, 0.0)]:
+        generate(model, [list(range(1, length + 1))], new, temperature=temperature, top_p=0.9, top_k=40)
+    assert _compiled_decode_loop._cache_size() == size + 1
+    generate(model, [list(range(1, 18))], 5, temperature=0)  # a longer prompt: the next bucket
+    assert _compiled_decode_loop._cache_size() == size + 2
+
+
+def test_seeds_reproduce(model):
+    sample = lambda seed: generate(model, [[1, 2, 3], [4]], 20, temperature=1.0, seed=seed)  # noqa: E731
+    assert sample(3) == sample(3)
+    assert sample(3) != sample(4)
+
+
+def _draws(logits_V, params, n=4000):
+    logits = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, len(logits_V)))
+    seen = jnp.zeros(logits.shape, bool)
+    return np.asarray(choose(logits, seen, params, jax.random.key(0)))
+
+
+LOGITS = np.log(np.array([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02]))
+
+
+@pytest.mark.parametrize(
+    "knobs, allowed",
+    [
+        (dict(top_k=3), {0, 1, 2}),
+        (dict(top_p=0.6), {0, 1, 2}),  # 0.30 + 0.25 < 0.6, adding 0.15 reaches it
+        (dict(top_p=0.25), {0}),
+        (dict(min_p=0.45), {0, 1, 2}),  # p >= 0.45 * 0.30 = 0.135
+        # top-k renormalizes over 5 tokens (0.90 in all), so the mass before token 4 is 0.82 / 0.90 > 0.9.
+        (dict(top_k=5, top_p=0.9, min_p=0.3), {0, 1, 2, 3}),
+    ],
+)
+def test_filters_never_emit_excluded_tokens(knobs, allowed):
+    draws = _draws(LOGITS, SamplingParams.create(temperature=1.0, **knobs))
+    assert set(draws.tolist()) == allowed  # every allowed token appears, no other one does
+
+
+def test_filter_threshold_matches_definition():
+    params = SamplingParams.create(temperature=1.0, top_p=0.6)
+    kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(LOGITS)[None], params))[0])
+    assert kept.tolist() == [True, True, True, False, False, False, False, False]
+
+
+def test_repetition_penalty_as_defined():
+    logits = jnp.asarray([[2.0, -1.0, 0.5, 1.0]])
+    seen = jnp.asarray([[True, True, False, False]])
+    penalized = np.asarray(penalize_repetition(logits, seen, jnp.float32(2.0)))
+    np.testing.assert_allclose(penalized, [[1.0, -2.0, 0.5, 1.0]])
+    before, after = jax.nn.softmax(logits), jax.nn.softmax(jnp.asarray(penalized))
+    assert after[0, 0] < before[0, 0] and after[0, 1] < before[0, 1]
+
+
+def test_repetition_penalty_changes_greedy_path(model):
+    plain = generate(model, [[1, 2, 3]], 30, temperature=0)[0]
+    penalized = generate(model, [[1, 2, 3]], 30, temperature=0, repetition_penalty=100.0)[0]
+    assert len(set(penalized)) == len(penalized)  # with a huge penalty no token repeats
+    assert len(set(plain)) < len(plain) or plain != penalized
+
+
+def test_stop_tokens_end_each_row_on_its_own(model):
+    prompts = [[5, 17, 99], list(range(30, 51))]
+    free = generate(model, prompts, 16, temperature=0)
+    stop = free[0][5]
+    stopped = generate(model, prompts, 16, temperature=0, stop_tokens=[stop])
+    for row in range(2):
+        expected = free[row][: free[row].index(stop)] if stop in free[row] else free[row]
+        assert stopped[row] == expected
+    assert len(stopped[0]) == free[0].index(stop) < 16
+
+
+def test_stop_strings_end_each_row_on_its_own():
+    from gpt.tokenizer import get_tokenizer
+
+    model = scaled_model("learned", vocab_size=50257)  # the real vocabulary, so text round-trips
+    tokenizer = get_tokenizer()
+    prompts = tokenizer.encode_batch(["Hello there", "The quick brown fox"])
+    free = generate(model, prompts, 20, temperature=0)
+    stop = tokenizer.decode(free[0][6:8])
+    stopped = generate(model, prompts, 20, temperature=0, stop_strings=[stop])
+    for row in range(2):
+        cut = next((i + 1 for i in range(len(free[row])) if stop in tokenizer.decode(free[row][: i + 1])),
+                   len(free[row]))
+        assert stopped[row] == free[row][:cut]
+    texts = generate_text(model, [tokenizer.decode(p) for p in prompts], 20, temperature=0, stop_strings=[stop])
+    assert stop not in texts[0] and tokenizer.decode(free[0]).startswith(texts[0])
+
+
+def test_streaming_hands_out_each_token_in_order(model):
+    streamed = {}
+    out = generate(model, [[1, 2], [3, 4, 5]], 10, temperature=0.7, seed=1,
+                   on_token=lambda row, token: streamed.setdefault(row, []).append(token))
+    assert streamed == {0: out[0], 1: out[1]}
+
+
+@pytest.mark.parametrize(
+    "prompts, kwargs, message",
+    [
+        ([[]], {}, "prompt 0 is empty"),
+        ([], {}, "non-empty list"),
+        ([[1] * 60], dict(max_new_tokens=10), "that is 70, beyond the model's context of 64 tokens"),
+        ([[1, 2]], dict(temperature=-0.5), "temperature must be >= 0"),
+        ([[1, 2]], dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        ([[1, 2]], dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        ([[1, 2]], dict(top_k=0), "top_k must be an integer >= 1"),
+        ([[1, 256]], {}, r"token id 256 outside the vocabulary \[0, 256\)"),
+        ([[1, -3]], {}, r"token id -3 outside the vocabulary"),
+        ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    ],
+)
+def test_bad_input_fails_before_compiling(prompts, kwargs, message):
+    model = scaled_model("learned")
+    size = _compiled_decode_loop._cache_size()
+    kwargs = {"max_new_tokens": 5, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        generate(model, prompts, **kwargs)
+    assert _compiled_decode_loop._cache_size() == size
