@@ -90,7 +90,10 @@ def _decode_loop(
     batch, prompt_length = prompt_BP.shape
     rows_B = jnp.arange(batch)
     cache = KVCache.init(model.config, start_B, cache_length)
+    # The prefill is compute-bound: the scanned layers (less to compile) cost nothing extra there.
     logits_B1V, cache = model(prompt_BP, cache=cache, last_only=True)
+    # Decoding is bound by streaming the weights: slice the layers once, outside the loop.
+    layers = model.blocks.unstacked()
 
     real_BP = jnp.arange(prompt_length)[None, :] >= start_B[:, None]
     seen_BV = jnp.zeros((batch, model.config.vocab_size), jnp.bool_)
@@ -120,7 +123,7 @@ def _decode_loop(
 
     def decode_step(carry):
         step, token_B, cache, out_BN, done_B, seen_BV = carry
-        logits_B1V, cache = model(jnp.maximum(token_B, 0)[:, None], cache=cache)
+        logits_B1V, cache = model(jnp.maximum(token_B, 0)[:, None], cache=cache, layers=layers)
         token_B, seen_BV, done_B = pick(logits_B1V, seen_BV, done_B, step)
         out_BN = jax.lax.dynamic_update_slice(out_BN, token_B[:, None], (0, step))
         return step + 1, token_B, cache, out_BN, done_B, seen_BV

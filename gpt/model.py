@@ -58,6 +58,7 @@ class Blocks(nnx.Module):
         # GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2L).
         residual_std = std / (2 * L) ** 0.5
         bias = config.bias
+        self.config = config
         self.ln1_scale = _constant(1.0, (L, D), ("layers", "embed"), dtype)
         self.ln1_bias = _constant(0.0, (L, D), ("layers", "embed"), dtype) if bias else None
         self.qkv_kernel = _normal(rngs, (L, D, 3, N, H), ("layers", "embed", None, "heads", "head_dim"), dtype, std)
@@ -71,11 +72,23 @@ class Blocks(nnx.Module):
         self.proj_kernel = _normal(rngs, (L, F, D), ("layers", "mlp", "embed"), dtype, residual_std)
         self.proj_bias = _constant(0.0, (L, D), ("layers", "embed"), dtype) if bias else None
 
+    NAMES = ("ln1_scale", "ln1_bias", "qkv_kernel", "qkv_bias", "out_kernel", "out_bias",
+             "ln2_scale", "ln2_bias", "fc_kernel", "fc_bias", "proj_kernel", "proj_bias")
+
     def stacked(self) -> dict[str, jax.Array | None]:
         """The raw parameter arrays, each with its leading layer axis."""
-        names = ("ln1_scale", "ln1_bias", "qkv_kernel", "qkv_bias", "out_kernel", "out_bias",
-                 "ln2_scale", "ln2_bias", "fc_kernel", "fc_bias", "proj_kernel", "proj_bias")
-        return {name: (None if getattr(self, name) is None else getattr(self, name)[...]) for name in names}
+        return {name: (None if getattr(self, name) is None else getattr(self, name)[...]) for name in self.NAMES}
+
+    def unstacked(self) -> list[dict[str, jax.Array | None]]:
+        """One dict of parameter arrays per layer.
+
+        Decoding streams every weight once per token; on CPU, XLA copies a layer's slice of a stacked
+        array before each matmul, which doubles that traffic. Slicing once, outside the decode loop, and
+        running the layers unrolled over the slices avoids it.
+        """
+        stacked = self.stacked()
+        return [{name: (None if a is None else a[layer]) for name, a in stacked.items()}
+                for layer in range(self.config.n_layer)]
 
 
 def block(
@@ -93,9 +106,14 @@ def block(
     attn_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
 
     h_BTD = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"], config.layer_norm_epsilon)
-    qkv_BT3NH = jnp.einsum("BTD,DCNH->BTCNH", h_BTD, cast(p["qkv_kernel"]))
+    B, T, D = x_BTD.shape
+    N, H = config.n_head, config.head_dim
+    # The kernels keep heads as a real axis (for sharding), but a flat 2-D matmul is what CPUs run fastest;
+    # the reshapes are free.
+    qkv_BTK = h_BTD @ cast(p["qkv_kernel"]).reshape(D, 3 * N * H)
     if p["qkv_bias"] is not None:
-        qkv_BT3NH = qkv_BT3NH + cast(p["qkv_bias"])
+        qkv_BTK = qkv_BTK + cast(p["qkv_bias"]).reshape(3 * N * H)
+    qkv_BT3NH = qkv_BTK.reshape(B, T, 3, N, H)
     q_BTNH, k_BTNH, v_BTNH = qkv_BT3NH[:, :, 0], qkv_BT3NH[:, :, 1], qkv_BT3NH[:, :, 2]
     if config.position == "rope":
         q_BTNH = apply_rope(q_BTNH, positions_BT, config.rope_theta)
@@ -105,22 +123,21 @@ def block(
     if cache is None:
         attn_BTNH = attend(q_BTNH, k_BTNH, v_BTNH, None)
     else:
-        num_tokens = x_BTD.shape[1]
         cache = cache.write(layer, k_BTNH, v_BTNH)
         k_BSNH, v_BSNH = cache.layer(layer)
-        attn_BTNH = attend(q_BTNH, k_BSNH, v_BSNH, cache.mask(num_tokens))
+        attn_BTNH = attend(q_BTNH, k_BSNH, v_BSNH, cache.mask(T))
 
-    out_BTD = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, cast(p["out_kernel"]))
+    out_BTD = attn_BTNH.reshape(B, T, N * H) @ cast(p["out_kernel"]).reshape(N * H, D)
     if p["out_bias"] is not None:
         out_BTD = out_BTD + cast(p["out_bias"])
     x_BTD = x_BTD + dropout(out_BTD, config.dropout, attn_key)
 
     h_BTD = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"], config.layer_norm_epsilon)
-    h_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, cast(p["fc_kernel"]))
+    h_BTF = h_BTD @ cast(p["fc_kernel"])
     if p["fc_bias"] is not None:
         h_BTF = h_BTF + cast(p["fc_bias"])
     h_BTF = constrain(jax.nn.gelu(h_BTF, approximate=True), ("batch", None, "mlp"))
-    h_BTD = jnp.einsum("BTF,FD->BTD", h_BTF, cast(p["proj_kernel"]))
+    h_BTD = h_BTF @ cast(p["proj_kernel"])
     if p["proj_bias"] is not None:
         h_BTD = h_BTD + cast(p["proj_bias"])
     x_BTD = x_BTD + dropout(h_BTD, config.dropout, mlp_key)
@@ -166,10 +183,16 @@ class GPT(nnx.Module):
         positions_BT: jax.Array,
         cache: KVCache | None = None,
         dropout_key: jax.Array | None = None,
+        layers: list[dict] | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Run every block (one lax.scan over the stacked layers) and the final LayerNorm."""
+        """Run every block and the final LayerNorm.
+
+        By default one lax.scan runs over the stacked layers (compile time flat in depth). Given
+        `layers` (from `self.blocks.unstacked()`, sliced once outside a decode loop), the blocks run
+        unrolled over those per-layer arrays instead; see `Blocks.unstacked`.
+        """
         config = self.config
-        layers = jnp.arange(config.n_layer, dtype=jnp.int32)
+        indices = jnp.arange(config.n_layer, dtype=jnp.int32)
         keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
 
         def step(carry, xs):
@@ -179,7 +202,11 @@ class GPT(nnx.Module):
 
         if config.remat:
             step = jax.checkpoint(step, prevent_cse=False)
-        (x_BTD, cache), _ = jax.lax.scan(step, (x_BTD, cache), (self.blocks.stacked(), layers, keys))
+        if layers is None:
+            (x_BTD, cache), _ = jax.lax.scan(step, (x_BTD, cache), (self.blocks.stacked(), indices, keys))
+        else:
+            for layer, p in enumerate(layers):
+                (x_BTD, cache), _ = step((x_BTD, cache), (p, indices[layer], None if keys is None else keys[layer]))
         x_BTD = layer_norm(x_BTD, self.lnf_scale[...], None if self.lnf_bias is None else self.lnf_bias[...],
                            config.layer_norm_epsilon)
         return x_BTD, cache
@@ -197,6 +224,7 @@ class GPT(nnx.Module):
         *,
         dropout_key: jax.Array | None = None,
         last_only: bool = False,
+        layers: list[dict] | None = None,
     ):
         """Logits for int32 tokens [B, T].
 
@@ -206,6 +234,7 @@ class GPT(nnx.Module):
           cache: a KVCache to read and extend; None for the plain (training) forward.
           dropout_key: a PRNG key to apply dropout with (training); None disables dropout.
           last_only: only the last position's logits ([B, 1, V]), as a prefill needs.
+          layers: per-layer parameters to run unrolled (see `transform`).
         Returns:
           float32 logits [B, T, V] without a cache; (logits, updated cache) with one.
         """
@@ -217,7 +246,7 @@ class GPT(nnx.Module):
             )
         embed_key, blocks_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
         x_BTD = self.embed(tokens_BT, positions_BT, embed_key)
-        x_BTD, new_cache = self.transform(x_BTD, positions_BT, cache, blocks_key)
+        x_BTD, new_cache = self.transform(x_BTD, positions_BT, cache, blocks_key, layers)
         logits_BTV = self.logits(x_BTD[:, -1:] if last_only else x_BTD)
         if cache is None:
             return logits_BTV

@@ -1,0 +1,32 @@
+"""Export a training run's checkpoint as a Hugging Face GPT-2 directory.
+
+    python -m gpt.export --out_dir out --hf_dir exported/
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tyro
+
+from gpt import gpt2
+from gpt.checkpoint import load_model
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    out_dir: str = "out"
+    """The training run's out_dir."""
+    hf_dir: str = "exported"
+    """Where to write config.json + model.safetensors (loadable by GPT2LMHeadModel.from_pretrained)."""
+    step: int | None = None
+    """The checkpoint step (default: the latest)."""
+
+
+def main(config: ExportConfig) -> None:
+    path = gpt2.save(load_model(config.out_dir, config.step), config.hf_dir)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(ExportConfig))

@@ -1,0 +1,72 @@
+"""Sampling from the command line: a SampleConfig, model loading from any source, and the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from gpt import gpt2
+from gpt.checkpoint import has_checkpoint, load_model
+from gpt.generate import generate_text
+from gpt.model import GPT
+
+__all__ = ["SampleConfig", "load", "sample"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    """`python sample.py --help` lists these as flags."""
+
+    init_from: str = "out"
+    """A training out_dir, a Hugging Face GPT-2 directory, or a hub name (gpt2, gpt2-medium, gpt2-large,
+    gpt2-xl) in the local Hugging Face cache."""
+    start: str = "\n"
+    """The prompt, or FILE:path to read it from a file."""
+    num_samples: int = 3
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    """0 is greedy."""
+    top_k: int | None = 200
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int = 1337
+    stream: bool = False
+    """Print each sample's text as it is produced (samples are then generated one after another)."""
+    dtype: str = "float32"
+    """Compute dtype (bfloat16 on GPUs)."""
+
+
+def load(init_from: str, dtype: str = "float32") -> GPT:
+    """A GPT from a training out_dir, a Hugging Face GPT-2 directory, or a cached hub name."""
+    if has_checkpoint(init_from):
+        return load_model(init_from, dtype=dtype)
+    if (Path(init_from) / "config.json").is_file() or init_from in gpt2.HUB_NAMES:
+        return gpt2.load(init_from, dtype=dtype)
+    raise FileNotFoundError(
+        f"--init_from {init_from!r} is not a training out_dir with checkpoints, a Hugging Face GPT-2 "
+        f"directory, or a GPT-2 hub name ({', '.join(gpt2.HUB_NAMES)})"
+    )
+
+
+def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
+    start = Path(config.start[5:]).read_text() if config.start.startswith("FILE:") else config.start
+    model = load(config.init_from, config.dtype)
+    knobs = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
+                 repetition_penalty=config.repetition_penalty)
+    texts = []
+    for i in range(config.num_samples if config.stream else 1):
+        rows = 1 if config.stream else config.num_samples
+        on_text = (lambda row, piece: (out.write(piece), out.flush())) if config.stream else None
+        if config.stream:
+            out.write(start)
+        batch = generate_text(model, [start] * rows, config.max_new_tokens, seed=config.seed + i,
+                              on_text=on_text, **knobs)
+        texts.extend(batch)
+        if config.stream:
+            out.write("\n---------------\n")
+    if not config.stream:
+        for text in texts:
+            out.write(start + text + "\n---------------\n")
+    return texts
