@@ -9,6 +9,7 @@ and the cache to prompt bucket + a power of two >= max_new_tokens (capped at the
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 
@@ -17,10 +18,12 @@ from jax.experimental import io_callback
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from gpt.kv_cache import KVCache
 from gpt.model import GPT
 from gpt.sampling import SamplingParams, choose
+from gpt.sharding import batch_sharding, data_parallel_size, shard_state
 from gpt.tokenizer import get_tokenizer
 
 __all__ = ["generate", "generate_text"]
@@ -176,6 +179,7 @@ def generate(
     stop_strings: Sequence[str] = (),
     seed: int = 0,
     on_token: Callable[[int, int], None] | None = None,
+    mesh: Mesh | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens.
 
@@ -190,6 +194,8 @@ def generate(
         and including the one that completed the string are returned (`generate_text` cuts the text).
       seed: the PRNG seed; the same seed, prompts and settings give the same tokens.
       on_token: called as on_token(row, token) on the host for each new token while the loop runs.
+      mesh: run sharded over this mesh (`gpt.sharding.make_mesh`): rows over data and fsdp, heads and MLP
+        over tensor, the cache like the attention. The batch is padded to a multiple of data x fsdp.
     Returns:
       One list of new token ids per prompt.
     """
@@ -202,6 +208,9 @@ def generate(
 
     num_rows, longest = len(prompts), max(len(p) for p in prompts)
     batch = _bucket(num_rows, 1)
+    if mesh is not None:
+        ways = data_parallel_size(mesh)
+        batch = -(-batch // ways) * ways
     cache_length = min(_bucket(longest, _MIN_PROMPT_BUCKET) + _bucket(max_new_tokens, _MIN_NEW_BUCKET),
                        config.block_size)
     prompt_length = min(_bucket(longest, _MIN_PROMPT_BUCKET), cache_length - max_new_tokens)
@@ -216,15 +225,21 @@ def generate(
     stop_tokens_K[: len(stop_tokens)] = stop_tokens
 
     graphdef, state = nnx.split(model)
+    if mesh is not None:
+        state = shard_state(model, state, mesh)
+        rows = batch_sharding(mesh, ("batch",))
+        prompt_BP = jax.device_put(prompt_BP, batch_sharding(mesh, ("batch", None)))
+        start_B, live_B = jax.device_put(start_B, rows), jax.device_put(live_B, rows)
     host_step = on_token is not None or bool(stop_strings)
     global _host_step
     with _host_lock:
         _host_step = _HostStep(num_rows, on_token, stop_strings) if host_step else None
         try:
-            out_BN, _ = _compiled_decode_loop(
-                graphdef, state, prompt_BP, start_B, live_B, jnp.int32(max_new_tokens), params,
-                stop_tokens_K, jax.random.key(seed), cache_length=cache_length, host_step=host_step,
-            )
+            with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+                out_BN, _ = _compiled_decode_loop(
+                    graphdef, state, prompt_BP, start_B, live_B, jnp.int32(max_new_tokens), params,
+                    stop_tokens_K, jax.random.key(seed), cache_length=cache_length, host_step=host_step,
+                )
             out_BN = np.asarray(out_BN)
         finally:
             _host_step = None

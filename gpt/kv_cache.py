@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt.config import GPTConfig
+from gpt.sharding import constrain
 
 __all__ = ["KVCache"]
 
@@ -43,7 +44,8 @@ class KVCache:
         """An empty cache of `length` slots for len(start_B) rows whose real tokens begin at start_B."""
         batch = start_B.shape[0]
         shape = (config.n_layer, batch, length, config.n_head, config.head_dim)
-        zeros = jnp.zeros(shape, config.compute_dtype)
+        # Under a mesh the cache splits like the attention it serves: rows over data, heads over tensor.
+        zeros = constrain(jnp.zeros(shape, config.compute_dtype), ("layers", "batch", None, "heads", None))
         return cls(k=zeros, v=zeros, index=jnp.zeros((), jnp.int32), start=start_B.astype(jnp.int32))
 
     @property

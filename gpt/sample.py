@@ -10,6 +10,7 @@ from gpt import gpt2
 from gpt.checkpoint import has_checkpoint, load_model
 from gpt.generate import generate_text
 from gpt.model import GPT
+from gpt.sharding import make_mesh, parse_mesh
 
 __all__ = ["SampleConfig", "load", "sample"]
 
@@ -36,6 +37,9 @@ class SampleConfig:
     """Print each sample's text as it is produced (samples are then generated one after another)."""
     dtype: str = "float32"
     """Compute dtype (bfloat16 on GPUs)."""
+    mesh: str = ""
+    """Sample sharded over a device mesh, e.g. 'tensor=8' (heads and MLP split over 8 devices) or
+    'data=2,tensor=4'; empty runs on one device."""
 
 
 def load(init_from: str, dtype: str = "float32") -> GPT:
@@ -52,6 +56,7 @@ def load(init_from: str, dtype: str = "float32") -> GPT:
 
 def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     start = Path(config.start[5:]).read_text() if config.start.startswith("FILE:") else config.start
+    mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     model = load(config.init_from, config.dtype)
     knobs = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
                  repetition_penalty=config.repetition_penalty)
@@ -62,7 +67,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
         if config.stream:
             out.write(start)
         batch = generate_text(model, [start] * rows, config.max_new_tokens, seed=config.seed + i,
-                              on_text=on_text, **knobs)
+                              on_text=on_text, mesh=mesh, **knobs)
         texts.extend(batch)
         if config.stream:
             out.write("\n---------------\n")

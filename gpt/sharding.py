@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["MESH_AXES", "RULES", "logical_to_spec", "constrain", "make_mesh", "parse_mesh", "param_shardings",
-           "batch_sharding", "data_parallel_size"]
+           "shard_state", "batch_sharding", "data_parallel_size", "bytes_per_device", "initialize_distributed"]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -100,30 +100,52 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     return Mesh(grid, MESH_AXES)
 
 
-def _fit(spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
-    """Replicate any dimension that the mesh axes assigned to it do not divide (e.g. GPT-2's vocabulary
-    of 50257 over tensor=2): correct everywhere, at the cost of that array's memory saving."""
+# GPT-2's vocabulary (50257, a prime's multiple) divides almost nothing and is fixed by the checkpoints:
+# a `vocab` dimension that the mesh does not divide is replicated instead of refused.
+_REPLICATED_WHEN_UNEVEN = {"vocab"}
+
+
+def _fit(name: str, axes: Sequence[str | None], shape, mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec of parameter `name` on `mesh`; raises ValueError for a dimension its mesh axes
+    do not divide, except a `vocab` dimension, which is replicated (correct, at the cost of its memory
+    saving; train from scratch with vocab_size=50304 to split it)."""
     fitted = []
-    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    for dim, (logical, axes) in enumerate(zip(axes, logical_to_spec(axes))):
         names = () if axes is None else (axes,) if isinstance(axes, str) else axes
-        size = math.prod(mesh.shape[name] for name in names)
-        fitted.append(axes if dim % size == 0 else None)
+        ways = math.prod(mesh.shape[axis] for axis in names)
+        if shape[dim] % ways == 0:
+            fitted.append(axes)
+        elif logical in _REPLICATED_WHEN_UNEVEN:
+            fitted.append(None)
+        else:
+            raise ValueError(
+                f"parameter {name} {tuple(shape)}: dimension {dim} ({logical}={shape[dim]}) cannot be split "
+                f"{ways} ways over mesh axes {names} ({dict(mesh.shape)}); choose mesh sizes that divide it"
+            )
     return PartitionSpec(*fitted)
 
 
 def param_shardings(model: nnx.Module, mesh: Mesh) -> dict:
     """A pure dict (like `nnx.to_pure_dict(nnx.state(model))`) of NamedShardings, from each parameter's
-    logical `axes` metadata and RULES."""
+    logical `axes` metadata and RULES. Raises ValueError for a dimension the mesh cannot split."""
     shardings: dict = {}
     for path, variable in nnx.iter_graph(model):
         if isinstance(variable, nnx.Variable):
             axes = variable.get_metadata().get("axes") or (None,) * variable.ndim
-            spec = _fit(logical_to_spec(axes), variable.shape, mesh)
+            spec = _fit("/".join(map(str, path)), axes, variable.shape, mesh)
             node = shardings
             for key in path[:-1]:
                 node = node.setdefault(key, {})
             node[path[-1]] = NamedSharding(mesh, spec)
     return shardings
+
+
+def shard_state(model: nnx.Module, state: nnx.State, mesh: Mesh) -> nnx.State:
+    """`state` (from `nnx.split(model)`) with every parameter placed on `mesh` as RULES say; arrays already
+    placed that way are not copied."""
+    placed = jax.device_put(nnx.to_pure_dict(state), param_shardings(model, mesh))
+    nnx.replace_by_pure_dict(state, placed)
+    return state
 
 
 def batch_sharding(mesh: Mesh, axes: Sequence[str | None] = ("batch", None)) -> NamedSharding:
@@ -135,3 +157,28 @@ def data_parallel_size(mesh: Mesh) -> int:
     """How many ways a batch is split: the product of the mesh axes that `batch` maps to."""
     axes = RULES["batch"]
     return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def bytes_per_device(tree) -> dict:
+    """{device: bytes of `tree`'s arrays stored on it}: what sharding saves, measured from the shards."""
+    totals: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return totals
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """Join a multi-process run (`jax.distributed.initialize`) before any JAX computation.
+
+    On SLURM, Open MPI and Cloud TPU the three arguments are found automatically (pass none); elsewhere
+    pass all three, the same address on every process (e.g. "host0:1234") and a distinct id per process.
+    """
+    given = [coordinator_address is not None, num_processes is not None, process_id is not None]
+    if any(given) and not all(given):
+        raise ValueError("pass coordinator_address, num_processes and process_id together, or none of them "
+                         f"(got {coordinator_address=}, {num_processes=}, {process_id=})")
+    if num_processes is not None and not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)

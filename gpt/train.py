@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from gpt import gpt2
@@ -26,9 +27,12 @@ from gpt.checkpoint import CheckpointManager, config_to_json
 from gpt.config import GPTConfig
 from gpt.data import Batches, default_corpus, prepare
 from gpt.model import GPT
-from gpt.sharding import batch_sharding, data_parallel_size, make_mesh, param_shardings, parse_mesh
+from gpt.tokenizer import get_tokenizer
+from gpt.sharding import (batch_sharding, bytes_per_device, data_parallel_size, initialize_distributed, make_mesh,
+                          param_shardings, parse_mesh)
 
-__all__ = ["TrainConfig", "train", "make_optimizer", "loss_fn", "flops_per_token"]
+__all__ = ["TrainConfig", "train", "make_optimizer", "make_train_step", "init_train_state", "loss_fn",
+           "flops_per_token"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +99,13 @@ class TrainConfig:
     """Device mesh, e.g. 'data=2,fsdp=2,tensor=2'; empty puts every device on data."""
     num_devices: int | None = None
     """Use only the first N devices (default: all of them)."""
+    distributed: bool = False
+    """Run as one of several processes (jax.distributed): on SLURM, Open MPI or Cloud TPU the rest is
+    found automatically; elsewhere give the three flags below (which imply this one)."""
+    coordinator_address: str | None = None
+    """host:port of process 0, the same on every process."""
+    num_processes: int | None = None
+    process_id: int | None = None
     peak_flops: float | None = None
     """Peak FLOP/s of one device, for MFU; known GPUs are looked up, unknown devices report no MFU."""
     sample_tokens: int = 200
@@ -132,8 +143,27 @@ def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, o
     return optax.chain(*chain, adamw), schedule
 
 
-def make_train_step(graphdef, optimizer, dropout: bool):
-    """step(params, opt_state, batch [A, B, T+1], key) -> (params, opt_state, {loss, grad_norm})."""
+def init_train_state(model: GPT, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh):
+    """Place the model's params on `mesh` as `gpt.sharding.RULES` say and create the optimizer state beside
+    them (each moment sharded like its parameter; scalars replicated).
+
+    Returns (graphdef, params, opt_state, param_shardings, opt_shardings); params and the shardings are pure
+    dicts shaped like `nnx.to_pure_dict(nnx.state(model))`.
+    """
+    graphdef, state = nnx.split(model)
+    shardings = param_shardings(model, mesh)
+    params = jax.device_put(nnx.to_pure_dict(state), shardings)
+    opt_state = jax.jit(optimizer.init)(params)
+    # Moments follow their params' shardings; scalars (the step count) land on one device: replicate them.
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_state = jax.tree.map(lambda a: a if len(a.sharding.device_set) == mesh.size else jax.device_put(a, replicated),
+                             opt_state)
+    return graphdef, params, opt_state, shardings, jax.tree.map(lambda a: a.sharding, opt_state)
+
+
+def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh):
+    """step(params, opt_state, batch [A, B, T+1], key) -> (params, opt_state, {loss, grad_norm}), compiled
+    for `mesh` (the activations' sharding constraints refer to it)."""
 
     def step(params, opt_state, batch_ABT1, key):
         def micro(grad_sum, xs):
@@ -151,11 +181,19 @@ def make_train_step(graphdef, optimizer, dropout: bool):
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads)}
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return _on_mesh(jax.jit(step, donate_argnums=(0, 1)), mesh)
 
 
-def make_eval_step(graphdef):
-    return jax.jit(lambda params, batch: loss_fn(nnx.merge(graphdef, params), batch))
+def make_eval_step(graphdef, mesh: jax.sharding.Mesh):
+    return _on_mesh(jax.jit(lambda params, batch: loss_fn(nnx.merge(graphdef, params), batch)), mesh)
+
+
+def _on_mesh(function, mesh: jax.sharding.Mesh):
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return function(*args)
+
+    return call
 
 
 def flops_per_token(config: GPTConfig, seq_len: int) -> float:
@@ -222,32 +260,34 @@ def _build_model(config: TrainConfig) -> GPT:
 def train(config: TrainConfig, log=print) -> dict:
     """Train (or resume) a GPT as `config` says. Returns a summary: final step, losses, stop reason."""
     out_dir = Path(config.out_dir)
+    if config.distributed or config.coordinator_address is not None:
+        initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
     devices = jax.devices()[: config.num_devices] if config.num_devices else None
     mesh = make_mesh(**parse_mesh(config.mesh), devices=devices)
     if config.batch_size % data_parallel_size(mesh):
         raise ValueError(f"TrainConfig.batch_size={config.batch_size} must be divisible by the data-parallel "
                          f"devices (data x fsdp = {data_parallel_size(mesh)})")
-    model = _build_model(config)  # errors in the config surface before any data work or compile
+    model = _build_model(config)  # errors in the config or the mesh surface before any data work
+    if model.config.vocab_size < get_tokenizer().vocab_size:
+        raise ValueError(f"the model's vocab_size={model.config.vocab_size} is below the GPT-2 tokenizer's "
+                         f"{get_tokenizer().vocab_size}")
+    optimizer, schedule = make_optimizer(config)
+    graphdef, params, opt_state, shardings, opt_shardings = init_train_state(model, optimizer, mesh)
+    model_config = model.config
+    del model
 
-    meta = prepare(list(config.data) or default_corpus(), out_dir / "data", config.val_fraction)
-    if model.config.vocab_size < meta["vocab_size"]:
-        raise ValueError(f"the model's vocab_size={model.config.vocab_size} is below the tokenizer's {meta['vocab_size']}")
-    global_rows = config.batch_size * config.grad_accum
     pid, nproc = jax.process_index(), jax.process_count()
+    if pid != 0:
+        log = lambda *_: None  # noqa: E731  (one process speaks for the run)
+    inputs = list(config.data) or default_corpus()
+    if nproc > 1:  # process 0 tokenizes; the others then find the shards up to date (or make their own)
+        if pid == 0:
+            prepare(inputs, out_dir / "data", config.val_fraction)
+        multihost_utils.sync_global_devices("gpt: data prepared")
+    meta = prepare(inputs, out_dir / "data", config.val_fraction)
+    global_rows = config.batch_size * config.grad_accum
     train_batches = Batches(out_dir / "data" / "train.bin", config.block_size, global_rows, config.seed, pid, nproc)
     val_batches = Batches(out_dir / "data" / "val.bin", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
-
-    graphdef, state = nnx.split(model)
-    shardings = param_shardings(model, mesh)
-    params = jax.device_put(nnx.to_pure_dict(state), shardings)
-    del model, state
-    optimizer, schedule = make_optimizer(config)
-    opt_state = jax.jit(optimizer.init)(params)
-    # Moments follow their params' shardings; scalars (the step count) land on one device: replicate them.
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt_state = jax.tree.map(lambda a: a if len(a.sharding.device_set) == mesh.size else jax.device_put(a, replicated),
-                             opt_state)
-    opt_shardings = jax.tree.map(lambda a: a.sharding, opt_state)
 
     checkpoints = CheckpointManager(out_dir, keep=config.keep_checkpoints)
     start = checkpoints.latest_step() or 0
@@ -256,10 +296,9 @@ def train(config: TrainConfig, log=print) -> dict:
         if saved["loader"] != {"seed": config.seed, "rows": global_rows, "block_size": config.block_size}:
             raise ValueError(f"{out_dir} holds a run with loader {saved['loader']}; use another out_dir")
         log(f"resumed from {checkpoints.directory / str(start)}")
-    model_config = nnx.merge(graphdef, params).config
 
-    train_step = make_train_step(graphdef, optimizer, dropout=config.dropout > 0)
-    eval_step = make_eval_step(graphdef)
+    train_step = make_train_step(graphdef, optimizer, dropout=config.dropout > 0, mesh=mesh)
+    eval_step = make_eval_step(graphdef, mesh)
     rows_sharding = batch_sharding(mesh, (None, "batch", None))  # [accumulation, rows, T + 1]
     microbatch = lambda b: b.reshape(config.grad_accum, -1, b.shape[-1])  # noqa: E731
 
@@ -282,10 +321,12 @@ def train(config: TrainConfig, log=print) -> dict:
     end = min(config.max_steps, config.stop_after or config.max_steps)
     summary = {"start_step": start, "stop_reason": "finished", "train_loss": None, "val_loss": None}
     log(f"model: {model_config.num_params():,} parameters; data: {meta['train_tokens']:,} train / "
-        f"{meta['val_tokens']:,} val tokens; mesh {dict(mesh.shape)}; steps {start} -> {end}")
+        f"{meta['val_tokens']:,} val tokens; mesh {dict(mesh.shape)}, params + optimizer state "
+        f"{max(bytes_per_device((params, opt_state)).values()) / 2**20:.1f} MiB per device; steps {start} -> {end}")
 
     step, last_time, losses = start, time.perf_counter(), []
-    with _StopSignal() as stop, tqdm(total=end, initial=start, desc="train", unit="step", disable=None) as bar:
+    with _StopSignal() as stop, tqdm(total=end, initial=start, desc="train", unit="step",
+                                      disable=None if pid == 0 else True) as bar:
         while step < end:
             if stop.received is not None:
                 summary["stop_reason"] = f"signal {signal.Signals(stop.received).name}"

@@ -1,0 +1,180 @@
+"""Sharding: every mesh gives the single-device result; memory shrinks as the mesh says; bad meshes fail."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gpt.checkpoint import load_model
+from gpt.config import GPTConfig
+from gpt.generate import generate
+from gpt.model import GPT
+from gpt.sharding import bytes_per_device, make_mesh, param_shardings
+from gpt.train import TrainConfig, init_train_state, make_optimizer, make_train_step, train
+
+ROOT = Path(__file__).resolve().parents[1]
+MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4), (1, 1, 8)]  # (data, fsdp, tensor)
+# Every sharded dimension divides by every mesh above: 8 heads, width 64, MLP 256, vocabulary 256.
+CONFIG = GPTConfig.preset("tiny", n_head=8, n_embd=64)
+
+
+def mesh_of(data, fsdp, tensor):
+    return make_mesh(data, fsdp, tensor, devices=jax.devices()[: data * fsdp * tensor])
+
+
+LR = 1e-2
+ADAMW, _ = make_optimizer(TrainConfig(lr=LR, warmup_steps=0, max_steps=10))  # the training optimizer
+SGD = optax.sgd(1.0)  # params - gradient: shows the gradient itself
+
+
+def one_step(mesh, optimizer=ADAMW, config=CONFIG):
+    """Loss and params after one step (2 accumulated micro-batches of 8 rows) on `mesh`."""
+    graphdef, params, opt_state, _, _ = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
+    batch = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8, 17), dtype=np.int32)
+    step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh)
+    params, opt_state, metrics = step(params, opt_state, batch, jax.random.key(0))
+    return float(metrics["loss"]), jax.tree.map(np.asarray, params), (params, opt_state)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return {name: one_step(mesh_of(1, 1, 1), optimizer) for name, optimizer in [("adamw", ADAMW), ("sgd", SGD)]}
+
+
+def assert_trees_close(got, want, atol, mask=None):
+    masks = jax.tree.leaves(mask) if mask is not None else [None] * len(jax.tree.leaves(want))
+    for (path, a), b, m in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), masks):
+        np.testing.assert_allclose(a if m is None else a[m], b if m is None else b[m], rtol=0, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "data{}-fsdp{}-tensor{}".format(*s))
+def test_train_step_matches_one_device(shape, one_device):
+    mesh = mesh_of(*shape)
+    # The gradient step (params - gradient) agrees everywhere: the sharded forward, backward and
+    # accumulation compute the single-device gradient up to float32 summation order (~5e-8 here).
+    loss, sgd_params, _ = one_step(mesh, SGD)
+    assert abs(loss - one_device["sgd"][0]) < 1e-5
+    assert_trees_close(sgd_params, one_device["sgd"][1], atol=1e-5)
+
+    # AdamW's first update is lr * g / (|g| + 1e-8): where a gradient element is itself near 1e-8 (an
+    # exactly-zero one, like the key bias's, or a near-cancelling sum) that summation-order noise is
+    # divided by 1e-8, so the update there may differ by up to its bound, lr. Everywhere else: 1e-5.
+    initial = nnx.to_pure_dict(nnx.state(GPT(CONFIG, rngs=nnx.Rngs(0))))
+    gradient = jax.tree.map(lambda p0, p1: np.asarray(p0) - p1, initial, one_device["sgd"][1])
+    conditioned = jax.tree.map(lambda g: np.abs(g) > 1e-6, gradient)
+    # (the exempt ~3%: mostly position rows 16-63, unused by 16-token windows, whose gradient is 0)
+    assert np.mean(np.concatenate([m.ravel() for m in jax.tree.leaves(conditioned)])) > 0.95
+    loss, adamw_params, _ = one_step(mesh, ADAMW)
+    assert abs(loss - one_device["adamw"][0]) < 1e-5
+    assert_trees_close(adamw_params, one_device["adamw"][1], atol=1e-5, mask=conditioned)
+    assert_trees_close(adamw_params, one_device["adamw"][1], atol=2 * LR)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "data{}-fsdp{}-tensor{}".format(*s))
+def test_params_and_optimizer_state_shrink_with_fsdp_times_tensor(shape):
+    # Every matrix (and its two Adam moments) is split over both fsdp and tensor: 1/(fsdp x tensor) of it
+    # per device, exactly. Vectors (biases, LayerNorms: 1.5% of this model, 0.1% of GPT-2) split over one
+    # of the two axes, and the step count not at all, so they add at most their own size on top.
+    config = CONFIG.replace(position="rope")  # no position table, whose rows are not split over tensor
+    _, _, sharded = one_step(mesh_of(*shape), config=config)
+    ways = shape[1] * shape[2]
+    matrix_bytes = vector_bytes = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(sharded):
+        name = jax.tree_util.keystr(path)
+        if leaf.ndim == 0 or name.endswith(("bias']", "scale']")):
+            vector_bytes += leaf.nbytes
+        else:
+            matrix_bytes += leaf.nbytes
+            assert {shard.data.nbytes * ways for shard in leaf.addressable_shards} == {leaf.nbytes}, name
+    per_device = bytes_per_device(sharded)
+    assert len(per_device) == np.prod(shape)
+    for device, stored in per_device.items():
+        assert matrix_bytes / ways < stored <= matrix_bytes / ways + vector_bytes, device
+
+
+def test_a_vocabulary_the_mesh_does_not_divide_is_replicated():
+    model = GPT(GPTConfig.preset("tiny", vocab_size=257), rngs=nnx.Rngs(0))  # like GPT-2's 50257
+    shardings = param_shardings(model, mesh_of(1, 1, 2))
+    assert shardings["wte"].spec == jax.sharding.PartitionSpec(None, "fsdp")  # rows replicated
+    assert shardings["blocks"]["fc_kernel"].spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+
+
+def test_a_dimension_the_mesh_cannot_split_is_an_error():
+    model = GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))  # 4 heads
+    with pytest.raises(ValueError, match=r"heads=4\) cannot be split 8 ways"):
+        param_shardings(model, mesh_of(1, 1, 8))
+    with pytest.raises(ValueError, match=r"embed=32\) cannot be split 3 ways"):
+        param_shardings(model, make_mesh(1, 3, 1, devices=jax.devices()[:3]))
+
+
+def test_a_mesh_that_does_not_match_the_devices_is_an_error():
+    with pytest.raises(ValueError, match="= 12 devices, but there are 8"):
+        make_mesh(2, 2, 3)
+    with pytest.raises(ValueError, match="do not divide the 8 devices"):
+        make_mesh(-1, 3, 1)
+    with pytest.raises(ValueError, match="must be divisible by the data-parallel devices"):
+        train(TrainConfig(mesh="data=4,fsdp=2", batch_size=12), log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def decisive_model():
+    # Scaled random weights make the top two logits differ by far more than float noise at every step.
+    model = GPT(CONFIG, rngs=nnx.Rngs(3))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p: p * 3.0 if p.ndim >= 2 else p, state))
+    return model
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "data{}-fsdp{}-tensor{}".format(*s))
+def test_greedy_generate_matches_one_device(shape, decisive_model):
+    prompts = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46], [200]]
+    want = generate(decisive_model, prompts, 20, temperature=0)
+    got = generate(decisive_model, prompts, 20, temperature=0, mesh=mesh_of(*shape))
+    assert got == want
+    assert len(set(map(tuple, want))) == 3  # the rows differ, so a mixed-up row would show
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_train_like_one_process_with_four_devices(tmp_path, shakespeare_text):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(shakespeare_text[:100_000])
+    flags = dict(data=(str(corpus),), model="small", n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=8,
+                 max_steps=5, warmup_steps=1, log_interval=1, eval_interval=5, eval_iters=2, checkpoint_interval=5,
+                 sample_tokens=0)
+    one = train(TrainConfig(out_dir=str(tmp_path / "one"), num_devices=4, **flags), log=lambda *_: None)
+
+    port, env = _free_port(), {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                               "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, str(ROOT / "train.py"), "--out_dir", str(tmp_path / "two"),
+               "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2"]
+    for key, value in flags.items():
+        command += [f"--{key}", *map(str, value if isinstance(value, tuple) else (value,))]
+    workers = [subprocess.Popen(command + ["--process_id", str(i)], env=env, cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    for worker, output in zip(workers, outputs):
+        assert worker.returncode == 0, output[-3000:]
+
+    def losses(run):
+        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in records if "loss" in r]
+
+    assert len(losses("two")) == 5
+    np.testing.assert_allclose(losses("two"), losses("one"), rtol=1e-5)
+    restored = nnx.state(load_model(tmp_path / "two"), nnx.Param)  # one process reads the 2-process save
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(nnx.state(one["model"], nnx.Param))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
