@@ -1,0 +1,34 @@
+"""The walkthrough notebook runs top to bottom, and is committed without stale outputs."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "walkthrough.ipynb"
+
+
+def test_notebook_is_committed_without_outputs():
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    stale = [i for i, cell in enumerate(notebook.cells)
+             if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)]
+    assert not stale, f"cells {stale} carry outputs: clear them (jupyter nbconvert --clear-output --inplace)"
+
+
+def test_notebook_runs_clean(tmp_path):
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(notebook, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    try:
+        client.execute()
+    except CellExecutionError as error:
+        pytest.fail(f"the notebook failed:\n{error}")
+    errors = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
+              if output.output_type == "error"]
+    assert not errors
+    images = sum("image/png" in output.get("data", {}) for cell in notebook.cells if cell.cell_type == "code"
+                 for output in cell.outputs)
+    assert images >= 6  # every figure was drawn
