@@ -29,28 +29,33 @@ class KVCache:
     """Keys and values of every layer for a batch of sequences.
 
     Attributes:
-      k, v: [L, B, S, N, H] in the compute dtype; S is the preallocated length.
+      k, v: one array per layer, each [B, N, S, H] in the compute dtype; S is the preallocated length.
+        Heads come before slots so that a decode step's attention reads each (row, head) as one
+        contiguous [S, H] block, and each layer is its own buffer so that a step neither copies a layer
+        out of a stacked array nor rewrites more than its own slot.
       index: int32 scalar, the next slot to write (shared by all rows).
       start: int32 [B], the first slot of each row that holds a real token.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     index: jax.Array
     start: jax.Array
 
     @classmethod
     def init(cls, config: GPTConfig, start_B: jax.Array, length: int) -> KVCache:
         """An empty cache of `length` slots for len(start_B) rows whose real tokens begin at start_B."""
-        batch = start_B.shape[0]
-        shape = (config.n_layer, batch, length, config.n_head, config.head_dim)
-        # Under a mesh the cache splits like the attention it serves: rows over data, heads over tensor.
-        zeros = constrain(jnp.zeros(shape, config.compute_dtype), ("layers", "batch", None, "heads", None))
-        return cls(k=zeros, v=zeros, index=jnp.zeros((), jnp.int32), start=start_B.astype(jnp.int32))
+        shape = (start_B.shape[0], config.n_head, length, config.head_dim)
+
+        def zeros():  # under a mesh: rows over data, heads over tensor, like the attention it serves
+            return constrain(jnp.zeros(shape, config.compute_dtype), ("batch", "heads", None, None))
+
+        return cls(k=tuple(zeros() for _ in range(config.n_layer)), v=tuple(zeros() for _ in range(config.n_layer)),
+                   index=jnp.zeros((), jnp.int32), start=jnp.asarray(start_B, jnp.int32))
 
     @property
     def length(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[2]
 
     def positions(self, num_tokens: int) -> jax.Array:
         """int32 [B, T]: each row's position for the next T slots (padding slots get negative values)."""
@@ -70,15 +75,18 @@ class KVCache:
         itself_TS = key_S[None, :] == query_T[:, None]
         return (causal_TS[None] & real_BS[:, None, :]) | itself_TS[None]
 
-    def write(self, layer: jax.Array, k_BTNH: jax.Array, v_BTNH: jax.Array) -> KVCache:
-        """This cache with one layer's new keys and values written at slots [index, index + T)."""
-        at = (layer, 0, self.index, 0, 0)
-        k = jax.lax.dynamic_update_slice(self.k, k_BTNH[None].astype(self.k.dtype), at)
-        v = jax.lax.dynamic_update_slice(self.v, v_BTNH[None].astype(self.v.dtype), at)
-        return dataclasses.replace(self, k=k, v=v)
+    def write(self, layer: int, k_BTNH: jax.Array, v_BTNH: jax.Array) -> KVCache:
+        """This cache with layer `layer`'s new keys and values written at slots [index, index + T)."""
+        at = (0, 0, self.index, 0)
 
-    def layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """One layer's keys and values, each [B, S, N, H]."""
+        def put(buffers, new_BTNH):
+            updated = jax.lax.dynamic_update_slice(buffers[layer], new_BTNH.transpose(0, 2, 1, 3).astype(buffers[layer].dtype), at)
+            return buffers[:layer] + (updated,) + buffers[layer + 1:]
+
+        return dataclasses.replace(self, k=put(self.k, k_BTNH), v=put(self.v, v_BTNH))
+
+    def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """One layer's keys and values, each [B, N, S, H]."""
         return self.k[layer], self.v[layer]
 
     def advance(self, num_tokens: int) -> KVCache:

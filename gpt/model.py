@@ -105,10 +105,11 @@ def block(
     x_BTD: jax.Array,
     positions_BT: jax.Array,
     cache: KVCache | None,
-    layer: jax.Array,
+    layer: int | jax.Array,
     dropout_key: jax.Array | None,
 ) -> tuple[jax.Array, KVCache | None]:
-    """One decoder block. `p` holds this layer's parameters (no layer axis)."""
+    """One decoder block. `p` holds this layer's parameters (no layer axis); `layer` (a Python int when
+    there is a cache) picks its cache buffers."""
     dtype = config.compute_dtype
     cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
     attn_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
@@ -129,11 +130,11 @@ def block(
     q_BTNH = constrain(q_BTNH, ("batch", None, "heads", None))
 
     if cache is None:
-        attn_BTNH = attend(q_BTNH, k_BTNH, v_BTNH, None)
+        attn_BTNH = attend(q_BTNH, k_BTNH.transpose(0, 2, 1, 3), v_BTNH.transpose(0, 2, 1, 3), None)
     else:
         cache = cache.write(layer, k_BTNH, v_BTNH)
-        k_BSNH, v_BSNH = cache.layer(layer)
-        attn_BTNH = attend(q_BTNH, k_BSNH, v_BSNH, cache.mask(T))
+        k_BNSH, v_BNSH = cache.layer(layer)
+        attn_BTNH = attend(q_BTNH, k_BNSH, v_BNSH, cache.mask(T))
 
     out_BTD = dense(attn_BTNH.reshape(B, T, N * H), cast(p["out_kernel"]).reshape(N * H, D))
     if p["out_bias"] is not None:
@@ -195,33 +196,39 @@ class GPT(nnx.Module):
     ) -> tuple[jax.Array, KVCache | None]:
         """Run every block and the final LayerNorm.
 
-        By default one lax.scan runs over the stacked layers (compile time flat in depth). Given
-        `layers` (from `self.blocks.unstacked()`, sliced once outside a decode loop), the blocks run
-        unrolled over those per-layer arrays instead; see `Blocks.unstacked`.
+        Without a cache, one lax.scan runs over the stacked layers (compile time flat in depth). With a
+        cache, or given `layers` (from `self.blocks.unstacked()`, which a decode loop slices once outside
+        the loop), the blocks run unrolled, each over its own layer's weights and cache buffers.
         """
         config = self.config
-        indices = jnp.arange(config.n_layer, dtype=jnp.int32)
-        keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
+        keys = [None] * config.n_layer if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
 
         def step(carry, xs):
             x_BTD, cache = carry
             p, layer, key = xs
             return block(config, p, x_BTD, positions_BT, cache, layer, key), None
 
-        if config.remat:
+        if config.remat and cache is None:  # a training-time saving; decoding keeps no activations anyway
             step = jax.checkpoint(step, prevent_cse=False)
-        if layers is None:
-            (x_BTD, cache), _ = jax.lax.scan(step, (x_BTD, cache), (self.blocks.stacked(), indices, keys))
+        if layers is None and cache is None:
+            indices = jnp.arange(config.n_layer, dtype=jnp.int32)
+            (x_BTD, cache), _ = jax.lax.scan(step, (x_BTD, cache),
+                                             (self.blocks.stacked(), indices, None if dropout_key is None else keys))
         else:
-            for layer, p in enumerate(layers):
-                (x_BTD, cache), _ = step((x_BTD, cache), (p, indices[layer], None if keys is None else keys[layer]))
+            for layer, p in enumerate(self.blocks.unstacked() if layers is None else layers):
+                (x_BTD, cache), _ = step((x_BTD, cache), (p, layer, keys[layer]))
         x_BTD = layer_norm(x_BTD, self.lnf_scale[...], None if self.lnf_bias is None else self.lnf_bias[...],
                            config.layer_norm_epsilon)
         return x_BTD, cache
 
     def logits(self, x_BTD: jax.Array) -> jax.Array:
         """The tied LM head: float32 logits [B, T, V]."""
-        logits_BTV = dense(x_BTD, self.wte[...].astype(x_BTD.dtype).T)
+        B, T, D = x_BTD.shape
+        # Contract over the table's own D axis: spelled as `x @ wte.T`, XLA on CPU copies the transposed
+        # 154 MB table before every decode step.
+        logits_MV = jax.lax.dot_general(x_BTD.reshape(B * T, D), self.wte[...].astype(x_BTD.dtype),
+                                        (((1,), (1,)), ((), ())))
+        logits_BTV = logits_MV.reshape(B, T, -1)
         return constrain(logits_BTV.astype(jnp.float32), ("batch", None, "vocab"))
 
     def __call__(
