@@ -68,7 +68,8 @@ def attend(q_BTNH: jax.Array, k_BNSH: jax.Array, v_BNSH: jax.Array, mask_BTS: ja
         return jax.nn.dot_product_attention(q_BTNH, k_BSNH, v_BSNH, mask=mask_BTS[:, None, :, :])
     T, S, H = q_BTNH.shape[1], k_BNSH.shape[2], q_BTNH.shape[-1]
     q_BNTH = (q_BTNH * jnp.asarray(H ** -0.5, q_BTNH.dtype)).transpose(0, 2, 1, 3)
-    scores_BNTS = jnp.matmul(q_BNTH, k_BNSH.swapaxes(-1, -2), preferred_element_type=jnp.float32)
+    # Contract H of both directly: `q @ k.swapaxes(-1, -2)` makes XLA on CPU copy a transposed k.
+    scores_BNTS = jnp.einsum("BNTH,BNSH->BNTS", q_BNTH, k_BNSH, preferred_element_type=jnp.float32)
     mask_BNTS = jnp.tril(jnp.ones((T, S), jnp.bool_)) if mask_BTS is None else mask_BTS[:, None]
     scores_BNTS = jnp.where(mask_BNTS, scores_BNTS, jnp.finfo(jnp.float32).min)
     # softmax; the max is a constant for the gradient (the result does not depend on it)
