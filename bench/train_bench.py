@@ -62,8 +62,8 @@ def jax_stepper(bench: BenchConfig, data: np.ndarray):
     config = model_config(bench)
     optimizer, _ = make_optimizer(TrainConfig(warmup_steps=0, max_steps=10_000))
     mesh = make_mesh(devices=jax.devices()[:1])
-    graphdef, params, opt_state, _, _ = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
-    step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh)
+    graphdef, params, opt_state, shardings = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
+    step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh, shardings=shardings)
     state = {"params": params, "opt_state": opt_state}
     device_batches = [jax.device_put(b[None]) for b in data]
 

@@ -175,12 +175,14 @@ class GPT(nnx.Module):
     def embed(self, tokens_BT: jax.Array, positions_BT: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """Token (+ learned or sinusoidal position) embeddings, [B, T, D] in the compute dtype."""
         config = self.config
-        x_BTD = self.wte[...][tokens_BT].astype(jnp.float32)
+        # Gather the table's width (split over fsdp) first, as FSDP does for every weight before use: the
+        # lookup's output is split over the batch, which would otherwise claim the same mesh axis.
+        x_BTD = constrain(self.wte[...], ("vocab", None))[tokens_BT].astype(jnp.float32)
         # Padding slots of ragged batches have negative positions; clip them into the table (they are
         # masked out of attention anyway).
         positions_BT = jnp.clip(positions_BT, 0, config.block_size - 1)
         if config.position == "learned":
-            x_BTD = x_BTD + self.wpe[...][positions_BT].astype(jnp.float32)
+            x_BTD = x_BTD + constrain(self.wpe[...], (None, None))[positions_BT].astype(jnp.float32)
         elif config.position == "sinusoidal":
             x_BTD = x_BTD + sinusoidal_embedding(positions_BT, config.n_embd)
         x_BTD = dropout(x_BTD.astype(config.compute_dtype), config.dropout, dropout_key)

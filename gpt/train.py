@@ -145,25 +145,41 @@ def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, o
 
 def init_train_state(model: GPT, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh):
     """Place the model's params on `mesh` as `gpt.sharding.RULES` say and create the optimizer state beside
-    them (each moment sharded like its parameter; scalars replicated).
+    them: each Adam moment sharded like its parameter, scalars (the step count) replicated.
 
-    Returns (graphdef, params, opt_state, param_shardings, opt_shardings); params and the shardings are pure
-    dicts shaped like `nnx.to_pure_dict(nnx.state(model))`.
+    Returns (graphdef, params, opt_state, (param_shardings, opt_shardings)); params and param_shardings
+    are pure dicts shaped like `nnx.to_pure_dict(nnx.state(model))`.
     """
     graphdef, state = nnx.split(model)
     shardings = param_shardings(model, mesh)
     params = jax.device_put(nnx.to_pure_dict(state), shardings)
-    opt_state = jax.jit(optimizer.init)(params)
-    # Moments follow their params' shardings; scalars (the step count) land on one device: replicate them.
+    opt_shardings = _optimizer_shardings(optimizer, params, shardings, mesh)
+    # Pinned: left to propagation, XLA may replicate the zeros that the moments start from.
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    return graphdef, params, opt_state, (shardings, opt_shardings)
+
+
+def _optimizer_shardings(optimizer, params, shardings, mesh):
+    """The optimizer state's shardings: a leaf whose path ends with a parameter's path (mu/.../fc_kernel)
+    and has its shape is sharded like it; anything else is replicated."""
+    by_path = {tuple(path): (sharding, leaf.shape) for (path, sharding), leaf in
+               zip(jax.tree_util.tree_leaves_with_path(shardings), jax.tree.leaves(params))}
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt_state = jax.tree.map(lambda a: a if len(a.sharding.device_set) == mesh.size else jax.device_put(a, replicated),
-                             opt_state)
-    return graphdef, params, opt_state, shardings, jax.tree.map(lambda a: a.sharding, opt_state)
+
+    def pick(path, leaf):
+        for start in range(len(path)):
+            sharding, shape = by_path.get(tuple(path[start:]), (None, None))
+            if sharding is not None and shape == leaf.shape:
+                return sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(optimizer.init, params))
 
 
-def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh):
+def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh, shardings: tuple):
     """step(params, opt_state, batch [A, B, T+1], key) -> (params, opt_state, {loss, grad_norm}), compiled
-    for `mesh` (the activations' sharding constraints refer to it)."""
+    for `mesh` (the activations' sharding constraints refer to it); the new params and optimizer state
+    keep `shardings` (param_shardings, opt_shardings), so donation reuses their buffers step after step."""
 
     def step(params, opt_state, batch_ABT1, key):
         def micro(grad_sum, xs):
@@ -181,7 +197,8 @@ def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads)}
 
-    return _on_mesh(jax.jit(step, donate_argnums=(0, 1)), mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return _on_mesh(jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, replicated)), mesh)
 
 
 def make_eval_step(graphdef, mesh: jax.sharding.Mesh):
@@ -272,7 +289,7 @@ def train(config: TrainConfig, log=print) -> dict:
         raise ValueError(f"the model's vocab_size={model.config.vocab_size} is below the GPT-2 tokenizer's "
                          f"{get_tokenizer().vocab_size}")
     optimizer, schedule = make_optimizer(config)
-    graphdef, params, opt_state, shardings, opt_shardings = init_train_state(model, optimizer, mesh)
+    graphdef, params, opt_state, (shardings, opt_shardings) = init_train_state(model, optimizer, mesh)
     model_config = model.config
     del model
 
@@ -297,7 +314,8 @@ def train(config: TrainConfig, log=print) -> dict:
             raise ValueError(f"{out_dir} holds a run with loader {saved['loader']}; use another out_dir")
         log(f"resumed from {checkpoints.directory / str(start)}")
 
-    train_step = make_train_step(graphdef, optimizer, dropout=config.dropout > 0, mesh=mesh)
+    train_step = make_train_step(graphdef, optimizer, dropout=config.dropout > 0, mesh=mesh,
+                                 shardings=(shardings, opt_shardings))
     eval_step = make_eval_step(graphdef, mesh)
     rows_sharding = batch_sharding(mesh, (None, "batch", None))  # [accumulation, rows, T + 1]
     microbatch = lambda b: b.reshape(config.grad_accum, -1, b.shape[-1])  # noqa: E731

@@ -37,9 +37,9 @@ SGD = optax.sgd(1.0)  # params - gradient: shows the gradient itself
 
 def one_step(mesh, optimizer=ADAMW, config=CONFIG):
     """Loss and params after one step (2 accumulated micro-batches of 8 rows) on `mesh`."""
-    graphdef, params, opt_state, _, _ = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
+    graphdef, params, opt_state, shardings = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
     batch = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8, 17), dtype=np.int32)
-    step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh)
+    step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh, shardings=shardings)
     params, opt_state, metrics = step(params, opt_state, batch, jax.random.key(0))
     return float(metrics["loss"]), jax.tree.map(np.asarray, params), (params, opt_state)
 
@@ -85,20 +85,23 @@ def test_params_and_optimizer_state_shrink_with_fsdp_times_tensor(shape):
     # per device, exactly. Vectors (biases, LayerNorms: 1.5% of this model, 0.1% of GPT-2) split over one
     # of the two axes, and the step count not at all, so they add at most their own size on top.
     config = CONFIG.replace(position="rope")  # no position table, whose rows are not split over tensor
-    _, _, sharded = one_step(mesh_of(*shape), config=config)
+    mesh = mesh_of(*shape)
     ways = shape[1] * shape[2]
-    matrix_bytes = vector_bytes = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(sharded):
-        name = jax.tree_util.keystr(path)
-        if leaf.ndim == 0 or name.endswith(("bias']", "scale']")):
-            vector_bytes += leaf.nbytes
-        else:
-            matrix_bytes += leaf.nbytes
-            assert {shard.data.nbytes * ways for shard in leaf.addressable_shards} == {leaf.nbytes}, name
-    per_device = bytes_per_device(sharded)
-    assert len(per_device) == np.prod(shape)
-    for device, stored in per_device.items():
-        assert matrix_bytes / ways < stored <= matrix_bytes / ways + vector_bytes, device
+    initial = init_train_state(GPT(config, rngs=nnx.Rngs(0)), ADAMW, mesh)[1:3]
+    _, _, after_one_step = one_step(mesh, config=config)
+    for state in (initial, after_one_step):  # as created, and as the step returns it
+        matrix_bytes = vector_bytes = 0
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+            name = jax.tree_util.keystr(path)
+            if leaf.ndim == 0 or name.endswith(("bias']", "scale']")):
+                vector_bytes += leaf.nbytes
+            else:
+                matrix_bytes += leaf.nbytes
+                assert {shard.data.nbytes * ways for shard in leaf.addressable_shards} == {leaf.nbytes}, name
+        per_device = bytes_per_device(state)
+        assert len(per_device) == np.prod(shape)
+        for device, stored in per_device.items():
+            assert matrix_bytes / ways < stored <= matrix_bytes / ways + vector_bytes, device
 
 
 def test_a_vocabulary_the_mesh_does_not_divide_is_replicated():
