@@ -38,7 +38,7 @@ class SampleConfig:
     dtype: str = "float32"
     """Compute dtype (bfloat16 on GPUs)."""
     mesh: str = ""
-    """Sample sharded over a device mesh, e.g. 'tensor=8' (heads and MLP split over 8 devices) or
+    """Sample sharded over a device mesh, e.g. 'tensor=4' (heads and MLP split over 4 devices) or
     'data=2,tensor=4'; empty runs on one device."""
 
 
