@@ -105,7 +105,9 @@ class TrainConfig:
     coordinator_address: str | None = None
     """host:port of process 0, the same on every process."""
     num_processes: int | None = None
+    """How many processes take part (with coordinator_address)."""
     process_id: int | None = None
+    """This process's index, 0 .. num_processes - 1."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device, for MFU; known GPUs are looked up, unknown devices report no MFU."""
     sample_tokens: int = 200
