@@ -29,10 +29,11 @@ class KVCache:
     """Keys and values of every layer for a batch of sequences.
 
     Attributes:
-      k, v: one array per layer, each [B, N, S, H] in the compute dtype; S is the preallocated length.
-        Heads come before slots so that a decode step's attention reads each (row, head) as one
-        contiguous [S, H] block, and each layer is its own buffer so that a step neither copies a layer
-        out of a stacked array nor rewrites more than its own slot.
+      k, v: one array per layer, each [B * N, S, H] (rows major, then heads) in the compute dtype; S is
+        the preallocated length. Each (row, head) is one contiguous [S, H] block for a decode step's
+        attention; each layer is its own buffer, so a step neither copies a layer out of a stacked
+        array nor rewrites more than its own slot; and the buffer is 3-D, so that for a batch of one XLA
+        has no size-1 axis to reshape it around (which had it copy the buffer every step).
       index: int32 scalar, the next slot to write (shared by all rows).
       start: int32 [B], the first slot of each row that holds a real token.
     """
@@ -45,17 +46,17 @@ class KVCache:
     @classmethod
     def init(cls, config: GPTConfig, start_B: jax.Array, length: int) -> KVCache:
         """An empty cache of `length` slots for len(start_B) rows whose real tokens begin at start_B."""
-        shape = (start_B.shape[0], config.n_head, length, config.head_dim)
+        shape = (start_B.shape[0] * config.n_head, length, config.head_dim)
 
         def zeros():  # under a mesh: rows over data, heads over tensor, like the attention it serves
-            return constrain(jnp.zeros(shape, config.compute_dtype), ("batch", "heads", None, None))
+            return constrain(jnp.zeros(shape, config.compute_dtype), ("batch_heads", None, None))
 
         return cls(k=tuple(zeros() for _ in range(config.n_layer)), v=tuple(zeros() for _ in range(config.n_layer)),
                    index=jnp.zeros((), jnp.int32), start=jnp.asarray(start_B, jnp.int32))
 
     @property
     def length(self) -> int:
-        return self.k[0].shape[2]
+        return self.k[0].shape[1]
 
     def positions(self, num_tokens: int) -> jax.Array:
         """int32 [B, T]: each row's position for the next T slots (padding slots get negative values)."""
@@ -77,16 +78,18 @@ class KVCache:
 
     def write(self, layer: int, k_BTNH: jax.Array, v_BTNH: jax.Array) -> KVCache:
         """This cache with layer `layer`'s new keys and values written at slots [index, index + T)."""
-        at = (0, 0, self.index, 0)
+        at = (0, self.index, 0)
 
         def put(buffers, new_BTNH):
-            updated = jax.lax.dynamic_update_slice(buffers[layer], new_BTNH.transpose(0, 2, 1, 3).astype(buffers[layer].dtype), at)
+            B, T, N, H = new_BTNH.shape
+            new_MTH = new_BTNH.transpose(0, 2, 1, 3).reshape(B * N, T, H).astype(buffers[layer].dtype)
+            updated = jax.lax.dynamic_update_slice(buffers[layer], new_MTH, at)
             return buffers[:layer] + (updated,) + buffers[layer + 1:]
 
         return dataclasses.replace(self, k=put(self.k, k_BTNH), v=put(self.v, v_BTNH))
 
     def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
-        """One layer's keys and values, each [B, N, S, H]."""
+        """One layer's keys and values, each [B * N, S, H]."""
         return self.k[layer], self.v[layer]
 
     def advance(self, num_tokens: int) -> KVCache:

@@ -130,11 +130,12 @@ def block(
     q_BTNH = constrain(q_BTNH, ("batch", None, "heads", None))
 
     if cache is None:
-        attn_BTNH = attend(q_BTNH, k_BTNH.transpose(0, 2, 1, 3), v_BTNH.transpose(0, 2, 1, 3), None)
+        k_MTH, v_MTH = (x.transpose(0, 2, 1, 3).reshape(B * N, T, H) for x in (k_BTNH, v_BTNH))
+        attn_BTNH = attend(q_BTNH, k_MTH, v_MTH, None)
     else:
         cache = cache.write(layer, k_BTNH, v_BTNH)
-        k_BNSH, v_BNSH = cache.layer(layer)
-        attn_BTNH = attend(q_BTNH, k_BNSH, v_BNSH, cache.mask(T))
+        k_MSH, v_MSH = cache.layer(layer)
+        attn_BTNH = attend(q_BTNH, k_MSH, v_MSH, cache.mask(T))
 
     out_BTD = dense(attn_BTNH.reshape(B, T, N * H), cast(p["out_kernel"]).reshape(N * H, D))
     if p["out_bias"] is not None:

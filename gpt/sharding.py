@@ -27,6 +27,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",  # attention heads over tensor (Megatron-style)
     "mlp": "tensor",  # the MLP's hidden units over tensor
     "vocab": "tensor",  # the embedding/LM-head rows over tensor
+    "batch_heads": ("data", "fsdp", "tensor"),  # the KV cache's rows x heads, one axis: rows major
     "layers": None,  # the scanned layer axis is never split
     "head_dim": None,
 }
