@@ -107,9 +107,14 @@ def block(
     cache: KVCache | None,
     layer: int | jax.Array,
     dropout_key: jax.Array | None,
-) -> tuple[jax.Array, KVCache | None]:
-    """One decoder block. `p` holds this layer's parameters (no layer axis); `layer` (a Python int when
-    there is a cache) picks its cache buffers."""
+    mask_BTS: jax.Array | None = None,
+) -> tuple[tuple[jax.Array, KVCache | None], tuple[jax.Array, jax.Array]]:
+    """One decoder block. `p` holds this layer's parameters (no layer axis).
+
+    With a cache, the new keys and values are written into it (`layer`, a Python int, picks its buffers)
+    and attention reads the whole cache. Without one, attention is over the T tokens themselves, plainly
+    causal or as `mask_BTS` [B, T, T] says. Returns ((x, cache), (k, v)): the block's output [B, T, D],
+    the updated cache, and its new keys and values [B, T, N, H] (for `GPT.prefill`)."""
     dtype = config.compute_dtype
     cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
     attn_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
@@ -131,7 +136,7 @@ def block(
 
     if cache is None:
         k_MTH, v_MTH = (x.transpose(0, 2, 1, 3).reshape(B * N, T, H) for x in (k_BTNH, v_BTNH))
-        attn_BTNH = attend(q_BTNH, k_MTH, v_MTH, None)
+        attn_BTNH = attend(q_BTNH, k_MTH, v_MTH, mask_BTS)
     else:
         cache = cache.write(layer, k_BTNH, v_BTNH)
         k_MSH, v_MSH = cache.layer(layer)
@@ -151,7 +156,7 @@ def block(
     if p["proj_bias"] is not None:
         h_BTD = h_BTD + cast(p["proj_bias"])
     x_BTD = x_BTD + dropout(h_BTD, config.dropout, mlp_key)
-    return constrain(x_BTD, ("batch", None, None)), cache
+    return (constrain(x_BTD, ("batch", None, None)), cache), (k_BTNH, v_BTNH)
 
 
 class GPT(nnx.Module):
@@ -209,7 +214,7 @@ class GPT(nnx.Module):
         def step(carry, xs):
             x_BTD, cache = carry
             p, layer, key = xs
-            return block(config, p, x_BTD, positions_BT, cache, layer, key), None
+            return block(config, p, x_BTD, positions_BT, cache, layer, key)[0], None
 
         if config.remat and cache is None:  # a training-time saving; decoding keeps no activations anyway
             step = jax.checkpoint(step, prevent_cse=False)
@@ -220,9 +225,36 @@ class GPT(nnx.Module):
         else:
             for layer, p in enumerate(self.blocks.unstacked() if layers is None else layers):
                 (x_BTD, cache), _ = step((x_BTD, cache), (p, layer, keys[layer]))
-        x_BTD = layer_norm(x_BTD, self.lnf_scale[...], None if self.lnf_bias is None else self.lnf_bias[...],
-                           config.layer_norm_epsilon)
-        return x_BTD, cache
+        return self.final_norm(x_BTD), cache
+
+    def final_norm(self, x_BTD: jax.Array) -> jax.Array:
+        bias = None if self.lnf_bias is None else self.lnf_bias[...]
+        return layer_norm(x_BTD, self.lnf_scale[...], bias, self.config.layer_norm_epsilon)
+
+    def prefill(self, tokens_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Fill an empty cache (index 0) with a left-padded prompt batch, as `self(tokens, cache=cache,
+        last_only=True)` would, but with the layers run as one `lax.scan` (one block to compile instead
+        of one per layer). Each layer attends within the prompt; the keys and values it makes are written
+        into the cache's per-layer buffers after the scan.
+
+        Args:
+          tokens_BT: int32 [B, T], rows left-padded as `cache.start` says.
+          cache: a KVCache with nothing written yet.
+        Returns:
+          (float32 logits of the last position [B, 1, V], the cache advanced by T).
+        """
+        T = tokens_BT.shape[1]
+        positions_BT = cache.positions(T)
+        mask_BTT = cache.mask(T)[:, :, :T]  # the cache is empty: its first T slots are the prompt
+
+        def step(x_BTD, p):
+            (x_BTD, _), kv = block(self.config, p, x_BTD, positions_BT, None, 0, None, mask_BTT)
+            return x_BTD, kv
+
+        x_BTD, (k_LBTNH, v_LBTNH) = jax.lax.scan(step, self.embed(tokens_BT, positions_BT), self.blocks.stacked())
+        for layer in range(self.config.n_layer):
+            cache = cache.write(layer, k_LBTNH[layer], v_LBTNH[layer])
+        return self.logits(self.final_norm(x_BTD[:, -1:])), cache.advance(T)
 
     def logits(self, x_BTD: jax.Array) -> jax.Array:
         """The tied LM head: float32 logits [B, T, V]."""

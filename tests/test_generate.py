@@ -48,6 +48,19 @@ def test_cached_decoding_equals_plain_forward(model):
         np.testing.assert_allclose(cached[row, total - n + first_real :], plain[first_real:], atol=1e-5, rtol=0)
 
 
+def test_prefill_equals_the_cached_forward(model):
+    # GPT.prefill (scanned layers, attention within the prompt) fills the cache as the cached forward does.
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 16)), jnp.int32)
+    start = jnp.asarray([0, 9], jnp.int32)  # row 1: 9 padding slots
+    want_logits, want = model(tokens, cache=KVCache.init(model.config, start, 24), last_only=True)
+    logits, cache = model.prefill(tokens, KVCache.init(model.config, start, 24))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5, rtol=0)
+    assert int(cache.index) == int(want.index) == 16
+    real = np.repeat(np.arange(24)[None] >= np.asarray(start)[:, None], model.config.n_head, axis=0)  # [B*N, S]
+    for got, expected in zip(cache.k + cache.v, want.k + want.v):
+        np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=1e-5, rtol=0)
+
+
 def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
     prompts = [[5, 17, 99], list(range(30, 51)), [200], [7, 7, 8, 9, 10, 250, 3]]
     batched = generate(model, prompts, 12, temperature=0)
