@@ -112,8 +112,9 @@ def block(
     """One decoder block. `p` holds this layer's parameters (no layer axis).
 
     With a cache, the new keys and values are written into it (`layer`, a Python int, picks its buffers)
-    and attention reads the whole cache. Without one, attention is over the T tokens themselves, plainly
-    causal or as `mask_BTS` [B, T, T] says. Returns ((x, cache), (k, v)): the block's output [B, T, D],
+    and attention reads the whole cache as `mask_BTS` [B, T, S] says (`cache.mask(T)`, computed once per
+    forward by the caller, not once per layer). Without one, attention is over the T tokens themselves,
+    plainly causal or as `mask_BTS` [B, T, T] says. Returns ((x, cache), (k, v)): the block's output [B, T, D],
     the updated cache, and its new keys and values [B, T, N, H] (for `GPT.prefill`)."""
     dtype = config.compute_dtype
     cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
@@ -140,7 +141,7 @@ def block(
     else:
         cache = cache.write(layer, k_BTNH, v_BTNH)
         k_MSH, v_MSH = cache.layer(layer)
-        attn_BTNH = attend(q_BTNH, k_MSH, v_MSH, cache.mask(T))
+        attn_BTNH = attend(q_BTNH, k_MSH, v_MSH, mask_BTS)
 
     out_BTD = dense(attn_BTNH.reshape(B, T, N * H), cast(p["out_kernel"]).reshape(N * H, D))
     if p["out_bias"] is not None:
@@ -209,22 +210,22 @@ class GPT(nnx.Module):
         the loop), the blocks run unrolled, each over its own layer's weights and cache buffers.
         """
         config = self.config
-        keys = [None] * config.n_layer if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
+        keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
+        mask_BTS = None if cache is None else cache.mask(x_BTD.shape[1])  # the same for every layer
 
         def step(carry, xs):
             x_BTD, cache = carry
             p, layer, key = xs
-            return block(config, p, x_BTD, positions_BT, cache, layer, key)[0], None
+            return block(config, p, x_BTD, positions_BT, cache, layer, key, mask_BTS)[0], None
 
         if config.remat and cache is None:  # a training-time saving; decoding keeps no activations anyway
             step = jax.checkpoint(step, prevent_cse=False)
         if layers is None and cache is None:
             indices = jnp.arange(config.n_layer, dtype=jnp.int32)
-            (x_BTD, cache), _ = jax.lax.scan(step, (x_BTD, cache),
-                                             (self.blocks.stacked(), indices, None if dropout_key is None else keys))
+            (x_BTD, cache), _ = jax.lax.scan(step, (x_BTD, cache), (self.blocks.stacked(), indices, keys))
         else:
             for layer, p in enumerate(self.blocks.unstacked() if layers is None else layers):
-                (x_BTD, cache), _ = step((x_BTD, cache), (p, layer, keys[layer]))
+                (x_BTD, cache), _ = step((x_BTD, cache), (p, layer, None if keys is None else keys[layer]))
         return self.final_norm(x_BTD), cache
 
     def final_norm(self, x_BTD: jax.Array) -> jax.Array:

@@ -16,7 +16,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["MESH_AXES", "RULES", "logical_to_spec", "constrain", "make_mesh", "parse_mesh", "param_shardings",
-           "shard_state", "batch_sharding", "data_parallel_size", "bytes_per_device", "initialize_distributed"]
+           "shard_state", "replicated", "batch_sharding", "data_parallel_size", "bytes_per_device",
+           "initialize_distributed"]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -147,6 +148,11 @@ def shard_state(model: nnx.Module, state: nnx.State, mesh: Mesh) -> nnx.State:
     placed = jax.device_put(nnx.to_pure_dict(state), param_shardings(model, mesh))
     nnx.replace_by_pure_dict(state, placed)
     return state
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A whole copy on every device of `mesh` (scalars such as the loss or the optimizer's step count)."""
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def batch_sharding(mesh: Mesh, axes: Sequence[str | None] = ("batch", None)) -> NamedSharding:

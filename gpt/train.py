@@ -29,7 +29,7 @@ from gpt.data import Batches, default_corpus, prepare
 from gpt.model import GPT
 from gpt.tokenizer import get_tokenizer
 from gpt.sharding import (batch_sharding, bytes_per_device, data_parallel_size, initialize_distributed, make_mesh,
-                          param_shardings, parse_mesh)
+                          param_shardings, parse_mesh, replicated)
 
 __all__ = ["TrainConfig", "train", "make_optimizer", "make_train_step", "init_train_state", "loss_fn",
            "flops_per_token"]
@@ -166,14 +166,13 @@ def _optimizer_shardings(optimizer, params, shardings, mesh):
     and has its shape is sharded like it; anything else is replicated."""
     by_path = {tuple(path): (sharding, leaf.shape) for (path, sharding), leaf in
                zip(jax.tree_util.tree_leaves_with_path(shardings), jax.tree.leaves(params))}
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def pick(path, leaf):
         for start in range(len(path)):
             sharding, shape = by_path.get(tuple(path[start:]), (None, None))
             if sharding is not None and shape == leaf.shape:
                 return sharding
-        return replicated
+        return replicated(mesh)
 
     return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(optimizer.init, params))
 
@@ -199,8 +198,7 @@ def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh,
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads)}
 
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return _on_mesh(jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, replicated)), mesh)
+    return _on_mesh(jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, replicated(mesh))), mesh)
 
 
 def make_eval_step(graphdef, mesh: jax.sharding.Mesh):
@@ -279,7 +277,8 @@ def _build_model(config: TrainConfig) -> GPT:
 def train(config: TrainConfig, log=print) -> dict:
     """Train (or resume) a GPT as `config` says. Returns a summary: final step, losses, stop reason."""
     out_dir = Path(config.out_dir)
-    if config.distributed or config.coordinator_address is not None:
+    if config.distributed or any(v is not None for v in (config.coordinator_address, config.num_processes,
+                                                         config.process_id)):
         initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
     devices = jax.devices()[: config.num_devices] if config.num_devices else None
     mesh = make_mesh(**parse_mesh(config.mesh), devices=devices)
