@@ -33,6 +33,9 @@ class GPTConfig:
       dtype: the compute dtype of activations and matmuls.
       param_dtype: the dtype parameters are stored in (float32 for training).
       remat: recompute each block's activations in the backward pass to save memory.
+      scan_layers: run the blocks of the training forward as one `lax.scan` over the stacked layers, so
+        that compile time stays flat in depth. Off, they run unrolled: on CPU the step is ~5% faster
+        (a scan writes every layer's saved activations into stacked buffers, and reads them back).
     """
 
     vocab_size: int = 50257
@@ -49,6 +52,7 @@ class GPTConfig:
     dtype: DType = "float32"
     param_dtype: DType = "float32"
     remat: bool = False
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):

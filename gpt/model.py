@@ -17,6 +17,7 @@ from flax import nnx
 from gpt.attention import apply_rope, attend, sinusoidal_embedding
 from gpt.config import GPTConfig
 from gpt.kv_cache import KVCache
+from gpt.loss import lm_head_cross_entropy
 from gpt.sharding import constrain
 
 __all__ = ["GPT"]
@@ -49,8 +50,8 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 
 
 class Blocks(nnx.Module):
-    """All decoder blocks, their parameters stacked on a leading `layers` axis so that one `lax.scan` runs
-    them: compile time stays flat in depth."""
+    """All decoder blocks, their parameters stacked on a leading `layers` axis: one array per kind of
+    weight, which one `lax.scan` can run (`GPTConfig.scan_layers`) and the optimizer updates as a whole."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         L, D, N, H, F = config.n_layer, config.n_embd, config.n_head, config.head_dim, config.mlp_dim
@@ -205,9 +206,10 @@ class GPT(nnx.Module):
     ) -> tuple[jax.Array, KVCache | None]:
         """Run every block and the final LayerNorm.
 
-        Without a cache, one lax.scan runs over the stacked layers (compile time flat in depth). With a
-        cache, or given `layers` (from `self.blocks.unstacked()`, which a decode loop slices once outside
-        the loop), the blocks run unrolled, each over its own layer's weights and cache buffers.
+        Without a cache and with `config.scan_layers`, one lax.scan runs over the stacked layers (compile
+        time flat in depth). Otherwise the blocks run unrolled, each over its own layer's weights (sliced
+        here, or given as `layers` from `self.blocks.unstacked()`, which a decode loop slices once outside
+        the loop) and, with a cache, its own cache buffers.
         """
         config = self.config
         keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
@@ -220,7 +222,7 @@ class GPT(nnx.Module):
 
         if config.remat and cache is None:  # a training-time saving; decoding keeps no activations anyway
             step = jax.checkpoint(step, prevent_cse=False)
-        if layers is None and cache is None:
+        if layers is None and cache is None and config.scan_layers:
             indices = jnp.arange(config.n_layer, dtype=jnp.int32)
             (x_BTD, cache), _ = jax.lax.scan(step, (x_BTD, cache), (self.blocks.stacked(), indices, keys))
         else:
@@ -267,6 +269,37 @@ class GPT(nnx.Module):
         logits_BTV = logits_MV.reshape(B, T, -1)
         return constrain(logits_BTV.astype(jnp.float32), ("batch", None, "vocab"))
 
+    def hidden(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        cache: KVCache | None = None,
+        *,
+        dropout_key: jax.Array | None = None,
+        layers: list[dict] | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """The final hidden states [B, T, D] (after the last LayerNorm, in the compute dtype), and the
+        cache advanced past the tokens (None without one). Arguments as for `__call__`."""
+        num_tokens = tokens_BT.shape[1]
+        if positions_BT is None:
+            positions_BT = (
+                jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), tokens_BT.shape)
+                if cache is None else cache.positions(num_tokens)
+            )
+        embed_key, blocks_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+        x_BTD = self.embed(tokens_BT, positions_BT, embed_key)
+        x_BTD, cache = self.transform(x_BTD, positions_BT, cache, blocks_key, layers)
+        return x_BTD, None if cache is None else cache.advance(num_tokens)
+
+    def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Mean next-token cross-entropy (float32 nats) of int32 targets [B, T] after tokens [B, T].
+
+        Equal to the cross-entropy of `self(tokens_BT)`, but the [B, T, V] logits are never held at once
+        (`gpt.loss.lm_head_cross_entropy`): faster on CPU, and the memory they would take on a GPU.
+        """
+        x_BTD, _ = self.hidden(tokens_BT, dropout_key=dropout_key)
+        return lm_head_cross_entropy(x_BTD, self.wte[...].astype(x_BTD.dtype), targets_BT)
+
     def __call__(
         self,
         tokens_BT: jax.Array,
@@ -289,16 +322,6 @@ class GPT(nnx.Module):
         Returns:
           float32 logits [B, T, V] without a cache; (logits, updated cache) with one.
         """
-        num_tokens = tokens_BT.shape[1]
-        if positions_BT is None:
-            positions_BT = (
-                jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), tokens_BT.shape)
-                if cache is None else cache.positions(num_tokens)
-            )
-        embed_key, blocks_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        x_BTD = self.embed(tokens_BT, positions_BT, embed_key)
-        x_BTD, new_cache = self.transform(x_BTD, positions_BT, cache, blocks_key, layers)
+        x_BTD, new_cache = self.hidden(tokens_BT, positions_BT, cache, dropout_key=dropout_key, layers=layers)
         logits_BTV = self.logits(x_BTD[:, -1:] if last_only else x_BTD)
-        if cache is None:
-            return logits_BTV
-        return logits_BTV, new_cache.advance(num_tokens)
+        return logits_BTV if cache is None else (logits_BTV, new_cache)

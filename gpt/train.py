@@ -89,6 +89,8 @@ class TrainConfig:
     """Parameter and optimizer-state dtype."""
     remat: bool = False
     """Recompute activations in the backward pass to save memory."""
+    scan_layers: bool = False
+    """Run the layers as one lax.scan: compile time flat in depth, a slightly slower step."""
     eval_interval: int = 100
     eval_iters: int = 10
     log_interval: int = 10
@@ -128,9 +130,7 @@ class TrainConfig:
 
 def loss_fn(model: GPT, batch_BT1: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
     """Mean next-token cross-entropy (nats, float32) of int32 windows [B, T + 1]."""
-    inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
-    logits = model(inputs, dropout_key=dropout_key)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return model.loss(batch_BT1[:, :-1], batch_BT1[:, 1:], dropout_key=dropout_key)
 
 
 def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -259,12 +259,13 @@ class NonFiniteLoss(RuntimeError):
 def _build_model(config: TrainConfig) -> GPT:
     if config.init_from != "scratch":
         model = gpt2.load(config.init_from, dtype=config.dtype, param_dtype=config.param_dtype)
-        if config.dropout or config.remat:
-            model.config = model.config.replace(dropout=config.dropout, remat=config.remat)
+        model.config = model.config.replace(dropout=config.dropout, remat=config.remat,
+                                            scan_layers=config.scan_layers)
     else:
         overrides = {k: v for k in ("n_layer", "n_head", "n_embd", "position") if (v := getattr(config, k)) is not None}
         model_config = GPTConfig.preset(config.model, dropout=config.dropout, dtype=config.dtype,
-                                        param_dtype=config.param_dtype, remat=config.remat, **overrides)
+                                        param_dtype=config.param_dtype, remat=config.remat,
+                                        scan_layers=config.scan_layers, **overrides)
         model = GPT(model_config, rngs=nnx.Rngs(config.seed))
     if config.block_size > model.config.block_size:
         raise ValueError(

@@ -1,0 +1,133 @@
+"""Next-token cross-entropy through the tied LM head, in chunks, without materializing the logits.
+
+For the CPU benchmark config (8 x 256 tokens, GPT-2's 50257-token vocabulary) the logits are 411 MB of
+float32, and the plain `softmax_cross_entropy(x @ wte.T)` streams them through memory about six times
+(max, exp, sum, and the gradient's scale and write) before the two backward matmuls read them again.
+Here the positions are cut into chunks whose logits fit in cache, and each chunk's gradients with respect
+to x and to the table are computed in the forward pass, while its logits are still hot: the loss is a
+scalar at the end of the graph, so the backward pass only scales them by the incoming cotangent. The
+matmuls are the same three as the plain version's; the passes over the logits become cache traffic.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["lm_head_cross_entropy"]
+
+# Bytes of float32 logits per chunk: on CPU a chunk stays in the last-level cache; on accelerators only
+# memory matters, and fewer, larger chunks keep the matmuls big.
+_CHUNK_BYTES = {"cpu": 128 << 20}
+_DEFAULT_CHUNK_BYTES = 1 << 30
+
+
+def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax.Array,
+                          chunk_bytes: int | None = None) -> jax.Array:
+    """Mean cross-entropy of `targets` under the logits `x @ table.T`, as
+    `optax.softmax_cross_entropy_with_integer_labels(x @ table.T, targets).mean()` computes it.
+
+    Args:
+      x_BTD: final hidden states [B, T, D] (any float dtype; the matmuls run in it).
+      table_VD: the tied embedding table [V, D], in x's dtype.
+      targets_BT: int32 next-token ids [B, T] in [0, V).
+      chunk_bytes: the float32 logits held at once (default: 128 MiB on CPU, 1 GiB elsewhere). The chunks
+        split T and keep B whole, so a batch split over devices stays split.
+    Returns:
+      the float32 scalar mean loss (nats). Differentiable in x and table.
+    """
+    B, T, _ = x_BTD.shape
+    if chunk_bytes is None:
+        chunk_bytes = _CHUNK_BYTES.get(jax.default_backend(), _DEFAULT_CHUNK_BYTES)
+    return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, chunk_bytes // (B * table_VD.shape[0] * 4)))
+
+
+def _chunk_length(T: int, longest: int) -> int:
+    """Positions per chunk: at most `longest` (but at least 1), dividing T where a divisor is near, so that
+    little or no padding is computed."""
+    count = -(-T // max(1, longest))
+    for more in range(count, 2 * count + 1):  # up to twice as many chunks, to find an exact split
+        if T % more == 0:
+            return T // more
+    return -(-T // count)
+
+
+def _chunks(a_BT: jax.Array, chunk: int) -> jax.Array:
+    """[B, T, ...] -> [n, B * chunk, ...]: T padded with zeros up to n * chunk, each chunk's rows flat
+    (XLA on CPU runs 2-D matmuls much faster than ones that contract two axes)."""
+    B, T = a_BT.shape[:2]
+    n = -(-T // chunk)
+    a_BT = jnp.pad(a_BT, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (a_BT.ndim - 2))
+    return jnp.moveaxis(a_BT.reshape(B, n, chunk, *a_BT.shape[2:]), 1, 0).reshape(n, B * chunk, *a_BT.shape[2:])
+
+
+def _unchunk(a_nM: jax.Array, B: int, T: int) -> jax.Array:
+    """The inverse of `_chunks`: [n, B * chunk, ...] -> [B, T, ...]."""
+    n, M = a_nM.shape[:2]
+    a_BnC = jnp.moveaxis(a_nM.reshape(n, B, M // B, *a_nM.shape[2:]), 0, 1)
+    return a_BnC.reshape(B, n * (M // B), *a_nM.shape[2:])[:, :T]
+
+
+def _chunked_inputs(x_BTD, targets_BT, chunk):
+    """x [n, M, D], targets [n, M] and a validity mask [n, M] (False on the padding), M = B * chunk."""
+    valid_BT = jnp.ones(targets_BT.shape, jnp.bool_)
+    return _chunks(x_BTD, chunk), _chunks(targets_BT, chunk), _chunks(valid_BT, chunk)
+
+
+def _chunk_loss(x_MD, table_VD, targets_M, valid_M):
+    """A chunk's summed loss, and the softmax-minus-one-hot gradient of its logits [M, V] (float32)."""
+    logits_MV = jax.lax.dot_general(x_MD, table_VD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    top_M1 = logits_MV.max(-1, keepdims=True)
+    exp_MV = jnp.exp(logits_MV - top_M1)
+    total_M1 = exp_MV.sum(-1, keepdims=True)
+    target_logit_M = jnp.take_along_axis(logits_MV, targets_M[:, None], axis=-1)[:, 0]
+    loss_M = (top_M1[:, 0] + jnp.log(total_M1[:, 0])) - target_logit_M
+    is_target_MV = jnp.arange(logits_MV.shape[-1]) == targets_M[:, None]
+    dlogits_MV = exp_MV / total_M1 - is_target_MV
+    # Padding rows need no mask in the gradient: their x is zero, so they add nothing to the table's
+    # gradient, and their rows of x's gradient are cut off.
+    return jnp.where(valid_M, loss_M, 0.0).sum(), dlogits_MV
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_loss(x_BTD, table_VD, targets_BT, chunk):
+    B, T, _ = x_BTD.shape
+
+    def add_chunk(total, xs):
+        x_MD, targets_M, valid_M = xs
+        return total + _chunk_loss(x_MD, table_VD, targets_M, valid_M)[0], None
+
+    xs = _chunked_inputs(x_BTD, targets_BT, chunk)
+    total, _ = jax.lax.scan(add_chunk, jnp.zeros((), jnp.float32), xs)
+    return total / (B * T)
+
+
+def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk):
+    B, T, _ = x_BTD.shape
+
+    def add_chunk(carry, xs):
+        total, dtable_VD = carry
+        x_MD, targets_M, valid_M = xs
+        loss, dlogits_MV = _chunk_loss(x_MD, table_VD, targets_M, valid_M)
+        dlogits_MV = dlogits_MV.astype(x_MD.dtype)
+        dx_MD = dlogits_MV @ table_VD
+        dtable_VD = dtable_VD + jax.lax.dot_general(dlogits_MV, x_MD, (((0,), (0,)), ((), ())),
+                                                    preferred_element_type=jnp.float32)
+        return (total + loss, dtable_VD), dx_MD
+
+    xs = _chunked_inputs(x_BTD, targets_BT, chunk)
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(table_VD.shape, jnp.float32))
+    (total, dtable_VD), dx_nMD = jax.lax.scan(add_chunk, init, xs)
+    # The gradients of the mean, ready for the backward pass to scale by its cotangent (1 for a loss).
+    dx_BTD = (_unchunk(dx_nMD, B, T) / (B * T)).astype(x_BTD.dtype)
+    return total / (B * T), (dx_BTD, (dtable_VD / (B * T)).astype(table_VD.dtype))
+
+
+def _chunked_loss_backward(chunk, residuals, cotangent):
+    dx_BTD, dtable_VD = residuals
+    return (cotangent * dx_BTD).astype(dx_BTD.dtype), (cotangent * dtable_VD).astype(dtable_VD.dtype), None
+
+
+_chunked_loss.defvjp(_chunked_loss_forward, _chunked_loss_backward)

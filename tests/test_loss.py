@@ -1,0 +1,93 @@
+"""The chunked LM-head cross-entropy against optax on materialized logits, and the model's loss."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gpt import GPT, GPTConfig
+from gpt.loss import _chunk_length, lm_head_cross_entropy
+
+
+def reference_loss(x_BTD, table_VD, targets_BT):
+    logits = jnp.einsum("BTD,VD->BTV", x_BTD, table_VD, preferred_element_type=jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BT).mean()
+
+
+B, T, D, V = 3, 37, 16, 101
+
+
+@pytest.mark.parametrize("positions_per_chunk", [1, 5, 8, 37])  # 5 and 8 pad T=37; 37 is one chunk
+def test_value_and_gradients_equal_the_materialized_logits(positions_per_chunk):
+    x = jax.random.normal(jax.random.key(0), (B, T, D))
+    table = jax.random.normal(jax.random.key(1), (V, D))
+    targets = jax.random.randint(jax.random.key(2), (B, T), 0, V)
+    chunk_bytes = positions_per_chunk * B * V * 4
+    assert _chunk_length(T, positions_per_chunk) == positions_per_chunk
+
+    def chunked(x, table):
+        return lm_head_cross_entropy(x, table, targets, chunk_bytes=chunk_bytes)
+
+    loss, (dx, dtable) = jax.jit(jax.value_and_grad(chunked, (0, 1)))(x, table)
+    ref_loss, (ref_dx, ref_dtable) = jax.value_and_grad(reference_loss, (0, 1))(x, table, targets)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(chunked)(x, table), ref_loss, rtol=1e-6)  # the forward alone
+    np.testing.assert_allclose(dx, ref_dx, atol=1e-7)
+    np.testing.assert_allclose(dtable, ref_dtable, atol=1e-7)
+    # The cotangent scales the gradients computed in the forward pass.
+    scaled = jax.grad(lambda x, table: -2.5 * chunked(x, table), (0, 1))(x, table)
+    np.testing.assert_allclose(scaled[0], -2.5 * ref_dx, atol=1e-6)
+    np.testing.assert_allclose(scaled[1], -2.5 * ref_dtable, atol=1e-6)
+
+
+def test_bfloat16_inputs_give_bfloat16_gradients_close_to_float32():
+    x = jax.random.normal(jax.random.key(0), (B, T, D))
+    table = jax.random.normal(jax.random.key(1), (V, D)) * 0.3
+    targets = jax.random.randint(jax.random.key(2), (B, T), 0, V)
+    loss, (dx, dtable) = jax.value_and_grad(lm_head_cross_entropy, (0, 1))(
+        x.astype(jnp.bfloat16), table.astype(jnp.bfloat16), targets)
+    ref_loss, (ref_dx, ref_dtable) = jax.value_and_grad(reference_loss, (0, 1))(x, table, targets)
+    assert loss.dtype == jnp.float32 and dx.dtype == dtable.dtype == jnp.bfloat16
+    # bfloat16 keeps 8 bits of mantissa: the inputs' rounding alone moves the logits by ~1%.
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
+    np.testing.assert_allclose(dx.astype(jnp.float32), ref_dx, atol=2e-2 * float(jnp.abs(ref_dx).max()))
+    np.testing.assert_allclose(dtable.astype(jnp.float32), ref_dtable, atol=2e-2 * float(jnp.abs(ref_dtable).max()))
+
+
+def test_chunk_length_prefers_an_exact_split():
+    assert _chunk_length(256, 83) == 64  # 4 chunks of 64, no padding
+    assert _chunk_length(256, 41) == 32  # 7 would pad; 8 divides
+    assert _chunk_length(256, 1000) == 256
+    assert _chunk_length(37, 8) == 8  # 37 is prime: 5 chunks of 8, 3 positions of padding
+    assert _chunk_length(10, 0) == 1
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_model_loss_and_gradients_equal_the_logits_cross_entropy(scan_layers):
+    config = GPTConfig.preset("tiny", scan_layers=scan_layers)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, config.vocab_size)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def fused(params):
+        return nnx.merge(graphdef, params).loss(inputs, targets)
+
+    def plain(params):
+        logits = nnx.merge(graphdef, params)(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    loss, grads = jax.value_and_grad(fused)(params)
+    ref_loss, ref_grads = jax.value_and_grad(plain)(params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for (path, g), ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, ref, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_scanned_and_unrolled_layers_agree():
+    configs = [GPTConfig.preset("tiny", scan_layers=flag) for flag in (False, True)]
+    unrolled, scanned = (GPT(config, rngs=nnx.Rngs(0)) for config in configs)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, configs[0].vocab_size)
+    np.testing.assert_allclose(unrolled(tokens), scanned(tokens), atol=1e-5)
