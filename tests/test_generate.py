@@ -69,6 +69,15 @@ def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
     assert len({tuple(t) for t in batched}) == len(prompts)  # the rows really differ
 
 
+def test_new_weights_are_used_by_the_next_call():
+    # generate keeps a decode-ready copy of the block weights between calls; it must notice new ones.
+    model, other = scaled_model("learned", seed=0), scaled_model("learned", seed=1)
+    prompt = [[5, 17, 42]]
+    before = generate(model, prompt, 12, temperature=0)
+    nnx.update(model, nnx.state(other))
+    assert generate(model, prompt, 12, temperature=0) == generate(other, prompt, 12, temperature=0) != before
+
+
 def test_compile_count_is_flat_within_a_bucket():
     model = scaled_model("rope", rope_theta=5000.0)  # a config no other test compiles for
     size = _compiled_decode_loop._cache_size()

@@ -125,6 +125,7 @@ def test_checkpoint_moves_between_8_devices_and_1(tmp_path, corpus):
     resumed_on_one = run(tmp_path / "a", corpus, max_steps=6, num_devices=1)
     assert resumed_on_one["start_step"] == 3
     one = run(tmp_path / "b", corpus, max_steps=6, stop_after=3, num_devices=1)
+    assert one["step"] == 3
     one_more = run(tmp_path / "b", corpus, max_steps=6, mesh="data=2,fsdp=4")
     assert one_more["start_step"] == 3
     for a, b in zip(flat(resumed_on_one["params"]), flat(one_more["params"])):
