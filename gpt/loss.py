@@ -16,6 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gpt.sharding import constrain, data_parallel_size
+
 __all__ = ["lm_head_cross_entropy"]
 
 # Bytes of float32 logits per chunk: on CPU a chunk stays in the last-level cache; on accelerators only
@@ -33,15 +35,24 @@ def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax
       x_BTD: final hidden states [B, T, D] (any float dtype; the matmuls run in it).
       table_VD: the tied embedding table [V, D], in x's dtype.
       targets_BT: int32 next-token ids [B, T] in [0, V).
-      chunk_bytes: the float32 logits held at once (default: 128 MiB on CPU, 1 GiB elsewhere). The chunks
-        split T and keep B whole, so a batch split over devices stays split.
+      chunk_bytes: the float32 logits each device holds at once (default: 128 MiB on CPU, 1 GiB
+        elsewhere). The chunks split T and keep B whole, so a batch split over devices stays split.
     Returns:
       the float32 scalar mean loss (nats). Differentiable in x and table.
     """
     B, T, _ = x_BTD.shape
     if chunk_bytes is None:
         chunk_bytes = _CHUNK_BYTES.get(jax.default_backend(), _DEFAULT_CHUNK_BYTES)
-    return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, chunk_bytes // (B * table_VD.shape[0] * 4)))
+    shards = _batch_shards(B)
+    longest = chunk_bytes // (B // shards * table_VD.shape[0] * 4)
+    return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, longest), shards)
+
+
+def _batch_shards(B: int) -> int:
+    """How many ways the active mesh splits a batch of B rows (1 without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = 1 if mesh.empty else data_parallel_size(mesh)
+    return shards if B % shards == 0 else 1
 
 
 def _chunk_length(T: int, longest: int) -> int:
@@ -91,8 +102,8 @@ def _chunk_loss(x_MD, table_VD, targets_M, valid_M):
     return jnp.where(valid_M, loss_M, 0.0).sum(), dlogits_MV
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked_loss(x_BTD, table_VD, targets_BT, chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_loss(x_BTD, table_VD, targets_BT, chunk, shards):
     B, T, _ = x_BTD.shape
 
     def add_chunk(total, xs):
@@ -104,28 +115,33 @@ def _chunked_loss(x_BTD, table_VD, targets_BT, chunk):
     return total / (B * T)
 
 
-def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk):
-    B, T, _ = x_BTD.shape
+def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards):
+    B, T, D = x_BTD.shape
+    V = table_VD.shape[0]
 
     def add_chunk(carry, xs):
-        total, dtable_VD = carry
+        total, dtable_SVD = carry
         x_MD, targets_M, valid_M = xs
         loss, dlogits_MV = _chunk_loss(x_MD, table_VD, targets_M, valid_M)
         dlogits_MV = dlogits_MV.astype(x_MD.dtype)
         dx_MD = dlogits_MV @ table_VD
-        dtable_VD = dtable_VD + jax.lax.dot_general(dlogits_MV, x_MD, (((0,), (0,)), ((), ())),
-                                                    preferred_element_type=jnp.float32)
-        return (total + loss, dtable_VD), dx_MD
+        # The table's gradient sums over the rows, which are split over `shards` devices: keep one partial
+        # sum per shard through the loop and add them up once after it, rather than once per chunk.
+        rows = x_MD.shape[0] // shards
+        dtable_SVD = dtable_SVD + jnp.einsum("SmV,SmD->SVD", dlogits_MV.reshape(shards, rows, V),
+                                             x_MD.reshape(shards, rows, D), preferred_element_type=jnp.float32)
+        return (total + loss, constrain(dtable_SVD, ("batch", "vocab", None))), dx_MD
 
     xs = _chunked_inputs(x_BTD, targets_BT, chunk)
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(table_VD.shape, jnp.float32))
-    (total, dtable_VD), dx_nMD = jax.lax.scan(add_chunk, init, xs)
+    partial_SVD = constrain(jnp.zeros((shards, V, D), jnp.float32), ("batch", "vocab", None))
+    (total, dtable_SVD), dx_nMD = jax.lax.scan(add_chunk, (jnp.zeros((), jnp.float32), partial_SVD), xs)
     # The gradients of the mean, ready for the backward pass to scale by its cotangent (1 for a loss).
     dx_BTD = (_unchunk(dx_nMD, B, T) / (B * T)).astype(x_BTD.dtype)
-    return total / (B * T), (dx_BTD, (dtable_VD / (B * T)).astype(table_VD.dtype))
+    dtable_VD = (dtable_SVD.sum(0) / (B * T)).astype(table_VD.dtype)
+    return total / (B * T), (dx_BTD, dtable_VD)
 
 
-def _chunked_loss_backward(chunk, residuals, cotangent):
+def _chunked_loss_backward(chunk, shards, residuals, cotangent):
     dx_BTD, dtable_VD = residuals
     return (cotangent * dx_BTD).astype(dx_BTD.dtype), (cotangent * dtable_VD).astype(dtable_VD.dtype), None
 
