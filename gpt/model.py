@@ -245,7 +245,7 @@ class GPT(nnx.Module):
 
         Without a cache and with `config.scan_layers`, one lax.scan runs over the stacked layers (compile
         time flat in depth). Otherwise the blocks run unrolled, each over its own layer's weights (sliced
-        here, or given as `layers` from `self.blocks.unstacked()`, which a decode loop slices once outside
+        here, or given as `layers`: a decode loop passes `self.blocks.for_decoding()`, made once outside
         the loop) and, with a cache, its own cache buffers.
         """
         config = self.config
@@ -298,12 +298,9 @@ class GPT(nnx.Module):
 
     def logits(self, x_BTD: jax.Array) -> jax.Array:
         """The tied LM head: float32 logits [B, T, V]."""
-        B, T, D = x_BTD.shape
-        # Contract over the table's own D axis: spelled as `x @ wte.T`, XLA on CPU copies the transposed
-        # 154 MB table before every decode step.
-        logits_MV = jax.lax.dot_general(x_BTD.reshape(B * T, D), self.wte[...].astype(x_BTD.dtype),
-                                        (((1,), (1,)), ((), ())))
-        logits_BTV = logits_MV.reshape(B, T, -1)
+        # The table [V, D] already is an output-major matrix: contract over its own D axis. Spelled as
+        # `x @ wte.T`, XLA on CPU copies the transposed 154 MB table before every decode step.
+        logits_BTV = dense(x_BTD, OutputMajor(self.wte[...].astype(x_BTD.dtype)))
         return constrain(logits_BTV.astype(jnp.float32), ("batch", None, "vocab"))
 
     def hidden(
@@ -355,7 +352,8 @@ class GPT(nnx.Module):
           cache: a KVCache to read and extend; None for the plain (training) forward.
           dropout_key: a PRNG key to apply dropout with (training); None disables dropout.
           last_only: only the last position's logits ([B, 1, V]), as a prefill needs.
-          layers: per-layer parameters to run unrolled (see `transform`).
+          layers: per-layer parameters to run unrolled (`Blocks.unstacked` or `Blocks.for_decoding`; see
+            `transform`).
         Returns:
           float32 logits [B, T, V] without a cache; (logits, updated cache) with one.
         """
