@@ -2,7 +2,8 @@
 
 import tyro
 
+from gpt.errors import cli_main
 from gpt.sample import SampleConfig, sample
 
 if __name__ == "__main__":
-    sample(tyro.cli(SampleConfig))
+    cli_main(sample)(tyro.cli(SampleConfig))

@@ -7,6 +7,8 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from gpt.errors import ConfigError
+
 __all__ = ["GPTConfig", "PRESETS"]
 
 Position = Literal["learned", "sinusoidal", "rope"]
@@ -22,7 +24,9 @@ class GPTConfig:
     Attributes:
       vocab_size: number of token ids; 50257 for GPT-2's BPE.
       block_size: the context length, in tokens.
-      n_layer, n_head, n_embd: depth, attention heads, model width (n_embd % n_head == 0).
+      n_layer: depth, the number of transformer blocks.
+      n_head: attention heads per block.
+      n_embd: the model width (a multiple of n_head).
       position: how positions enter: a `learned` table (GPT-2), a fixed `sinusoidal` table added to the
         token embeddings, or `rope` (rotary, applied to queries and keys in every layer).
       rope_theta: the rotary base frequency.
@@ -58,31 +62,31 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
-            raise ValueError(
+            raise ConfigError(
                 f"GPTConfig.n_embd={self.n_embd} must be divisible by GPTConfig.n_head={self.n_head}"
             )
         if self.position not in ("learned", "sinusoidal", "rope"):
-            raise ValueError(
+            raise ConfigError(
                 f"GPTConfig.position must be 'learned', 'sinusoidal' or 'rope', got {self.position!r}"
             )
         if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(
+            raise ConfigError(
                 f"GPTConfig.position='rope' needs an even head_dim, but n_embd/n_head = "
                 f"{self.n_embd}/{self.n_head} = {self.head_dim}"
             )
         if self.position == "sinusoidal" and self.n_embd % 2:
-            raise ValueError(f"GPTConfig.position='sinusoidal' needs an even n_embd, got {self.n_embd}")
+            raise ConfigError(f"GPTConfig.position='sinusoidal' needs an even n_embd, got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+            raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         if self.rope_theta <= 0:
-            raise ValueError(f"GPTConfig.rope_theta must be positive, got {self.rope_theta}")
+            raise ConfigError(f"GPTConfig.rope_theta must be positive, got {self.rope_theta}")
         if self.layer_norm_epsilon <= 0:
-            raise ValueError(f"GPTConfig.layer_norm_epsilon must be positive, got {self.layer_norm_epsilon}")
+            raise ConfigError(f"GPTConfig.layer_norm_epsilon must be positive, got {self.layer_norm_epsilon}")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
-                raise ValueError(
+                raise ConfigError(
                     f"GPTConfig.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}"
                 )
 
@@ -113,7 +117,7 @@ class GPTConfig:
         minutes; `tiny` is for tests.
         """
         if name not in PRESETS:
-            raise ValueError(f"unknown GPTConfig preset {name!r}; known presets: {', '.join(PRESETS)}")
+            raise ConfigError(f"unknown GPTConfig preset {name!r}; known presets: {', '.join(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
 
     def num_params(self, include_embedding: bool = True) -> int:

@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from gpt.errors import ConfigError, MissingInput
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["prepare", "Batches", "default_corpus", "unigram_loss"]
+__all__ = ["prepare", "Batches", "default_corpus", "corpus_identity", "unigram_loss"]
 
 SUFFIXES = (".txt", ".md", ".py", ".rst", ".tex", ".html", ".json", ".csv", ".c", ".h")
 
@@ -33,7 +34,7 @@ def default_corpus() -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.glob("*.py") if p.is_file())
     if not files:
-        raise FileNotFoundError(f"no standard-library sources found in {stdlib}; pass --data PATHS")
+        raise MissingInput(f"no standard-library sources found in {stdlib}; pass --data PATHS")
     return files
 
 
@@ -48,10 +49,10 @@ def _expand(inputs: Sequence[str | os.PathLike]) -> list[Path]:
         else:
             matches = sorted(Path(m) for m in glob.glob(str(item), recursive=True) if Path(m).is_file())
             if not matches:
-                raise FileNotFoundError(f"data input {str(item)!r} is not a file, a directory or a matching glob")
+                raise MissingInput(f"data input {str(item)!r} is not a file, a directory or a matching glob")
             files.extend(matches)
     if not files:
-        raise ValueError(f"no text files found in {[str(i) for i in inputs]} (directories are searched for {SUFFIXES})")
+        raise ConfigError(f"no text files found in {[str(i) for i in inputs]} (directories are searched for {SUFFIXES})")
     return files
 
 
@@ -59,6 +60,36 @@ def _read(path: Path) -> tuple[str, int]:
     """The file's text; bytes that are not UTF-8 become U+FFFD (counted, so prepare can report them)."""
     text = path.read_bytes().decode("utf-8", errors="replace")
     return text, text.count("\ufffd")
+
+
+_BINARY_PROBE = 8192
+
+
+def _sha256_of_text_file(path: Path) -> str:
+    """The file's SHA-256; ConfigError if it is binary: a NUL byte in its first 8 KiB (git's rule), which
+    text in any encoding that GPT-2's tokenizer is meant for never has."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        head = file.read(_BINARY_PROBE)
+        if b"\0" in head:
+            raise ConfigError(f"data input {str(path)!r} is binary (a NUL byte in its first {_BINARY_PROBE} bytes); "
+                              f"pass text files only")
+        digest.update(head)
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sources(inputs: Sequence[str | os.PathLike]) -> list[dict]:
+    return [{"path": str(p), "sha256": _sha256_of_text_file(p)} for p in _expand(inputs)]
+
+
+def corpus_identity(inputs: Sequence[str | os.PathLike], val_fraction: float) -> dict:
+    """What makes a corpus this corpus, independent of where its files are: the number of files, one
+    SHA-256 over their contents' hashes in order, and the split. Refuses missing and binary inputs."""
+    hashes = [source["sha256"] for source in _sources(inputs)]
+    return {"files": len(hashes), "sha256": hashlib.sha256("".join(hashes).encode()).hexdigest(),
+            "val_fraction": val_fraction}
 
 
 def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val_fraction: float = 0.1) -> dict:
@@ -69,10 +100,10 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
     Returns the metadata.
     """
     if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
     out_dir = Path(out_dir)
-    files = _expand(inputs)
-    sources = [{"path": str(p), "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files]
+    sources = _sources(inputs)
+    files = [Path(source["path"]) for source in sources]
     meta_path = out_dir / "meta.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
@@ -88,7 +119,7 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
                             desc="tokenizing", unit="file", disable=None))
     ids = np.fromiter((t for doc in encoded for t in (*doc, tokenizer.eot_id)), dtype=np.uint16)
     if ids.size <= len(files):  # nothing but the separators
-        raise ValueError(f"the corpus {[str(i) for i in inputs]} is empty: it has no tokens")
+        raise ConfigError(f"the corpus {[str(i) for i in inputs]} is empty: it has no tokens")
     split = int(ids.size * (1 - val_fraction))
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, part in (("train.bin", ids[:split]), ("val.bin", ids[split:])):
@@ -114,12 +145,12 @@ class Batches:
                  process_index: int = 0, process_count: int = 1):
         self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
         if self.tokens.size < block_size + 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{path} has {self.tokens.size} tokens, fewer than block_size + 1 = {block_size + 1}: "
                 f"use more text or a smaller block_size"
             )
         if batch_size % process_count:
-            raise ValueError(f"batch_size={batch_size} must be divisible by the process count {process_count}")
+            raise ConfigError(f"batch_size={batch_size} must be divisible by the process count {process_count}")
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         rows = batch_size // process_count
         self.rows = slice(process_index * rows, (process_index + 1) * rows)

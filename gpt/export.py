@@ -11,6 +11,7 @@ import tyro
 
 from gpt import gpt2
 from gpt.checkpoint import load_model
+from gpt.errors import cli_main
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,11 +19,13 @@ class ExportConfig:
     out_dir: str = "out"
     """The training run's out_dir."""
     hf_dir: str = "exported"
-    """Where to write config.json + model.safetensors (loadable by GPT2LMHeadModel.from_pretrained)."""
+    """Where to write config.json + model.safetensors (loadable by GPT2LMHeadModel.from_pretrained): a new or
+    empty directory, or a previous export, which is replaced whole."""
     step: int | None = None
     """The checkpoint step (default: the latest)."""
 
 
+@cli_main
 def main(config: ExportConfig) -> None:
     path = gpt2.save(load_model(config.out_dir, config.step), config.hf_dir)
     print(f"wrote {path}")

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from gpt.errors import ConfigError
 from gpt.kv_cache import KVCache
 from gpt.model import GPT
 from gpt.sampling import SamplingParams, choose
@@ -168,21 +169,21 @@ def _cached_decoding_layers(model: GPT, graphdef: nnx.GraphDef, state: nnx.State
 
 def _validate_prompts(prompts, max_new_tokens: int, config) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
+        raise ConfigError("prompts must be a non-empty list of token-id lists")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     checked = []
     for row, prompt in enumerate(prompts):
         ids = np.asarray(prompt)
         if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"prompt {row} is empty: every prompt needs at least one token")
+            raise ConfigError(f"prompt {row} is empty: every prompt needs at least one token")
         if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"prompt {row} must hold integer token ids, got dtype {ids.dtype}")
+            raise ConfigError(f"prompt {row} must hold integer token ids, got dtype {ids.dtype}")
         if ids.min() < 0 or ids.max() >= config.vocab_size:
             bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-            raise ValueError(f"prompt {row} has token id {bad} outside the vocabulary [0, {config.vocab_size})")
+            raise ConfigError(f"prompt {row} has token id {bad} outside the vocabulary [0, {config.vocab_size})")
         if ids.size + max_new_tokens > config.block_size:
-            raise ValueError(
+            raise ConfigError(
                 f"prompt {row} has {ids.size} tokens; with max_new_tokens={max_new_tokens} that is "
                 f"{ids.size + max_new_tokens}, beyond the model's context of {config.block_size} tokens"
             )
@@ -229,7 +230,7 @@ def generate(
     params = SamplingParams.create(temperature, top_k, top_p, min_p, repetition_penalty)
     stop_tokens = [int(t) for t in stop_tokens]
     if any(not 0 <= t < config.vocab_size for t in stop_tokens):
-        raise ValueError(f"stop_tokens {stop_tokens} must be ids in [0, {config.vocab_size})")
+        raise ConfigError(f"stop_tokens {stop_tokens} must be ids in [0, {config.vocab_size})")
 
     num_rows, longest = len(prompts), max(len(p) for p in prompts)
     batch = _bucket(num_rows, 1)
@@ -291,7 +292,7 @@ def generate_text(
     cut before the first stop string. `on_text(row, piece)` streams decoded text as it is produced.
     Other keyword arguments are `generate`'s."""
     if isinstance(prompts, str):
-        raise ValueError("prompts must be a list of strings, got one string")
+        raise ConfigError("prompts must be a list of strings, got one string")
     tokenizer = get_tokenizer()
     on_token = None
     if on_text is not None:

@@ -8,8 +8,10 @@ from pathlib import Path
 
 from gpt import gpt2
 from gpt.checkpoint import has_checkpoint, load_model
+from gpt.errors import ConfigError, MissingInput
 from gpt.generate import generate_text
 from gpt.model import GPT
+from gpt.sampling import SamplingParams
 from gpt.sharding import make_mesh, parse_mesh
 
 __all__ = ["SampleConfig", "load", "sample"]
@@ -48,18 +50,26 @@ def load(init_from: str, dtype: str = "float32") -> GPT:
         return load_model(init_from, dtype=dtype)
     if (Path(init_from) / "config.json").is_file() or init_from in gpt2.HUB_NAMES:
         return gpt2.load(init_from, dtype=dtype)
-    raise FileNotFoundError(
+    raise MissingInput(
         f"--init_from {init_from!r} is not a training out_dir with checkpoints, a Hugging Face GPT-2 "
         f"directory, or a GPT-2 hub name ({', '.join(gpt2.HUB_NAMES)})"
     )
 
 
 def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
+    """Print (and return) `config.num_samples` completions. Every setting is checked before the model is
+    loaded or anything compiled."""
+    knobs = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
+                 repetition_penalty=config.repetition_penalty)
+    SamplingParams.create(**knobs)  # raises ConfigError naming the knob and its bound
+    for name in ("num_samples", "max_new_tokens"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"SampleConfig.{name} must be >= 1, got {getattr(config, name)}")
+    if config.start.startswith("FILE:") and not Path(config.start[5:]).is_file():
+        raise MissingInput(f"--start {config.start!r}: no such file")
     start = Path(config.start[5:]).read_text() if config.start.startswith("FILE:") else config.start
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     model = load(config.init_from, config.dtype)
-    knobs = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
-                 repetition_penalty=config.repetition_penalty)
     texts = []
     for i in range(config.num_samples if config.stream else 1):
         rows = 1 if config.stream else config.num_samples

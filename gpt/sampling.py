@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gpt.errors import ConfigError
+
 __all__ = ["SamplingParams", "penalize_repetition", "filter_logits", "choose"]
 
 
@@ -36,15 +38,15 @@ class SamplingParams:
     @classmethod
     def create(cls, temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> SamplingParams:
         if temperature is None or not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+            raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
         if top_k is not None and (int(top_k) != top_k or top_k < 1):
-            raise ValueError(f"top_k must be an integer >= 1 (or None for no limit), got {top_k}")
+            raise ConfigError(f"top_k must be an integer >= 1 (or None for no limit), got {top_k}")
         if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (or None), got {top_p}")
+            raise ConfigError(f"top_p must be in (0, 1] (or None), got {top_p}")
         if min_p is not None and not 0 <= min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1] (or None), got {min_p}")
+            raise ConfigError(f"min_p must be in [0, 1] (or None), got {min_p}")
         if not repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {repetition_penalty}")
+            raise ConfigError(f"repetition_penalty must be > 0 (1 is off), got {repetition_penalty}")
         return cls(
             temperature=jnp.float32(temperature),
             top_k=jnp.int32(top_k or 0),

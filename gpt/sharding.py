@@ -15,6 +15,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gpt.errors import ConfigError
+
 __all__ = ["MESH_AXES", "RULES", "logical_to_spec", "constrain", "make_mesh", "parse_mesh", "param_shardings",
            "shard_state", "replicated", "batch_sharding", "data_parallel_size", "bytes_per_device",
            "initialize_distributed"]
@@ -47,7 +49,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: dict = RULES) -> Partitio
             continue
         for mesh_axis in (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes:
             if mesh_axis in used:
-                raise ValueError(
+                raise ConfigError(
                     f"logical axes {used[mesh_axis]!r} and {name!r} of one array (axes {tuple(axes)}) both map "
                     f"to mesh axis {mesh_axis!r}; change gpt.sharding.RULES"
                 )
@@ -70,7 +72,7 @@ def parse_mesh(text: str) -> dict[str, int]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
         if name not in MESH_AXES or not value.lstrip("-").isdigit():
-            raise ValueError(f"mesh entry {part!r} must be AXIS=SIZE with AXIS one of {MESH_AXES}")
+            raise ConfigError(f"mesh entry {part!r} must be AXIS=SIZE with AXIS one of {MESH_AXES}")
         sizes[name] = int(value)
     return sizes
 
@@ -84,17 +86,17 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     for name, size in sizes.items():
         if size != -1 and size < 1:
-            raise ValueError(f"mesh axis {name}={size} must be >= 1 (or -1 to fill)")
+            raise ConfigError(f"mesh axis {name}={size} must be >= 1 (or -1 to fill)")
     fill = [name for name, size in sizes.items() if size == -1]
     if len(fill) > 1:
-        raise ValueError(f"only one mesh axis may be -1, got {fill}")
+        raise ConfigError(f"only one mesh axis may be -1, got {fill}")
     known = math.prod(size for size in sizes.values() if size != -1)
     if fill:
         if len(devices) % known:
-            raise ValueError(f"mesh {sizes}: the fixed axes ({known} devices) do not divide the {len(devices)} devices")
+            raise ConfigError(f"mesh {sizes}: the fixed axes ({known} devices) do not divide the {len(devices)} devices")
         sizes[fill[0]] = len(devices) // known
     if math.prod(sizes.values()) != len(devices):
-        raise ValueError(
+        raise ConfigError(
             f"mesh data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} = "
             f"{math.prod(sizes.values())} devices, but there are {len(devices)}"
         )
@@ -120,7 +122,7 @@ def _fit(name: str, axes: Sequence[str | None], shape, mesh: Mesh) -> PartitionS
         elif logical in _REPLICATED_WHEN_UNEVEN:
             fitted.append(None)
         else:
-            raise ValueError(
+            raise ConfigError(
                 f"parameter {name} {tuple(shape)}: dimension {dim} ({logical}={shape[dim]}) cannot be split "
                 f"{ways} ways over mesh axes {names} ({dict(mesh.shape)}); choose mesh sizes that divide it"
             )
@@ -184,8 +186,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     """
     given = [coordinator_address is not None, num_processes is not None, process_id is not None]
     if any(given) and not all(given):
-        raise ValueError("pass coordinator_address, num_processes and process_id together, or none of them "
+        raise ConfigError("pass coordinator_address, num_processes and process_id together, or none of them "
                          f"(got {coordinator_address=}, {num_processes=}, {process_id=})")
     if num_processes is not None and not 0 <= process_id < num_processes:
-        raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+        raise ConfigError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)

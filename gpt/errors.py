@@ -1,0 +1,81 @@
+"""The errors a user can act on, and how the command-line entry points report them.
+
+Two kinds of failure are told apart from bugs:
+
+- `UserError`: the input is wrong (a flag, a path, a corpus, a mesh, a sampling knob). Raised before any
+  compile. The CLIs print its message alone, with no traceback, and exit 2 (argparse's code for usage).
+- `RunFailed`: the run itself went wrong in a way the user must know about (a non-finite step, a failed
+  save, a checkpoint written by a different run). One message, exit 1; what was saved is intact.
+
+Anything else is a bug and keeps its traceback. `MissingInput` also subclasses `FileNotFoundError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+
+__all__ = ["UserError", "ConfigError", "MissingInput", "RunFailed", "cli_main"]
+
+
+class UserError(Exception):
+    """Bad input: the CLIs print the message alone and exit 2."""
+
+
+class ConfigError(UserError):
+    """A setting, a mesh, a corpus or a checkpoint that cannot be used as given.
+
+    Deliberately not a ValueError: tyro reports a ValueError raised while it builds a config as a box of
+    its own, and Python's own ValueErrors (bugs) should never be mistaken for bad input."""
+
+
+class MissingInput(UserError, FileNotFoundError):
+    """A path the user named does not exist or holds nothing usable."""
+
+
+class RunFailed(RuntimeError):
+    """The run stopped on purpose (a non-finite step, a failed save): the CLIs print this line and exit 1."""
+
+
+class _DropOrbaxErrors(logging.Filter):
+    """Drops the ERROR records that a failed background save leaves: Orbax logs it from each of its
+    threads, and asyncio logs each of its unretrieved write tasks, all with tracebacks, before the failure
+    reaches the caller. The CLI reports it once, as RunFailed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and ("orbax" in record.pathname or "orbax" in record.getMessage()))
+
+
+def _quiet_closed_loop(previous):
+    """An unraisable-exception hook that drops tensorstore's callbacks into Orbax's closed event loop (the
+    writes of a failed save that finish after it gave up) and hands anything else to `previous`."""
+
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(unraisable)
+
+    return hook
+
+
+def cli_main(function):
+    """Wrap a CLI's `main` so that a UserError or RunFailed ends it with one line on stderr, exit 2 or 1.
+
+    It also keeps a failed checkpoint save from printing dozens of tracebacks before that line."""
+
+    @functools.wraps(function)
+    def main(*args, **kwargs):
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(_DropOrbaxErrors())
+        sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+        try:
+            return function(*args, **kwargs)
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+        except RunFailed as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(1)
+
+    return main
