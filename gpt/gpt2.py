@@ -26,6 +26,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from gpt.config import GPTConfig
+from gpt.errors import ConfigError, MissingInput
 from gpt.model import GPT
 
 __all__ = ["load", "save", "config_from_hf", "resolve"]
@@ -73,7 +74,7 @@ def _hf_shape(config: GPTConfig, hf_name: str) -> tuple[int, ...]:
 def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     """A GPTConfig from a Hugging Face GPT-2 `config.json`; ValueError if it describes another model."""
     if hf.get("model_type") != "gpt2":
-        raise ValueError(f"config.json: model_type must be 'gpt2', got {hf.get('model_type')!r}")
+        raise ConfigError(f"config.json: model_type must be 'gpt2', got {hf.get('model_type')!r}")
     requirements = {
         "activation_function": ("gelu_new", ("gelu_new", "gelu_pytorch_tanh")),
         "scale_attn_weights": (True, (True,)),
@@ -82,11 +83,11 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     }
     for field, (default, allowed) in requirements.items():
         if hf.get(field, default) not in allowed:
-            raise ValueError(f"config.json: {field}={hf.get(field)!r} is not supported (expected one of {allowed})")
+            raise ConfigError(f"config.json: {field}={hf.get(field)!r} is not supported (expected one of {allowed})")
     n_embd = hf.get("n_embd", 768)
     n_inner = hf.get("n_inner") or 4 * n_embd
     if n_inner % n_embd:
-        raise ValueError(f"config.json: n_inner={n_inner} must be a multiple of n_embd={n_embd}")
+        raise ConfigError(f"config.json: n_inner={n_inner} must be a multiple of n_embd={n_embd}")
     fields = dict(
         vocab_size=hf.get("vocab_size", 50257), block_size=hf.get("n_positions", 1024),
         n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd,
@@ -98,7 +99,7 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
 
 def config_to_hf(config: GPTConfig) -> dict:
     if config.position != "learned" or not config.bias:
-        raise ValueError(
+        raise ConfigError(
             f"the GPT-2 format needs position='learned' and bias=True, got position={config.position!r}, "
             f"bias={config.bias}"
         )
@@ -140,12 +141,12 @@ def resolve(source: str | os.PathLike) -> Path:
                 for snapshot in snapshots:
                     if (snapshot / "config.json").is_file():
                         return snapshot
-        raise FileNotFoundError(
+        raise MissingInput(
             f"GPT-2 checkpoint {str(source)!r} is not in the local Hugging Face cache (looked in "
             f"{', '.join(looked)}); download it where there is a network (`huggingface-cli download "
             f"{source}`) or pass a directory with config.json and model.safetensors"
         )
-    raise FileNotFoundError(
+    raise MissingInput(
         f"{str(source)!r} is neither a directory nor a GPT-2 hub name ({', '.join(HUB_NAMES)})"
     )
 
@@ -158,9 +159,27 @@ _TORCH_STORAGE_DTYPES = {
 
 
 def _rebuild_tensor(storage, offset, size, stride, *_unused):
+    """The tensor `torch._utils._rebuild_tensor_v2` would build, after checking that every element it
+    addresses lies inside its storage (a crafted file could otherwise read memory beyond it)."""
+    if not isinstance(storage, np.ndarray) or storage.ndim != 1:
+        raise pickle.UnpicklingError("a tensor's storage is not a storage")
+    size, stride = tuple(size), tuple(stride)
+    numbers = (offset, *size, *stride)
+    if len(size) != len(stride) or not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+        raise pickle.UnpicklingError(f"a tensor has malformed offset/size/stride {offset}, {size}, {stride}")
+    if offset < 0 or any(n < 0 for n in size) or any(s < 0 for s in stride):
+        raise pickle.UnpicklingError(f"a tensor has a negative offset, size or stride: {offset}, {size}, {stride}")
+    if 0 not in size:
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+        if last >= storage.size:
+            raise pickle.UnpicklingError(
+                f"a tensor of size {size} (offset {offset}, stride {stride}) reaches element {last} of a "
+                f"storage of {storage.size}")
+    elif offset > storage.size:
+        raise pickle.UnpicklingError(f"a tensor's offset {offset} is beyond its storage of {storage.size}")
     itemsize = storage.dtype.itemsize
     view = np.lib.stride_tricks.as_strided(
-        storage[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
+        storage[offset:], shape=size, strides=tuple(s * itemsize for s in stride)
     )
     return np.array(view)
 
@@ -182,19 +201,31 @@ class _TensorOnlyUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: only tensors may be in a checkpoint")
 
     def persistent_load(self, pid):
-        kind, dtype, key, _location, _numel = pid
-        if kind != "storage":
-            raise pickle.UnpicklingError(f"unexpected persistent id {kind!r}")
-        raw = self.archive.read(f"{self.prefix}/data/{key}")
-        return np.frombuffer(raw, dtype=np.dtype(dtype))
+        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        _, dtype, key, _location, numel = pid
+        if dtype not in _TORCH_STORAGE_DTYPES.values():
+            raise pickle.UnpicklingError(f"a storage of unknown type {dtype!r}")
+        try:
+            raw = self.archive.read(f"{self.prefix}/data/{key}")
+        except KeyError:
+            raise pickle.UnpicklingError(f"a storage names a missing record {key!r}") from None
+        storage = np.frombuffer(raw, dtype=np.dtype(dtype))
+        if not isinstance(numel, int) or storage.size != numel:
+            raise pickle.UnpicklingError(f"storage {key!r} holds {storage.size} elements, but claims {numel!r}")
+        return storage
 
 
 def read_torch_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Tensors of a `torch.save` zip file as numpy arrays, without executing any pickled code."""
+    if not zipfile.is_zipfile(path):
+        raise ConfigError(
+            f"{path} is not a zip archive: it is a legacy torch pickle (torch < 1.6), which is not read; "
+            f"re-save the model as model.safetensors (`model.save_pretrained(dir)` in transformers)")
     with zipfile.ZipFile(path) as archive:
         pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
         if len(pickles) != 1:
-            raise ValueError(f"{path}: not a torch.save zip archive (found {len(pickles)} data.pkl entries)")
+            raise ConfigError(f"{path}: not a torch.save zip archive (found {len(pickles)} data.pkl entries)")
         prefix = pickles[0][: -len("/data.pkl")]
         with archive.open(pickles[0]) as file:
             state = _TensorOnlyUnpickler(file, archive, prefix).load()
@@ -207,7 +238,7 @@ def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
     elif (directory / "pytorch_model.bin").is_file():
         tensors = read_torch_state_dict(directory / "pytorch_model.bin")
     else:
-        raise FileNotFoundError(f"{directory} has neither model.safetensors nor pytorch_model.bin")
+        raise MissingInput(f"{directory} has neither model.safetensors nor pytorch_model.bin")
     # GPT2LMHeadModel prefixes its names with "transformer."; GPT2Model (the hub's own files) does not.
     return {name.removeprefix("transformer."): array for name, array in tensors.items()}
 
@@ -221,6 +252,18 @@ def _param(model: GPT, path: str) -> nnx.Param | None:
     return target
 
 
+def read_config(source: str | os.PathLike, **overrides) -> GPTConfig:
+    """The GPTConfig of a checkpoint directory or cached hub name, from its config.json alone."""
+    config_path = resolve(source) / "config.json"
+    if not config_path.is_file():
+        raise MissingInput(f"{config_path.parent} has no config.json")
+    try:
+        hf = json.loads(config_path.read_text())
+    except ValueError as error:
+        raise ConfigError(f"{config_path} is not valid JSON: {error}") from None
+    return config_from_hf(hf, **overrides)
+
+
 def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None) -> GPT:
     """A GPT with the weights of a Hugging Face GPT-2 checkpoint.
 
@@ -230,15 +273,12 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
       dtype: the compute dtype; param_dtype: the storage dtype (defaults to dtype).
     """
     directory = resolve(source)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{directory} has no config.json")
-    config = config_from_hf(json.loads(config_path.read_text()), dtype=dtype, param_dtype=param_dtype or dtype)
+    config = read_config(directory, dtype=dtype, param_dtype=param_dtype or dtype)
     tensors = _read_tensors(directory)
 
     lm_head = tensors.pop("lm_head.weight", None)
     if lm_head is not None and not np.array_equal(lm_head, tensors.get("wte.weight")):
-        raise ValueError("lm_head.weight differs from wte.weight, but GPT-2's LM head is tied to the embedding")
+        raise ConfigError("lm_head.weight differs from wte.weight, but GPT-2's LM head is tied to the embedding")
     for name in [n for n in tensors if n.endswith(_IGNORED_SUFFIXES)]:
         del tensors[name]
 
@@ -248,26 +288,58 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
         arrays = []
         for name in names:
             if name not in tensors:
-                raise ValueError(f"{directory}: missing tensor {name!r}")
+                raise ConfigError(f"{directory}: missing tensor {name!r}")
             array, expected = tensors.pop(name), _hf_shape(config, name)
             if array.shape != expected:
-                raise ValueError(f"{directory}: tensor {name!r} has shape {array.shape}, expected {expected}")
+                raise ConfigError(f"{directory}: tensor {name!r} has shape {array.shape}, expected {expected}")
             arrays.append(array)
         param = _param(model, path)
         value = (np.stack(arrays) if per_layer else arrays[0]).reshape(param.shape)
         param.set_value(jnp.asarray(value.astype(np.float32), dtype=config.storage_dtype))
     if tensors:
-        raise ValueError(f"{directory}: unexpected tensors {sorted(tensors)[:8]}")
+        raise ConfigError(f"{directory}: unexpected tensors {sorted(tensors)[:8]}")
     return model
+
+
+_EXPORT_FILES = {"config.json", "model.safetensors"}
+
+
+def _check_export_destination(out_dir: Path) -> None:
+    """Refuse a destination whose contents an export would destroy: the working directory or one of its
+    parents, a training run's out_dir, or a non-empty directory that is not a previous export (exactly
+    config.json + model.safetensors of a GPT-2)."""
+    target, cwd = out_dir.resolve(), Path.cwd().resolve()
+    if target == cwd or target in cwd.parents:
+        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is the working directory or one of its "
+                          f"parents; name a new directory")
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is a file")
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if (target / "checkpoints").exists() or (target / "metrics.jsonl").exists():
+        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is a training run's out_dir; name a new "
+                          f"directory")
+    names = {entry.name for entry in target.iterdir()}
+    try:
+        previous = names == _EXPORT_FILES and json.loads((target / "config.json").read_text()).get("model_type") == "gpt2"
+    except (OSError, ValueError):
+        previous = False
+    if not previous:
+        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is not empty and is not a previous GPT-2 "
+                          f"export (it holds {sorted(names)[:5]}); name a new or empty directory")
 
 
 def save(model: GPT, out_dir: str | os.PathLike) -> Path:
     """Write `model` as a Hugging Face GPT-2 checkpoint (config.json + model.safetensors, float32).
 
-    The directory appears whole or not at all: it is written beside its destination and renamed.
+    Never destroys: the destination must be new, empty, or a previous export (see
+    `_check_export_destination`). The directory is written beside its destination and renamed into
+    place, so it appears whole or not at all; a previous export is replaced only once the new one is
+    complete. Files and directory get the usual permissions under the process's umask.
     """
     config, out_dir = model.config, Path(out_dir)
     hf_config = config_to_hf(config)
+    _check_export_destination(out_dir)
     tensors = {}
     for path, hf_name, per_layer in _TABLE:
         value = np.asarray(_param(model, path)[...], dtype=np.float32)
@@ -279,13 +351,20 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
             tensors[f"transformer.{hf_name}"] = np.ascontiguousarray(value.reshape(_hf_shape(config, hf_name)))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # mkdtemp makes it 0700
+    retired = staging.with_name(staging.name + ".old")
     try:
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        for file in staging.iterdir():
+            file.chmod(0o666 & ~umask)
+        staging.chmod(0o777 & ~umask)
         if out_dir.exists():
-            shutil.rmtree(out_dir)
+            out_dir.rename(retired)  # a previous export (checked above), replaced by two renames
         staging.rename(out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(retired, ignore_errors=True)
     return out_dir
