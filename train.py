@@ -1,18 +1,25 @@
 """Train a GPT. `python train.py` trains a small model on the embedded default corpus; --help lists all flags."""
 
-import tyro
+import sys
 
+from gpt.cli import parse_train_config
+from gpt.errors import cli_main
 from gpt.generate import generate_text
-from gpt.train import TrainConfig, train
+from gpt.train import train
 
 
-def main(config: TrainConfig) -> None:
+@cli_main
+def main(argv: list[str]) -> int:
+    config = parse_train_config(argv)
     summary = train(config)
-    if config.sample_tokens and summary["stop_reason"] == "finished":
+    if summary["signal"] is not None:
+        return 128 + summary["signal"]  # stopped, not finished: the shell's convention for a signal
+    if config.sample_tokens and summary["val_loss"] is not None:
         prompt = "def "
         text = generate_text(summary["model"], [prompt], config.sample_tokens, temperature=0.8, top_k=200)[0]
         print(f"\nval loss {summary['val_loss']:.3f}; a sample:\n{prompt}{text}")
+    return 0
 
 
 if __name__ == "__main__":
-    main(tyro.cli(TrainConfig))
+    sys.exit(main(sys.argv[1:]))

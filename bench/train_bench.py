@@ -25,7 +25,8 @@ from flax import nnx
 from gpt.config import GPTConfig
 from gpt.model import GPT
 from gpt.sharding import make_mesh
-from gpt.train import TrainConfig, _PEAK_BF16_FLOPS, flops_per_token, init_train_state, make_optimizer, make_train_step
+from gpt.step import PEAK_BF16_FLOPS, flops_per_token, init_train_state, make_optimizer, make_train_step
+from gpt.train import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +129,7 @@ def main(bench: BenchConfig) -> None:
     config = model_config(bench)
     tokens = bench.batch_size * bench.block_size
     device = jax.devices()[0]
-    peak = next((f for name, f in _PEAK_BF16_FLOPS.items() if name in device.device_kind), None)
+    peak = next((f for name, f in PEAK_BF16_FLOPS.items() if name in device.device_kind), None)
     print(f"# {platform.processor() or platform.machine()} / {device.device_kind}; jax {jax.__version__}; "
           f"{config.num_params():,} params; batch {bench.batch_size} x block {bench.block_size}; {bench.dtype}")
     print("| impl | ms/step | tokens/s | vs torch | MFU |")

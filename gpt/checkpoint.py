@@ -1,8 +1,22 @@
-"""Training checkpoints with Orbax: params, optimizer state and metadata (step, loader state, configs).
+"""Training checkpoints: Orbax writes the bytes; this module decides which checkpoints can be trusted.
 
-Orbax writes each step into a temporary directory and renames it only when complete, so a save cut short
-(by a crash or a kill) is never picked up as the latest step. Arrays are restored onto whatever shardings
-the caller asks for, so a checkpoint written on 8 devices restores on 1 and the other way round.
+What a checkpoint under `out_dir/checkpoints/<step>` guarantees:
+
+- **Complete or absent.** Orbax writes each step into a temporary directory and renames it into place
+  only when every file is written, so a save cut short (a crash, `kill -9`, a full disk) is never listed.
+- **Finite.** The training loop saves only after a step whose loss, gradient norm and updated parameters
+  were all finite (the jitted step reports it); restoring checks finiteness again.
+- **Checksummed.** Orbax does not verify array data on restore (tensorstore decodes whatever bytes are on
+  disk), so each array's checksum is stored in the step's JSON metadata at save and compared after
+  restore. The checksum is two 32-bit weighted sums of the array's bits, computed on the devices where the
+  array lives: integer sums are exact in any order, so the value is the same on any mesh, and a
+  checkpoint written on 8 devices verifies on 1.
+- **Fallback, never silent deletion.** A step that cannot be read, or whose checksums or finiteness do not
+  hold, is reported in one line and moved aside to `out_dir/corrupt_checkpoints/`; the next newest step
+  is tried.
+- **Failed saves surface at once.** An asynchronous save that failed (a full disk, a permission) is
+  raised by `check_for_errors()`, which the loop calls after every step, as one `RunFailed` line that
+  ends with the OS error; the previous checkpoints are intact.
 """
 
 from __future__ import annotations
@@ -10,59 +24,213 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from gpt.config import GPTConfig
+from gpt.errors import MissingInput, RunFailed
 from gpt.model import GPT
 
-__all__ = ["CheckpointManager", "load_model", "has_checkpoint"]
+__all__ = ["CheckpointManager", "load_model", "has_checkpoint", "checksums", "all_finite"]
 
+
+# ------------------------------------------------------------------------------------------ checksums
+
+def _bits_u32(x: jax.Array) -> jax.Array:
+    """The array's bits, one uint32 per element (16- and 8-bit types widened)."""
+    x = x.reshape(-1)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    unsigned = {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """uint32 [2]: sum(bits * (2i + 1)) and sum(mix(bits) * odd(i)), both mod 2**32.
+
+    Each weight is odd, so changing any one element always changes both sums."""
+    bits = _bits_u32(x)
+    i = jax.lax.iota(jnp.uint32, bits.size)
+    first = jnp.sum(bits * (2 * i + 1), dtype=jnp.uint32)
+    second = jnp.sum((bits ^ (bits >> 15)) * ((i * jnp.uint32(0x9E3779B1)) | 1), dtype=jnp.uint32)
+    return jnp.stack([first, second])
+
+
+def _replicated_like(tree):
+    """A sharding that puts small results on every device of the tree's mesh (None: jit's default)."""
+    sharding = next((leaf.sharding for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding")), None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return None
+
+
+def checksums(tree) -> dict[str, list[int]]:
+    """{leaf path: [sum1, sum2]} of every array in `tree`, computed where the arrays live (any mesh)."""
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    sums = jax.jit(lambda t: [_leaf_checksum(x) for x in jax.tree.leaves(t)],
+                   out_shardings=_replicated_like(tree))(tree)
+    return {path: [int(v) for v in np.asarray(s)] for path, s in zip(paths, sums)}
+
+
+def all_finite(tree) -> bool:
+    """True when every floating-point array in `tree` holds only finite values."""
+    floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    finite = jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]).all(),
+                     out_shardings=_replicated_like(tree))(floats)
+    return bool(finite)
+
+
+def _first_mismatch(want: dict, got: dict) -> str | None:
+    for path in sorted(set(want) | set(got)):
+        if want.get(path) != got.get(path):
+            return path
+    return None
+
+
+# ------------------------------------------------------------------------------------------ the manager
 
 def _abstract(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
+def _os_error(error: BaseException) -> BaseException:
+    """The OSError behind `error` (through its causes and contexts), or `error` itself."""
+    seen, current = set(), error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return error
+
+
 class CheckpointManager:
-    """Saves and restores {params, opt_state} + JSON metadata under `out_dir/checkpoints/<step>`."""
+    """Saves and restores {params, opt_state} + JSON metadata under `out_dir/checkpoints/<step>`, with the
+    guarantees in this module's docstring."""
 
     def __init__(self, out_dir: str | os.PathLike, keep: int = 3, async_save: bool = True):
-        self.directory = Path(out_dir).absolute() / "checkpoints"
+        self.out_dir = Path(out_dir).absolute()
+        self.directory = self.out_dir / "checkpoints"
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._saving: int | None = None  # the step of the save in flight, for the error message
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, params, opt_state, metadata: dict, wait: bool = False) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-            metadata=ocp.args.JsonSave(metadata),
-        ), force=True)
-        if wait:
-            self.manager.wait_until_finished()
+    def save(self, step: int, params, opt_state, metadata: dict) -> None:
+        """Start saving `step` (asynchronously); the arrays' checksums go into its metadata."""
+        metadata = {**metadata, "checksums": {"params": checksums(params), "opt_state": checksums(opt_state)}}
+        self.wait()  # Orbax would wait for the previous save too; a failure then is that save's, not this one's
+        self._saving = step
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+                metadata=ocp.args.JsonSave(metadata),
+            ), force=True)
+        except Exception as error:
+            raise self._save_failed(error) from error
 
-    def restore(self, step: int, params, opt_state, param_shardings, opt_shardings):
-        """(params, opt_state, metadata) of `step`, placed on the given shardings. `params` and
-        `opt_state` give the structure (their values are not read)."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(params, param_shardings)),
-            opt_state=ocp.args.StandardRestore(_abstract(opt_state, opt_shardings)),
-            metadata=ocp.args.JsonRestore(),
-        ))
-        return restored["params"], restored["opt_state"], restored["metadata"]
+    def check_for_errors(self) -> None:
+        """Raise RunFailed if a save that ran in the background failed."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as error:
+            raise self._save_failed(error) from error
+
+    def wait(self) -> None:
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:
+            raise self._save_failed(error) from error
+
+    def _save_failed(self, error: BaseException) -> RunFailed:
+        self.manager.reload()
+        return RunFailed(
+            f"saving checkpoint step {self._saving} to {self.directory} failed; the last complete checkpoint "
+            f"is step {self.latest_step()}; the cause: {_os_error(error)}"
+        )
+
+    def close(self) -> None:
+        """Finish pending saves and release Orbax's threads; a failed save is raised as RunFailed."""
+        try:
+            self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:  # the failure, if any, was raised by wait() above
+                pass
 
     def metadata(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))["metadata"]
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+    def newest_metadata(self) -> tuple[int, dict] | None:
+        """(step, metadata) of the newest step whose metadata can be read, or None if there is none."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                return step, self.metadata(step)
+            except Exception:  # unreadable metadata: restore_newest_intact reports and moves it aside
+                continue
+        return None
 
-    def close(self) -> None:
-        self.manager.close()
+    def _restore_verified(self, step: int, trees: dict, shardings: dict) -> tuple[dict, dict]:
+        """Restore the named trees of `step` onto `shardings` and verify them; raises ValueError with the
+        reason when a checksum or finiteness check fails (reading errors propagate as they are)."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            metadata=ocp.args.JsonRestore(),
+            **{name: ocp.args.StandardRestore(_abstract(tree, shardings[name])) for name, tree in trees.items()},
+        ))
+        metadata = restored["metadata"]
+        saved = metadata.get("checksums")
+        for name in trees:
+            if saved is not None:
+                path = _first_mismatch(saved[name], checksums(restored[name]))
+                if path is not None:
+                    raise ValueError(f"checksum mismatch in {name}{path}")
+            if not all_finite(restored[name]):
+                raise ValueError(f"non-finite values in {name}")
+        return {name: restored[name] for name in trees}, metadata
+
+    def restore_newest_intact(self, trees: dict, shardings: dict, log=print) -> tuple[int, dict, dict] | None:
+        """(step, restored trees, metadata) of the newest step that reads and verifies, moving every newer
+        corrupt step aside with one line of `log`; None when no step is left.
+
+        `trees` ({"params": ..., "opt_state": ...}) gives the structure; `shardings` where each goes.
+        """
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                restored, metadata = self._restore_verified(step, trees, shardings)
+                problem = None
+            except Exception as error:  # a corrupt step fails in many ways; none of them may stop a resume
+                problem = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            if jax.process_count() > 1:  # every process must take the same step
+                failed = multihost_utils.process_allgather(np.int32(problem is not None))
+                problem = problem or ("unreadable on another process" if failed.any() else None)
+            if problem is None:
+                return step, restored, metadata
+            moved = self._move_aside(step)
+            log(f"checkpoint step {step} is corrupt ({problem[:300]}); moved it to {moved}; trying the previous one")
+        return None
+
+    def _move_aside(self, step: int) -> Path:
+        target = self.out_dir / "corrupt_checkpoints" / str(step)
+        suffix = 1
+        while target.exists():
+            target, suffix = self.out_dir / "corrupt_checkpoints" / f"{step}.{suffix}", suffix + 1
+        if jax.process_index() == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.directory / str(step)), str(target))
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"gpt: checkpoint {step} moved aside")
+        self.manager.reload()
+        return target
 
 
 def has_checkpoint(out_dir: str | os.PathLike) -> bool:
@@ -71,24 +239,33 @@ def has_checkpoint(out_dir: str | os.PathLike) -> bool:
 
 
 def load_model(out_dir: str | os.PathLike, step: int | None = None, dtype: str | None = None) -> GPT:
-    """The GPT of a training run's latest (or given) checkpoint, on the default device."""
+    """The GPT of a training run's newest intact (or given) checkpoint, on the default device.
+
+    Checksums and finiteness are verified; a corrupt newest step is skipped with a warning (not moved:
+    reading a run never changes it)."""
     manager = CheckpointManager(out_dir, async_save=False)
     try:
-        step = manager.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no finished checkpoint in {manager.directory}")
-        metadata = manager.metadata(step)
-        config = GPTConfig(**metadata["model_config"])
-        if dtype is not None:
-            config = dataclasses.replace(config, dtype=dtype)
-        model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-        graphdef, state = nnx.split(model)
-        abstract = nnx.to_pure_dict(state)
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        restored = manager.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(abstract, jax.tree.map(lambda _: sharding, abstract))),
-        ))
-        return nnx.merge(graphdef, restored["params"])
+        steps = sorted(manager.manager.all_steps(), reverse=True) if step is None else [step]
+        if not steps:
+            raise MissingInput(f"no finished checkpoint in {manager.directory}")
+        problems = []
+        for candidate in steps:
+            try:
+                config = GPTConfig(**manager.metadata(candidate)["model_config"])
+                if dtype is not None:
+                    config = dataclasses.replace(config, dtype=dtype)
+                graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))
+                abstract = nnx.to_pure_dict(state)
+                sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                restored, _ = manager._restore_verified(
+                    candidate, {"params": abstract}, {"params": jax.tree.map(lambda _: sharding, abstract)})
+            except Exception as error:  # corrupt: say so, try an older step
+                problems.append(f"step {candidate}: {type(error).__name__}: {str(error).strip()[:200]}")
+                continue
+            for problem in problems:
+                print(f"warning: skipped corrupt checkpoint {problem}", flush=True)
+            return nnx.merge(graphdef, restored["params"])
+        raise MissingInput(f"no intact checkpoint in {manager.directory}: " + "; ".join(problems))
     finally:
         manager.close()
 

@@ -1,38 +1,39 @@
-"""Pretraining: a TrainConfig, one jitted AdamW step with donated state, eval, logging, checkpoints.
+"""Pretraining: a TrainConfig, and the run that checks everything, owns its out_dir and loops.
 
-The step (forward, backward, gradient accumulation, clipping, AdamW) is one `jax.jit` with the params
-and optimizer state donated and sharded by `gpt.sharding` over a mesh; the same code runs on one CPU,
-one GPU, or many devices and hosts.
+`train(config)` first does every check that can fail on bad input (settings, mesh, model shape, corpus,
+the out_dir's lock and the identity of the run in it), and only then compiles and steps. The pieces:
+`gpt.step` (the jitted step), `gpt.run_dir` (lock and identity), `gpt.checkpoint` (which checkpoints
+can be trusted), `gpt.metrics` (what is logged), `gpt.data` (corpus and loader).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import signal
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from gpt import gpt2
 from gpt.checkpoint import CheckpointManager, config_to_json
-from gpt.config import GPTConfig
-from gpt.data import Batches, default_corpus, prepare
+from gpt.config import PRESETS, GPTConfig
+from gpt.data import Batches, corpus_identity, default_corpus, prepare
+from gpt.errors import ConfigError, RunFailed
+from gpt.metrics import MetricsWriter
 from gpt.model import GPT
-from gpt.tokenizer import get_tokenizer
+from gpt.run_dir import RunLock, check_identity, identity
 from gpt.sharding import (batch_sharding, bytes_per_device, data_parallel_size, initialize_distributed, make_mesh,
-                          param_shardings, parse_mesh, replicated)
+                          parse_mesh)
+from gpt.step import flops_per_token, init_train_state, make_eval_step, make_optimizer, make_train_step, peak_flops
+from gpt.tokenizer import get_tokenizer
 
-__all__ = ["TrainConfig", "train", "make_optimizer", "make_train_step", "init_train_state", "loss_fn",
-           "flops_per_token"]
+__all__ = ["TrainConfig", "train", "NonFiniteStep"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,25 +45,17 @@ class TrainConfig:
     running Python's standard-library sources)."""
     out_dir: str = "out"
     """Where the tokenized data, checkpoints, metrics.jsonl and TensorBoard events go; a run resumes from
-    the latest checkpoint here automatically."""
+    the newest intact checkpoint here automatically."""
     val_fraction: float = 0.05
     """The share of the corpus (its end) held out for evaluation."""
     init_from: str = "scratch"
     """'scratch', or GPT-2 weights to fine-tune: a hub name (gpt2, gpt2-medium, ...) or an HF directory."""
-    model: str = "small"
-    """The GPTConfig preset for a model trained from scratch."""
-    n_layer: int | None = None
-    """Override the preset's depth."""
-    n_head: int | None = None
-    """Override the preset's head count."""
-    n_embd: int | None = None
-    """Override the preset's width."""
-    position: str | None = None
-    """Override the preset's position scheme: learned, sinusoidal or rope."""
-    dropout: float = 0.0
-    """Dropout on embeddings and residual branches."""
-    block_size: int = 128
-    """Tokens per training sequence (at most the model's context)."""
+    model: GPTConfig = PRESETS["small"]
+    """The model trained from scratch: `--preset` picks the defaults, `--model.FIELD` changes any field.
+    With --init_from, the shape comes from the checkpoint and only dropout, dtype, param_dtype, remat and
+    scan_layers apply."""
+    block_size: int | None = None
+    """Tokens per training sequence (at most the model's context; default: 128, or the context if shorter)."""
     batch_size: int = 8
     """Sequences per micro-batch (the global batch, over all devices and hosts)."""
     grad_accum: int = 1
@@ -71,8 +64,8 @@ class TrainConfig:
     """Peak learning rate."""
     min_lr: float = 1e-4
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 30
-    """Linear warmup steps."""
+    warmup_steps: int | None = None
+    """Linear warmup steps (default: 30, or a tenth of max_steps when that is fewer)."""
     max_steps: int = 300
     """Optimizer steps; the cosine decay spans them."""
     stop_after: int | None = None
@@ -80,23 +73,26 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not biases, LayerNorms)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     grad_clip: float = 1.0
     """Clip the gradients' global norm to this (0 disables)."""
-    dtype: str = "float32"
-    """Compute dtype (bfloat16 on GPUs)."""
-    param_dtype: str = "float32"
-    """Parameter and optimizer-state dtype."""
-    remat: bool = False
-    """Recompute activations in the backward pass to save memory."""
-    scan_layers: bool = False
-    """Run the layers as one lax.scan: compile time flat in depth, a slightly slower step."""
     eval_interval: int = 100
+    """Steps between validation-loss evaluations (and at the end)."""
     eval_iters: int = 10
+    """Validation batches averaged per evaluation."""
     log_interval: int = 10
+    """Steps between metric records (loss, lr, grad norm, tokens/s, MFU)."""
     checkpoint_interval: int = 100
+    """Steps between checkpoints (and one at the end, or on SIGTERM/SIGINT)."""
     keep_checkpoints: int = 3
+    """How many of the newest checkpoints to keep."""
     seed: int = 0
+    """Seeds the initial weights, the batches and dropout."""
+    resume_anyway: bool = False
+    """Resume even though lr, max_steps, the schedule, the batch or the seed differ from the checkpoint's
+    run (never a different model or corpus)."""
     mesh: str = ""
     """Device mesh, e.g. 'data=2,fsdp=2,tensor=2'; empty puts every device on data."""
     num_devices: int | None = None
@@ -116,121 +112,62 @@ class TrainConfig:
     """Tokens of a sample printed at the end (0 for none)."""
 
     def __post_init__(self):
-        for name in ("block_size", "batch_size", "grad_accum", "max_steps", "eval_iters", "log_interval",
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_iters", "log_interval",
                      "eval_interval", "checkpoint_interval", "keep_checkpoints"):
             if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.warmup_steps <= self.max_steps:
-            raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be in [0, max_steps={self.max_steps}]")
+                raise ConfigError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup < self.max_steps:  # the cosine decay needs at least one step after the warmup
+            raise ConfigError(f"TrainConfig.warmup_steps={self.warmup} must be in [0, max_steps={self.max_steps})")
         if not 0 < self.min_lr <= self.lr:
-            raise ValueError(f"TrainConfig.min_lr={self.min_lr} must be in (0, lr={self.lr}]")
+            raise ConfigError(f"TrainConfig.min_lr={self.min_lr} must be in (0, lr={self.lr}]")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"TrainConfig.val_fraction must be in (0, 1), got {self.val_fraction}")
+        for name in ("stop_after", "block_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def warmup(self) -> int:
+        """warmup_steps, or its default: 30, at most a tenth of max_steps."""
+        return self.warmup_steps if self.warmup_steps is not None else min(30, self.max_steps // 10)
 
 
-# ------------------------------------------------------------------------------------------ the step
-
-def loss_fn(model: GPT, batch_BT1: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy (nats, float32) of int32 windows [B, T + 1]."""
-    return model.loss(batch_BT1[:, :-1], batch_BT1[:, 1:], dropout_key=dropout_key)
+class NonFiniteStep(RunFailed):
+    """A step's loss, gradient norm or updated parameters were not finite; it was not saved."""
 
 
-def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup + cosine decay, decay on matrices only, global-norm clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=config.lr, warmup_steps=config.warmup_steps,
-        decay_steps=config.max_steps, end_value=config.min_lr,
-    )
-    adamw = optax.adamw(schedule, b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay,
-                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
-    chain = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
-    return optax.chain(*chain, adamw), schedule
+# ------------------------------------------------------------------------------------------ before any compile
+
+_RUNTIME_FIELDS = ("dropout", "dtype", "param_dtype", "remat", "scan_layers")
 
 
-def init_train_state(model: GPT, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh):
-    """Place the model's params on `mesh` as `gpt.sharding.RULES` say and create the optimizer state beside
-    them: each Adam moment sharded like its parameter, scalars (the step count) replicated.
-
-    Returns (graphdef, params, opt_state, (param_shardings, opt_shardings)); params and param_shardings
-    are pure dicts shaped like `nnx.to_pure_dict(nnx.state(model))`.
-    """
-    graphdef, state = nnx.split(model)
-    shardings = param_shardings(model, mesh)
-    params = jax.device_put(nnx.to_pure_dict(state), shardings)
-    opt_shardings = _optimizer_shardings(optimizer, params, shardings, mesh)
-    # Pinned: left to propagation, XLA may replicate the zeros that the moments start from.
-    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-    return graphdef, params, opt_state, (shardings, opt_shardings)
-
-
-def _optimizer_shardings(optimizer, params, shardings, mesh):
-    """The optimizer state's shardings: a leaf whose path ends with a parameter's path (mu/.../fc_kernel)
-    and has its shape is sharded like it; anything else is replicated."""
-    by_path = {tuple(path): (sharding, leaf.shape) for (path, sharding), leaf in
-               zip(jax.tree_util.tree_leaves_with_path(shardings), jax.tree.leaves(params))}
-
-    def pick(path, leaf):
-        for start in range(len(path)):
-            sharding, shape = by_path.get(tuple(path[start:]), (None, None))
-            if sharding is not None and shape == leaf.shape:
-                return sharding
-        return replicated(mesh)
-
-    return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(optimizer.init, params))
+def _resolve_model(config: TrainConfig, log) -> tuple[TrainConfig, GPTConfig]:
+    """The model's config, from the flags or the GPT-2 checkpoint's config.json (no weights read), and
+    `config` with its block_size filled in."""
+    runtime = {name: getattr(config.model, name) for name in _RUNTIME_FIELDS}
+    if config.init_from != "scratch":
+        model_config = gpt2.read_config(config.init_from, **runtime)
+    else:
+        model_config = config.model
+        vocab = get_tokenizer().vocab_size
+        if model_config.vocab_size < vocab:  # e.g. the `tiny` preset, sized for model tests
+            log(f"vocab_size {model_config.vocab_size} is below the GPT-2 tokenizer's {vocab}: using {vocab}")
+            model_config = model_config.replace(vocab_size=vocab)
+    if config.block_size is None:
+        config = dataclasses.replace(config, block_size=min(128, model_config.block_size))
+    if config.block_size > model_config.block_size:
+        raise ConfigError(f"TrainConfig.block_size={config.block_size} is above the model's context of "
+                          f"{model_config.block_size} tokens")
+    return config, model_config
 
 
-def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh, shardings: tuple):
-    """step(params, opt_state, batch [A, B, T+1], key) -> (params, opt_state, {loss, grad_norm}), compiled
-    for `mesh` (the activations' sharding constraints refer to it); the new params and optimizer state
-    keep `shardings` (param_shardings, opt_shardings), so donation reuses their buffers step after step."""
+def _build_model(config: TrainConfig, model_config: GPTConfig) -> GPT:
+    if config.init_from == "scratch":
+        return GPT(model_config, rngs=nnx.Rngs(config.seed))
+    model = gpt2.load(config.init_from, dtype=model_config.dtype, param_dtype=model_config.param_dtype)
+    model.config = model_config
+    return model
 
-    def step(params, opt_state, batch_ABT1, key):
-        def micro(grad_sum, xs):
-            batch, micro_key = xs
-            loss_and_grad = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch,
-                                                                 micro_key if dropout else None))
-            loss, grads = loss_and_grad(params)
-            return jax.tree.map(jnp.add, grad_sum, grads), loss
-
-        accum = batch_ABT1.shape[0]
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, losses = jax.lax.scan(micro, zeros, (batch_ABT1, jax.random.split(key, accum)))
-        grads = jax.tree.map(lambda g: g / accum, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads)}
-
-    return _on_mesh(jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, replicated(mesh))), mesh)
-
-
-def make_eval_step(graphdef, mesh: jax.sharding.Mesh):
-    return _on_mesh(jax.jit(lambda params, batch: loss_fn(nnx.merge(graphdef, params), batch)), mesh)
-
-
-def _on_mesh(function, mesh: jax.sharding.Mesh):
-    def call(*args):
-        with jax.set_mesh(mesh):
-            return function(*args)
-
-    return call
-
-
-def flops_per_token(config: GPTConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters, the tied LM head counted as one matmul) plus
-    12 x layers x width x sequence for attention's two matmuls (the PaLM paper's formula, appendix B)."""
-    matmul_params = config.num_params() - (config.block_size * config.n_embd if config.position == "learned" else 0)
-    return 6 * matmul_params + 12 * config.n_layer * config.n_embd * seq_len
-
-
-_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12, "TPU v5": 459e12}
-
-
-def _peak_flops(config: TrainConfig) -> float | None:
-    if config.peak_flops:
-        return config.peak_flops
-    kind = jax.devices()[0].device_kind
-    return next((flops for name, flops in _PEAK_BF16_FLOPS.items() if name in kind), None)
-
-
-# ------------------------------------------------------------------------------------------ the run
 
 class _StopSignal:
     """Turns SIGTERM/SIGINT into a flag the loop checks between steps, so it can save before exiting."""
@@ -251,32 +188,35 @@ class _StopSignal:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
+    def agreed(self) -> int | None:
+        """The signal to stop on, the same on every process: processes that receive a signal on different
+        steps must still stop (and save) on the same one, or one would wait in the save's barrier while
+        another runs the next step's collectives."""
+        local = self.received or 0
+        if jax.process_count() > 1:
+            local = int(multihost_utils.process_allgather(np.int32(local)).max())
+        return local or None
 
-class NonFiniteLoss(RuntimeError):
-    pass
+
+def _non_finite_message(step: int, metrics: dict, checkpoints: CheckpointManager) -> str:
+    values = {"loss": float(metrics["loss"]), "grad norm": float(metrics["grad_norm"])}
+    bad = [f"{name} {value}" for name, value in values.items() if not np.isfinite(value)] or ["updated parameters"]
+    last = checkpoints.latest_step()
+    after = (f"The newest checkpoint, step {last} in {checkpoints.directory}, is finite: resume from it with a "
+             f"lower --lr (and --resume_anyway)" if last is not None else
+             "No checkpoint was saved before it: start again with a lower --lr")
+    return f"step {step} gave a non-finite {', '.join(bad)}; it was not saved. {after}"
 
 
-def _build_model(config: TrainConfig) -> GPT:
-    if config.init_from != "scratch":
-        model = gpt2.load(config.init_from, dtype=config.dtype, param_dtype=config.param_dtype)
-        model.config = model.config.replace(dropout=config.dropout, remat=config.remat,
-                                            scan_layers=config.scan_layers)
-    else:
-        overrides = {k: v for k in ("n_layer", "n_head", "n_embd", "position") if (v := getattr(config, k)) is not None}
-        model_config = GPTConfig.preset(config.model, dropout=config.dropout, dtype=config.dtype,
-                                        param_dtype=config.param_dtype, remat=config.remat,
-                                        scan_layers=config.scan_layers, **overrides)
-        model = GPT(model_config, rngs=nnx.Rngs(config.seed))
-    if config.block_size > model.config.block_size:
-        raise ValueError(
-            f"TrainConfig.block_size={config.block_size} is above the model's context of "
-            f"{model.config.block_size} tokens"
-        )
-    return model
-
+# ------------------------------------------------------------------------------------------ the run
 
 def train(config: TrainConfig, log=print) -> dict:
-    """Train (or resume) a GPT as `config` says. Returns a summary: final step, losses, stop reason."""
+    """Train (or resume) a GPT as `config` says.
+
+    Returns a summary: start_step, step, stop_reason ('finished' or 'signal SIGTERM'...), signal (the
+    number, or None), train_loss, val_loss, params (a pure dict) and model. Raises ConfigError for bad
+    input (before any compile), RunFailed (NonFiniteStep, a failed save) when the run must stop.
+    """
     out_dir = Path(config.out_dir)
     if config.distributed or any(v is not None for v in (config.coordinator_address, config.num_processes,
                                                          config.process_id)):
@@ -284,22 +224,30 @@ def train(config: TrainConfig, log=print) -> dict:
     devices = jax.devices()[: config.num_devices] if config.num_devices else None
     mesh = make_mesh(**parse_mesh(config.mesh), devices=devices)
     if config.batch_size % data_parallel_size(mesh):
-        raise ValueError(f"TrainConfig.batch_size={config.batch_size} must be divisible by the data-parallel "
-                         f"devices (data x fsdp = {data_parallel_size(mesh)})")
-    model = _build_model(config)  # errors in the config or the mesh surface before any data work
-    if model.config.vocab_size < get_tokenizer().vocab_size:
-        raise ValueError(f"the model's vocab_size={model.config.vocab_size} is below the GPT-2 tokenizer's "
-                         f"{get_tokenizer().vocab_size}")
-    optimizer, schedule = make_optimizer(config)
-    graphdef, params, opt_state, (shardings, opt_shardings) = init_train_state(model, optimizer, mesh)
-    model_config = model.config
-    del model
-
+        raise ConfigError(f"TrainConfig.batch_size={config.batch_size} must be divisible by the data-parallel "
+                          f"devices (data x fsdp = {data_parallel_size(mesh)})")
     pid, nproc = jax.process_index(), jax.process_count()
     if pid != 0:
         log = lambda *_: None  # noqa: E731  (one process speaks for the run)
+    config, model_config = _resolve_model(config, log)
     inputs = list(config.data) or default_corpus()
-    if nproc > 1:  # process 0 tokenizes; the others then find the shards up to date (or make their own)
+    run_identity = identity(config_to_json(model_config), {**dataclasses.asdict(config), "warmup_steps": config.warmup},
+                            corpus_identity(inputs, config.val_fraction))
+
+    with RunLock(out_dir, enabled=pid == 0):
+        checkpoints = CheckpointManager(out_dir, keep=config.keep_checkpoints)
+        try:
+            newest = checkpoints.newest_metadata()
+            if newest is not None:  # before the corpus is re-tokenized or anything restored
+                check_identity(newest[1].get("identity"), run_identity, out_dir, newest[0], config.resume_anyway, log)
+            return _run(config, out_dir, mesh, model_config, inputs, run_identity, checkpoints, log)
+        finally:
+            checkpoints.close()
+
+
+def _run(config, out_dir, mesh, model_config, inputs, run_identity, checkpoints, log) -> dict:
+    pid, nproc = jax.process_index(), jax.process_count()
+    if nproc > 1:  # process 0 tokenizes; the others then find the shards up to date
         if pid == 0:
             prepare(inputs, out_dir / "data", config.val_fraction)
         multihost_utils.sync_global_devices("gpt: data prepared")
@@ -308,15 +256,19 @@ def train(config: TrainConfig, log=print) -> dict:
     train_batches = Batches(out_dir / "data" / "train.bin", config.block_size, global_rows, config.seed, pid, nproc)
     val_batches = Batches(out_dir / "data" / "val.bin", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
 
-    checkpoints = CheckpointManager(out_dir, keep=config.keep_checkpoints)
-    start = checkpoints.latest_step() or 0
-    if start:
-        params, opt_state, saved = checkpoints.restore(start, params, opt_state, shardings, opt_shardings)
-        if saved["loader"] != {"seed": config.seed, "rows": global_rows, "block_size": config.block_size}:
-            raise ValueError(f"{out_dir} holds a run with loader {saved['loader']}; use another out_dir")
+    # From here on, work is compiled.
+    optimizer, schedule = make_optimizer(config)
+    graphdef, params, opt_state, (shardings, opt_shardings) = init_train_state(
+        _build_model(config, model_config), optimizer, mesh)
+    restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state},
+                                                 {"params": shardings, "opt_state": opt_shardings}, log)
+    start = 0
+    if restored is not None:
+        start, trees, _ = restored
+        params, opt_state = trees["params"], trees["opt_state"]
         log(f"resumed from {checkpoints.directory / str(start)}")
 
-    train_step = make_train_step(graphdef, optimizer, dropout=config.dropout > 0, mesh=mesh,
+    train_step = make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0, mesh=mesh,
                                  shardings=(shardings, opt_shardings))
     eval_step = make_eval_step(graphdef, mesh)
     rows_sharding = batch_sharding(mesh, (None, "batch", None))  # [accumulation, rows, T + 1]
@@ -330,89 +282,64 @@ def train(config: TrainConfig, log=print) -> dict:
                   for i in range(config.eval_iters)]
         return float(np.mean([float(x) for x in losses]))
 
-    def metadata(step):
-        return {"step": step, "loader": {"seed": config.seed, "rows": global_rows, "block_size": config.block_size},
-                "model_config": config_to_json(model_config), "train_config": config_to_json(config)}
+    def save(step):
+        checkpoints.save(step, params, opt_state, {
+            "step": step, "identity": run_identity, "model_config": config_to_json(model_config),
+            "train_config": config_to_json(config)})
 
-    writer = _Metrics(out_dir, enabled=pid == 0)
+    writer = MetricsWriter(out_dir, resume_step=start, enabled=pid == 0)
     tokens_per_step = global_rows * config.block_size
     flops = flops_per_token(model_config, config.block_size) * tokens_per_step
-    peak = _peak_flops(config)
+    peak = peak_flops(config.peak_flops)
     end = min(config.max_steps, config.stop_after or config.max_steps)
-    summary = {"start_step": start, "stop_reason": "finished", "train_loss": None, "val_loss": None}
+    summary = {"start_step": start, "stop_reason": "finished", "signal": None, "train_loss": None, "val_loss": None}
     log(f"model: {model_config.num_params():,} parameters; data: {meta['train_tokens']:,} train / "
         f"{meta['val_tokens']:,} val tokens; mesh {dict(mesh.shape)}, params + optimizer state "
         f"{max(bytes_per_device((params, opt_state)).values()) / 2**20:.1f} MiB per device; steps {start} -> {end}")
+    if start >= end:
+        log(f"nothing to train: {out_dir} is at step {start} and this run ends at step {end} (raise --max_steps, "
+            f"with --resume_anyway, to train further)")
 
     step, last_time, losses = start, time.perf_counter(), []
-    with _StopSignal() as stop, tqdm(total=end, initial=start, desc="train", unit="step",
-                                      disable=None if pid == 0 else True) as bar:
-        while step < end:
-            if stop.received is not None:
-                summary["stop_reason"] = f"signal {signal.Signals(stop.received).name}"
-                break
-            batch = global_batch(microbatch(train_batches[step]), rows_sharding,
-                                 (config.grad_accum, global_rows // config.grad_accum, config.block_size + 1))
-            params, opt_state, metrics = train_step(params, opt_state, batch, jax.random.key(config.seed * 7919 + step))
-            loss = float(metrics["loss"])
-            if not math.isfinite(loss):
-                checkpoints.wait()
-                checkpoints.close()
-                raise NonFiniteLoss(
-                    f"loss became {loss} at step {step + 1}; stopping. The last good checkpoint "
-                    f"(step {checkpoints.latest_step()}) is kept in {checkpoints.directory}"
-                )
-            step += 1
-            losses.append(loss)
-            bar.update(1)
-            if step % config.log_interval == 0 or step == end:
-                now = time.perf_counter()
-                seconds = (now - last_time) / len(losses)
-                record = {"step": step, "loss": float(np.mean(losses)), "lr": float(schedule(step - 1)),
-                          "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / seconds,
-                          "mfu": flops / seconds / (peak * jax.device_count()) if peak else None}
-                writer.write(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                summary["train_loss"], last_time, losses = record["loss"], now, []
-            if step % config.eval_interval == 0 or step == end:
-                summary["val_loss"] = evaluate()
-                writer.write({"step": step, "val_loss": summary["val_loss"]})
-                bar.write(f"step {step}: val loss {summary['val_loss']:.4f}")
-            if step % config.checkpoint_interval == 0 or step == end:
-                checkpoints.save(step, params, opt_state, metadata(step))
-        if step > start and checkpoints.latest_step() != step:
-            checkpoints.save(step, params, opt_state, metadata(step))
-    checkpoints.wait()
-    checkpoints.close()
-    writer.close()
+    try:
+        with _StopSignal() as stop, tqdm(total=end, initial=start, desc="train", unit="step",
+                                          disable=None if pid == 0 else True) as bar:
+            while step < end:
+                signum = stop.agreed()
+                if signum is not None:
+                    summary.update(stop_reason=f"signal {signal.Signals(signum).name}", signal=signum)
+                    break
+                batch = global_batch(microbatch(train_batches[step]), rows_sharding,
+                                     (config.grad_accum, global_rows // config.grad_accum, config.block_size + 1))
+                params, opt_state, metrics = train_step(params, opt_state, batch, jax.random.key(config.seed * 7919 + step))
+                if not bool(metrics["finite"]):
+                    checkpoints.wait()  # a save in flight is of an earlier step, which was finite
+                    raise NonFiniteStep(_non_finite_message(step + 1, metrics, checkpoints))
+                checkpoints.check_for_errors()  # a save that failed in the background stops the run now
+                step += 1
+                losses.append(float(metrics["loss"]))
+                bar.update(1)
+                if step % config.log_interval == 0 or step == end:
+                    now = time.perf_counter()
+                    seconds = (now - last_time) / len(losses)
+                    record = {"step": step, "loss": float(np.mean(losses)), "lr": float(schedule(step - 1)),
+                              "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / seconds,
+                              "mfu": flops / seconds / (peak * jax.device_count()) if peak else None}
+                    writer.write(record)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    summary["train_loss"], last_time, losses = record["loss"], now, []
+                if step % config.eval_interval == 0 or step == end:
+                    summary["val_loss"] = evaluate()
+                    writer.write({"step": step, "val_loss": summary["val_loss"]})
+                    bar.write(f"step {step}: val loss {summary['val_loss']:.4f}")
+                if step % config.checkpoint_interval == 0 or step == end:
+                    save(step)
+            if step > start and checkpoints.latest_step() != step:
+                save(step)
+        checkpoints.wait()
+    finally:
+        writer.close()
     summary.update(step=step, params=params, model=nnx.merge(graphdef, params))
-    if summary["stop_reason"] != "finished":
+    if summary["signal"] is not None:
         log(f"stopped by {summary['stop_reason']} at step {step}; checkpoint saved, rerun to resume")
     return summary
-
-
-class _Metrics:
-    """The same records to `metrics.jsonl` and to TensorBoard event files (`out_dir/tensorboard`)."""
-
-    def __init__(self, out_dir: Path, enabled: bool):
-        self.enabled = enabled
-        if enabled:
-            from tensorboardX import SummaryWriter
-
-            out_dir.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(out_dir / "metrics.jsonl", "a")
-            self.tensorboard = SummaryWriter(str(out_dir / "tensorboard"))
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        for key, value in record.items():
-            if key != "step" and value is not None:
-                self.tensorboard.add_scalar(key, value, record["step"])
-
-    def close(self) -> None:
-        if self.enabled:
-            self.jsonl.close()
-            self.tensorboard.close()

@@ -1,0 +1,59 @@
+"""The run's metrics, the same records to `out_dir/metrics.jsonl` and to TensorBoard (`out_dir/tensorboard`).
+
+A resumed run re-runs the steps after its checkpoint, so the writer starts by forgetting them: the JSONL
+file is rewritten (atomically) without records past the resume step, and TensorBoard is told to purge
+events past it (`purge_step`). Each step is then logged once, however often the run was interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["MetricsWriter"]
+
+
+class MetricsWriter:
+    """`write({"step": s, name: value, ...})` appends one record; only process 0 of a run writes."""
+
+    def __init__(self, out_dir: str | os.PathLike, resume_step: int, enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter  # imported here: processes that do not write never load it
+
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / "metrics.jsonl"
+        self._forget_after(resume_step)
+        self.jsonl = open(self.path, "a")
+        self.tensorboard = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step + 1)
+
+    def _forget_after(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+                continue
+        staging = self.path.with_suffix(".jsonl.tmp")
+        staging.write_text("".join(line + "\n" for line in kept))
+        staging.replace(self.path)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for key, value in record.items():
+            if key != "step" and value is not None:
+                self.tensorboard.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.enabled:
+            self.jsonl.close()
+            self.tensorboard.close()

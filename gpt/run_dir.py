@@ -1,0 +1,111 @@
+"""A training run owns its `out_dir`: one writer at a time, and a resume only of the same run.
+
+- `RunLock`: an exclusive `fcntl.flock` on `out_dir/.lock`, taken before anything is written. The kernel
+  drops the lock when its process dies, however it dies, so a `kill -9`'d run never blocks its own resume;
+  the file keeps the holder's pid and host only to name them in the refusal. (On a multi-host run,
+  process 0 holds it. `flock` is advisory and may not work across hosts on some network filesystems.)
+- `check_identity`: before a resume restores anything, or re-tokenizes the corpus, the run being started
+  is compared with the newest checkpoint's record of the run that wrote it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+
+from gpt.errors import ConfigError
+
+__all__ = ["RunLock", "RunLocked", "identity", "check_identity", "RESUMABLE_FIELDS"]
+
+
+class RunLocked(ConfigError):
+    """Another process is training in this out_dir."""
+
+
+class RunLock:
+    """`with RunLock(out_dir):` holds `out_dir` for one run; a second holder gets RunLocked at once."""
+
+    def __init__(self, out_dir: str | os.PathLike, enabled: bool = True):
+        self.path = Path(out_dir) / ".lock"
+        self.enabled = enabled
+        self.file = None
+
+    def __enter__(self) -> RunLock:
+        if not self.enabled:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "an unknown process"
+            self.file.close()
+            raise RunLocked(
+                f"{self.path.parent} is in use by another training run ({holder}); wait for it to finish, "
+                f"or use another --out_dir"
+            ) from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on host {socket.gethostname()}, since "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self.file.flush()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+            self.file = None
+
+
+# The settings that make a run this run. Model and corpus can never change under a resume; the training
+# settings may, with --resume_anyway (a longer max_steps, a lower lr after a spike), at the cost of the
+# exact-resume guarantee when the loader's settings (batch_size, block_size, seed) change.
+RESUMABLE_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+                    "batch_size", "grad_accum", "block_size", "seed")
+# Fields of GPTConfig that change how it runs, not what it is.
+_MODEL_RUNTIME_FIELDS = ("dropout", "dtype", "remat", "scan_layers")
+
+
+def identity(model_config: dict, training: dict, corpus: dict) -> dict:
+    """The record stored with every checkpoint and compared at resume (JSON-ready dicts)."""
+    return {
+        "model": {k: v for k, v in model_config.items() if k not in _MODEL_RUNTIME_FIELDS},
+        "training": {k: training[k] for k in RESUMABLE_FIELDS},
+        "corpus": corpus,
+    }
+
+
+def _differences(saved: dict, current: dict, group: str) -> list[str]:
+    old, new = saved.get(group, {}), current[group]
+    return [f"{group}.{key}: {old.get(key)!r} -> {new.get(key)!r}"
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
+def check_identity(saved: dict | None, current: dict, out_dir: str | os.PathLike, step: int,
+                   resume_anyway: bool, log=print) -> None:
+    """Raise ConfigError, listing every differing field, when `current` is not the run that wrote the
+    checkpoint of `step` (whose identity record is `saved`). Differences in the training settings pass
+    with `resume_anyway` (and are logged); the model and the corpus never do."""
+    if saved is None:
+        raise ConfigError(
+            f"{out_dir} holds checkpoint step {step} without a record of the run that wrote it (written by an "
+            f"older version); use another --out_dir"
+        )
+    fixed = _differences(saved, current, "model") + _differences(saved, current, "corpus")
+    adjustable = _differences(saved, current, "training")
+    if not fixed and not adjustable:
+        return
+    if fixed or not resume_anyway:
+        ways = "use another --out_dir to start a new run"
+        if not fixed:
+            ways += ", or pass --resume_anyway to continue this run with the new training settings"
+        raise ConfigError(
+            f"{out_dir} holds checkpoint step {step} of a different run; these settings differ from it: "
+            f"{'; '.join(fixed + adjustable)}. To go on: {ways}."
+        )
+    log(f"resuming anyway with changed training settings: {'; '.join(adjustable)}")

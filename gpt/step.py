@@ -1,0 +1,138 @@
+"""The training step: AdamW, the train state on a mesh, one jitted update with donated state, and eval.
+
+The step (forward, backward, gradient accumulation, clipping, AdamW) is one `jax.jit` with the params
+and optimizer state donated and sharded by `gpt.sharding` over a mesh; the same code runs on one CPU,
+one GPU, or many devices and hosts. It also reports, as one fused reduction, whether the step's loss,
+gradient norm and updated parameters are all finite: the loop never saves a step that is not.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from gpt.config import GPTConfig
+from gpt.model import GPT
+from gpt.sharding import param_shardings, replicated
+
+if TYPE_CHECKING:
+    from gpt.train import TrainConfig
+
+__all__ = ["loss_fn", "make_optimizer", "init_train_state", "make_train_step", "make_eval_step",
+           "flops_per_token", "peak_flops", "PEAK_BF16_FLOPS"]
+
+
+def loss_fn(model: GPT, batch_BT1: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross-entropy (nats, float32) of int32 windows [B, T + 1]."""
+    return model.loss(batch_BT1[:, :-1], batch_BT1[:, 1:], dropout_key=dropout_key)
+
+
+def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup + cosine decay, decay on matrices only, global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=config.lr, warmup_steps=config.warmup,
+        decay_steps=config.max_steps, end_value=config.min_lr,
+    )
+    adamw = optax.adamw(schedule, b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay,
+                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    chain = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
+    return optax.chain(*chain, adamw), schedule
+
+
+def init_train_state(model: GPT, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh):
+    """Place the model's params on `mesh` as `gpt.sharding.RULES` say and create the optimizer state beside
+    them: each Adam moment sharded like its parameter, scalars (the step count) replicated.
+
+    Returns (graphdef, params, opt_state, (param_shardings, opt_shardings)); params and param_shardings
+    are pure dicts shaped like `nnx.to_pure_dict(nnx.state(model))`.
+    """
+    graphdef, state = nnx.split(model)
+    shardings = param_shardings(model, mesh)
+    params = jax.device_put(nnx.to_pure_dict(state), shardings)
+    opt_shardings = _optimizer_shardings(optimizer, params, shardings, mesh)
+    # Pinned: left to propagation, XLA may replicate the zeros that the moments start from.
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    return graphdef, params, opt_state, (shardings, opt_shardings)
+
+
+def _optimizer_shardings(optimizer, params, shardings, mesh):
+    """The optimizer state's shardings: a leaf whose path ends with a parameter's path (mu/.../fc_kernel)
+    and has its shape is sharded like it; anything else is replicated."""
+    by_path = {tuple(path): (sharding, leaf.shape) for (path, sharding), leaf in
+               zip(jax.tree_util.tree_leaves_with_path(shardings), jax.tree.leaves(params))}
+
+    def pick(path, leaf):
+        for start in range(len(path)):
+            sharding, shape = by_path.get(tuple(path[start:]), (None, None))
+            if sharding is not None and shape == leaf.shape:
+                return sharding
+        return replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(optimizer.init, params))
+
+
+def _all_finite(*trees) -> jax.Array:
+    """bool []: every element of every array is finite (one fused reduction per array, no overflow)."""
+    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(trees)]).all()
+
+
+def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh, shardings: tuple):
+    """step(params, opt_state, batch [A, B, T+1], key) -> (params, opt_state, {loss, grad_norm, finite}),
+    compiled for `mesh` (the activations' sharding constraints refer to it); the new params and optimizer
+    state keep `shardings` (param_shardings, opt_shardings), so donation reuses their buffers step after
+    step. `finite` (bool) is False when the loss, the gradient norm or any updated parameter is not."""
+
+    def step(params, opt_state, batch_ABT1, key):
+        def micro(grad_sum, xs):
+            batch, micro_key = xs
+            loss_and_grad = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch,
+                                                                 micro_key if dropout else None))
+            loss, grads = loss_and_grad(params)
+            return jax.tree.map(jnp.add, grad_sum, grads), loss
+
+        accum = batch_ABT1.shape[0]
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, losses = jax.lax.scan(micro, zeros, (batch_ABT1, jax.random.split(key, accum)))
+        grads = jax.tree.map(lambda g: g / accum, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        loss, grad_norm = losses.mean(), optax.tree.norm(grads)
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
+                                   "finite": _all_finite(loss, grad_norm, params)}
+
+    return _on_mesh(jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, replicated(mesh))), mesh)
+
+
+def make_eval_step(graphdef, mesh: jax.sharding.Mesh):
+    """eval(params, batch [B, T+1]) -> mean loss (float32 [])."""
+    return _on_mesh(jax.jit(lambda params, batch: loss_fn(nnx.merge(graphdef, params), batch)), mesh)
+
+
+def _on_mesh(function, mesh: jax.sharding.Mesh):
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return function(*args)
+
+    return call
+
+
+def flops_per_token(config: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters, the tied LM head counted as one matmul) plus
+    12 x layers x width x sequence for attention's two matmuls (the PaLM paper's formula, appendix B)."""
+    matmul_params = config.num_params() - (config.block_size * config.n_embd if config.position == "learned" else 0)
+    return 6 * matmul_params + 12 * config.n_layer * config.n_embd * seq_len
+
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12, "TPU v5": 459e12}
+
+
+def peak_flops(given: float | None = None) -> float | None:
+    """Peak FLOP/s of one device: `given`, else looked up by device kind (None when unknown, e.g. CPUs)."""
+    if given:
+        return given
+    kind = jax.devices()[0].device_kind
+    return next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in kind), None)
