@@ -1,6 +1,7 @@
-"""Shared test setup: 8 fake CPU devices (set before jax is imported), offline tiktoken, shared data."""
+"""Shared test setup: 8 fake CPU devices (set before jax is imported), offline tiktoken, and text to train on."""
 
 import os
+import sysconfig
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -12,11 +13,27 @@ if (SHARED / "tiktoken_cache").is_dir():
 
 import pytest  # noqa: E402
 
-SHAKESPEARE = SHARED / "data" / "tinyshakespeare.txt"
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 @pytest.fixture(scope="session")
-def shakespeare_text() -> str:
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"{SHAKESPEARE} is absent (it lives in the project's ../shared, not in a user's clone)")
-    return SHAKESPEARE.read_text(encoding="utf-8")
+def corpus_text() -> str:
+    """About 1.2 MB of real English-and-code text that every machine has: the running Python's
+    standard-library modules, in name order (the same text on every run of one Python version)."""
+    parts, size = [], 0
+    for path in sorted(STDLIB.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size >= 1_200_000:
+            break
+    assert size >= 1_200_000, f"the standard library in {STDLIB} has only {size} characters of .py files"
+    return "".join(parts)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory, corpus_text) -> str:
+    """A 200 kB text file to train on (the path, as a string)."""
+    path = tmp_path_factory.mktemp("corpus") / "stdlib.txt"
+    path.write_text(corpus_text[:200_000])
+    return str(path)

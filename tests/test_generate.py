@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig, KVCache
+from gpt.errors import ConfigError
 from gpt.generate import _compiled_decode_loop, generate, generate_text
 from gpt.sampling import SamplingParams, choose, filter_logits, penalize_repetition
 
@@ -197,6 +198,6 @@ def test_bad_input_fails_before_compiling(prompts, kwargs, message):
     model = scaled_model("learned")
     size = _compiled_decode_loop._cache_size()
     kwargs = {"max_new_tokens": 5, **kwargs}
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         generate(model, prompts, **kwargs)
     assert _compiled_decode_loop._cache_size() == size

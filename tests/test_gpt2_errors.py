@@ -12,6 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from gpt import GPT, GPTConfig
 from gpt import gpt2
+from gpt.errors import ConfigError
 
 CONFIG = GPTConfig.preset("tiny")
 
@@ -69,19 +70,19 @@ def test_hub_name_found_in_cache(checkpoint, tmp_path, monkeypatch):
 
 def test_wrong_shape_names_tensor_expected_and_found(checkpoint):
     _edit_tensors(checkpoint, lambda t: t.update({"transformer.h.1.mlp.c_fc.weight": np.zeros((32, 100), np.float32)}))
-    with pytest.raises(ValueError, match=r"'h.1.mlp.c_fc.weight' has shape \(32, 100\), expected \(32, 128\)"):
+    with pytest.raises(ConfigError, match=r"'h.1.mlp.c_fc.weight' has shape \(32, 100\), expected \(32, 128\)"):
         gpt2.load(checkpoint)
 
 
 def test_missing_tensor(checkpoint):
     _edit_tensors(checkpoint, lambda t: t.pop("transformer.h.0.ln_2.bias"))
-    with pytest.raises(ValueError, match="missing tensor 'h.0.ln_2.bias'"):
+    with pytest.raises(ConfigError, match="missing tensor 'h.0.ln_2.bias'"):
         gpt2.load(checkpoint)
 
 
 def test_unexpected_tensor(checkpoint):
     _edit_tensors(checkpoint, lambda t: t.update({"transformer.h.0.attn.q_norm.weight": np.ones(8, np.float32)}))
-    with pytest.raises(ValueError, match=r"unexpected tensors \['h.0.attn.q_norm.weight'\]"):
+    with pytest.raises(ConfigError, match=r"unexpected tensors \['h.0.attn.q_norm.weight'\]"):
         gpt2.load(checkpoint)
 
 
@@ -97,13 +98,13 @@ def test_unexpected_tensor(checkpoint):
 def test_config_that_is_not_gpt2(checkpoint, change, message):
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**config, **change}))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         gpt2.load(checkpoint)
 
 
 def test_export_refuses_what_gpt2_cannot_express(tmp_path):
     model = GPT(CONFIG.replace(position="rope"), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="position='learned' and bias=True, got position='rope'"):
+    with pytest.raises(ConfigError, match="position='learned' and bias=True, got position='rope'"):
         gpt2.save(model, tmp_path / "rope")
     assert not (tmp_path / "rope").exists()
 
@@ -120,3 +121,88 @@ def test_pickle_with_code_is_refused(checkpoint, tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="refusing to load posix.system"):
         gpt2.load(checkpoint)
     assert not (tmp_path / "pwned").exists() and not os.path.exists("pwned")
+
+
+# ------------------------------------------------------------------------------------------ crafted pickles
+
+def _crafted_bin(path, offset=0, size=(4,), stride=(1,), stored=4, claimed=4):
+    """A torch.save-style zip whose one tensor has the given geometry over a float32 storage of `stored`
+    elements that claims `claimed` (made with pickle alone, so nothing here trusts torch's own checks)."""
+    import collections
+
+    torch = pytest.importorskip("torch")
+    marker = object()
+
+    class Tensor:
+        def __reduce__(self):
+            return torch._utils._rebuild_tensor_v2, (marker, offset, size, stride, False, collections.OrderedDict())
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", torch.FloatStorage, "0", "cpu", claimed) if obj is marker else None
+
+    import io
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=2).dump({"wte.weight": Tensor()})
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", buffer.getvalue())
+        archive.writestr("archive/data/0", np.arange(stored, dtype=np.float32).tobytes())
+    return path
+
+
+def test_a_well_formed_crafted_tensor_reads(tmp_path):
+    tensors = gpt2.read_torch_state_dict(_crafted_bin(tmp_path / "ok.bin", offset=1, size=(3,)))
+    np.testing.assert_array_equal(tensors["wte.weight"], [1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("geometry, message", [
+    (dict(size=(1 << 16,)), r"reaches element 65535 of a storage of 4"),
+    (dict(size=(1 << 28,)), r"reaches element 268435455 of a storage of 4"),
+    (dict(size=(2, 2), stride=(-1, 1), offset=2), "negative offset, size or stride"),
+    (dict(offset=-1), "negative offset, size or stride"),
+    (dict(size=(2,), offset=3, stride=(1,)), "reaches element 4 of a storage of 4"),
+    (dict(claimed=1 << 20), r"holds 4 elements, but claims 1048576"),
+])
+def test_crafted_tensors_that_reach_outside_their_storage_are_refused(tmp_path, geometry, message):
+    with pytest.raises(pickle.UnpicklingError, match=message):
+        gpt2.read_torch_state_dict(_crafted_bin(tmp_path / "bad.bin", **geometry))
+
+
+def test_a_legacy_non_zip_pickle_is_refused_with_advice(checkpoint):
+    (checkpoint / "model.safetensors").unlink()
+    (checkpoint / "pytorch_model.bin").write_bytes(pickle.dumps({"wte.weight": [1.0, 2.0]}))
+    with pytest.raises(ConfigError, match="legacy torch pickle .* re-save the model as model.safetensors"):
+        gpt2.load(checkpoint)
+
+
+# ------------------------------------------------------------------------------------------ export never destroys
+
+def test_export_refuses_what_it_would_destroy(tmp_path, monkeypatch):
+    model = GPT(CONFIG, rngs=nnx.Rngs(0))
+    run = tmp_path / "out"
+    (run / "checkpoints").mkdir(parents=True)
+    unrelated = tmp_path / "notes"
+    unrelated.mkdir()
+    (unrelated / "todo.txt").write_text("keep me")
+    monkeypatch.chdir(tmp_path)
+    for destination, message in ((run, "a training run's out_dir"), (".", "the working directory"),
+                                 (tmp_path.parent, "the working directory or one of its parents"),
+                                 (unrelated, "not empty and is not a previous GPT-2 export")):
+        with pytest.raises(ConfigError, match=message):
+            gpt2.save(model, destination)
+    assert (unrelated / "todo.txt").read_text() == "keep me" and (run / "checkpoints").is_dir()
+
+
+def test_export_replaces_a_previous_export_and_honours_the_umask(tmp_path):
+    first = gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(0)), tmp_path / "hf")
+    previous = os.umask(0o022)
+    try:
+        gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(1)), first)
+    finally:
+        os.umask(previous)
+    tokens = np.arange(12, dtype=np.int32).reshape(1, 12)
+    np.testing.assert_array_equal(np.asarray(gpt2.load(first)(tokens)), np.asarray(GPT(CONFIG, rngs=nnx.Rngs(1))(tokens)))
+    assert (first.stat().st_mode & 0o777) == 0o755
+    assert ((first / "model.safetensors").stat().st_mode & 0o777) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "no staging or retired directory left behind"

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig
+from gpt.errors import ConfigError
 
 POSITIONS = ("learned", "sinusoidal", "rope")
 
@@ -69,12 +70,12 @@ def test_bf16_compute_with_float32_params():
     ],
 )
 def test_invalid_config_names_the_field(fields, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         GPTConfig(**fields)
 
 
 def test_unknown_preset_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown GPTConfig preset 'gpt3'.*gpt2-medium"):
+    with pytest.raises(ConfigError, match="unknown GPTConfig preset 'gpt3'.*gpt2-medium"):
         GPTConfig.preset("gpt3")
 
 

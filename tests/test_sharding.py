@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +14,13 @@ from flax import nnx
 
 from gpt.checkpoint import load_model
 from gpt.config import GPTConfig
+from gpt.errors import ConfigError
 from gpt.generate import generate
 from gpt.model import GPT
 from gpt.sharding import bytes_per_device, make_mesh, param_shardings
-from gpt.train import TrainConfig, init_train_state, make_optimizer, make_train_step, train
+from gpt.step import init_train_state, make_optimizer, make_train_step
+from gpt.train import TrainConfig, train
+from training import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4), (1, 1, 8)]  # (data, fsdp, tensor)
@@ -113,18 +115,18 @@ def test_a_vocabulary_the_mesh_does_not_divide_is_replicated():
 
 def test_a_dimension_the_mesh_cannot_split_is_an_error():
     model = GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))  # 4 heads
-    with pytest.raises(ValueError, match=r"heads=4\) cannot be split 8 ways"):
+    with pytest.raises(ConfigError, match=r"heads=4\) cannot be split 8 ways"):
         param_shardings(model, mesh_of(1, 1, 8))
-    with pytest.raises(ValueError, match=r"embed=32\) cannot be split 3 ways"):
+    with pytest.raises(ConfigError, match=r"embed=32\) cannot be split 3 ways"):
         param_shardings(model, make_mesh(1, 3, 1, devices=jax.devices()[:3]))
 
 
 def test_a_mesh_that_does_not_match_the_devices_is_an_error():
-    with pytest.raises(ValueError, match="= 12 devices, but there are 8"):
+    with pytest.raises(ConfigError, match="= 12 devices, but there are 8"):
         make_mesh(2, 2, 3)
-    with pytest.raises(ValueError, match="do not divide the 8 devices"):
+    with pytest.raises(ConfigError, match="do not divide the 8 devices"):
         make_mesh(-1, 3, 1)
-    with pytest.raises(ValueError, match="must be divisible by the data-parallel devices"):
+    with pytest.raises(ConfigError, match="must be divisible by the data-parallel devices"):
         train(TrainConfig(mesh="data=4,fsdp=2", batch_size=12), log=lambda *_: None)
 
 
@@ -146,26 +148,23 @@ def test_greedy_generate_matches_one_device(shape, decisive_model):
     assert len(set(map(tuple, want))) == 3  # the rows differ, so a mixed-up row would show
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_two_processes_train_like_one_process_with_four_devices(tmp_path, shakespeare_text):
+def test_two_processes_train_like_one_process_with_four_devices(tmp_path, corpus_text):
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(shakespeare_text[:100_000])
-    flags = dict(data=(str(corpus),), model="small", n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=8,
-                 max_steps=5, warmup_steps=1, log_interval=1, eval_interval=5, eval_iters=2, checkpoint_interval=5,
-                 sample_tokens=0)
-    one = train(TrainConfig(out_dir=str(tmp_path / "one"), num_devices=4, **flags), log=lambda *_: None)
+    corpus.write_text(corpus_text[:100_000])
+    model = {"n_layer": 2, "n_head": 2, "n_embd": 64}
+    flags = dict(data=(str(corpus),), block_size=32, batch_size=8, max_steps=5, warmup_steps=1, log_interval=1,
+                 eval_interval=5, eval_iters=2, checkpoint_interval=5, sample_tokens=0)
+    one = train(TrainConfig(out_dir=str(tmp_path / "one"), num_devices=4, model=GPTConfig.preset("small", **model),
+                            **flags), log=lambda *_: None)
 
-    port, env = _free_port(), {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    port, env = free_port(), {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
                                "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, str(ROOT / "train.py"), "--out_dir", str(tmp_path / "two"),
                "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2"]
     for key, value in flags.items():
         command += [f"--{key}", *map(str, value if isinstance(value, tuple) else (value,))]
+    for key, value in model.items():
+        command += [f"--model.{key}", str(value)]
     workers = [subprocess.Popen(command + ["--process_id", str(i)], env=env, cwd=tmp_path,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outputs = [w.communicate(timeout=300)[0] for w in workers]

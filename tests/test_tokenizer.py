@@ -44,11 +44,11 @@ def test_special_token_is_one_id_when_allowed(reference):
     assert 50256 not in tokenizer.encode(text)
 
 
-def test_shakespeare_matches_tiktoken(reference, shakespeare_text):
+def test_a_megabyte_of_text_matches_tiktoken(reference, corpus_text):
     tokenizer = get_tokenizer()
-    ids = tokenizer.encode(shakespeare_text)
-    assert ids == reference.encode(shakespeare_text)
-    assert tokenizer.decode(ids) == shakespeare_text
+    ids = tokenizer.encode(corpus_text)
+    assert ids == reference.encode(corpus_text)
+    assert tokenizer.decode(ids) == corpus_text
 
 
 def test_batch_encode_equals_one_by_one():

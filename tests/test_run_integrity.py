@@ -1,0 +1,327 @@
+"""A run you can trust when things go wrong: finite checkpoints only, one writer per out_dir, resume only of
+the same run, corruption caught with a fallback, failures that say what happened once, and clear exits."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from gpt.checkpoint import CheckpointManager, all_finite, load_model
+from gpt.config import GPTConfig
+from gpt.errors import ConfigError, RunFailed
+from gpt.run_dir import RunLocked
+from gpt.train import NonFiniteStep, TrainConfig
+from training import ROOT, TINY, cli_flags, flat, free_port, run
+
+ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
+
+
+def train_process(*flags, env=ENV) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *flags], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def logged_steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line]
+
+
+def wait_for_step(out: Path, step: int, process: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while not logged_steps(out) or logged_steps(out)[-1] < step:
+        assert process.poll() is None, process.communicate()
+        assert time.time() < deadline, f"no step {step} logged in {seconds} s"
+        time.sleep(0.2)
+
+
+def saved_steps(out: Path) -> list[int]:
+    return sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.communicate()
+
+
+# ------------------------------------------------------------------------------------------ finite only
+
+def test_a_diverging_run_stops_and_every_saved_checkpoint_is_finite(tmp_path, corpus):
+    with pytest.raises(NonFiniteStep, match=r"step \d+ gave a non-finite .*it was not saved"):
+        run(tmp_path, corpus, max_steps=30, lr=1e4, min_lr=1.0, checkpoint_interval=1)
+    out = tmp_path / "run"
+    steps = saved_steps(out)
+    assert steps, "the first steps are finite and should have been saved"
+    for step in steps:
+        assert all(np.isfinite(leaf).all() for leaf in flat(jax.tree.leaves(load_model(out, step=step))))
+    # Its parameters are finite but already huge, so training on from them diverges again at once; what
+    # matters is that the resume restores the newest (finite) step rather than refusing or falling back.
+    lines = []
+    with pytest.raises(NonFiniteStep, match=f"step {steps[-1] + 1} gave"):
+        run(tmp_path, corpus, max_steps=30, lr=1e-3, resume_anyway=True, log=lines.append)
+    assert f"resumed from {out.absolute() / 'checkpoints' / str(steps[-1])}" in lines
+    assert not any("corrupt" in line for line in lines)
+
+
+# ------------------------------------------------------------------------------------------ one writer
+
+def test_one_writer_per_out_dir_and_a_killed_runs_lock_does_not_block_its_resume(tmp_path, corpus):
+    out = tmp_path / "run"
+    flags = cli_flags(data=(corpus,), out_dir=str(out), max_steps=100000, checkpoint_interval=5, log_interval=1,
+                      eval_interval=100000)
+    together = [train_process(*flags), train_process(*flags)]
+    try:
+        # Started together: one of them refuses at once, naming the holder.
+        deadline = time.time() + 120
+        while all(p.poll() is None for p in together):
+            assert time.time() < deadline, "neither trainer refused"
+            time.sleep(0.2)
+        refused = next(p for p in together if p.poll() is not None)
+        first = next(p for p in together if p is not refused)
+        _, err = refused.communicate()
+        assert refused.returncode == 2, err
+        assert "is in use by another training run (pid" in err and "on host" in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1, err
+
+        # Five steps later, a run with another lr refuses too, and leaves the first's files untouched.
+        wait_for_step(out, 5, first)
+        later = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags, "--lr=0.01"], env=ENV,
+                               capture_output=True, text=True, timeout=120)
+        assert later.returncode == 2 and "is in use by another training run" in later.stderr, later.stderr
+        wait_for_step(out, 12, first)
+    finally:
+        for process in together:
+            stop(process)  # SIGKILL: the lock file stays, the kernel's lock does not
+    steps = logged_steps(out)
+    assert steps == list(range(1, len(steps) + 1)), "each step logged once, by one run"
+    last = saved_steps(out)[-1]
+    manager = CheckpointManager(out, async_save=False)
+    assert manager.metadata(last)["identity"]["training"]["lr"] == TINY["lr"]
+    manager.close()
+    resumed = run(tmp_path, corpus, max_steps=100000, stop_after=last + 2, checkpoint_interval=5, log_interval=1,
+                  eval_interval=100000)
+    assert resumed["start_step"] == last and resumed["step"] == last + 2
+    assert logged_steps(out) == list(range(1, last + 3)), "the steps after the checkpoint were logged again, once"
+
+
+def test_a_second_run_in_the_same_process_is_refused_while_the_first_holds_the_lock(tmp_path, corpus):
+    from gpt.run_dir import RunLock
+
+    with RunLock(tmp_path / "run"):
+        with pytest.raises(RunLocked, match=f"pid {os.getpid()} on host"):
+            run(tmp_path, corpus)
+    run(tmp_path, corpus, max_steps=3)  # released: the same out_dir is usable again
+
+
+# ------------------------------------------------------------------------------------------ identity
+
+@pytest.mark.parametrize("change, field", [
+    ("corpus", "corpus.sha256"),
+    ("width", "model.n_embd: 64 -> 32"),
+    ("lr", "training.lr: 0.003 -> 0.01"),
+])
+def test_resume_of_a_different_run_is_refused_naming_the_field(tmp_path, corpus, change, field):
+    run(tmp_path, corpus, max_steps=4, stop_after=2)
+    train_bin = tmp_path / "run" / "data" / "train.bin"
+    before = train_bin.read_bytes()
+    other = tmp_path / "other.txt"
+    other.write_text(Path(corpus).read_text()[:150_000])
+    changes = {"corpus": {"corpus": str(other)},
+               "width": {"model": GPTConfig.preset("small", n_layer=2, n_head=2, n_embd=32)},
+               "lr": {"lr": 0.01}}[change]
+    with pytest.raises(ConfigError, match=f"of a different run; these settings differ from it: .*{field}"):
+        run(tmp_path, changes.pop("corpus", corpus), max_steps=4, **changes)
+    assert train_bin.read_bytes() == before, "the run's tokenized corpus must not be overwritten"
+    if change == "lr":  # the one a user may mean: allowed when asked for
+        assert run(tmp_path, corpus, max_steps=4, lr=0.01, resume_anyway=True)["start_step"] == 2
+
+
+# ------------------------------------------------------------------------------------------ corruption
+
+def _largest_array_file(step_dir: Path) -> Path:
+    return max((p for p in (step_dir / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as file:
+        file.truncate(path.stat().st_size // 2)
+
+
+def _edit_checksum(step_dir: Path) -> None:
+    """Bytes that decode cleanly but differ: the recorded checksum of one array no longer matches."""
+    path = next(p for p in (step_dir / "metadata").rglob("*") if p.is_file() and "checksums" in p.read_text())
+    metadata = json.loads(path.read_text())
+    name = sorted(metadata["checksums"]["params"])[0]
+    metadata["checksums"]["params"][name][0] ^= 1
+    path.write_text(json.dumps(metadata))
+
+
+@pytest.mark.parametrize("damage", [_flip_bytes, _truncate, _edit_checksum], ids=["flipped", "truncated", "checksum"])
+def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_run_resumes_from_the_previous(tmp_path, corpus, damage):
+    straight = run(tmp_path / "a", corpus, max_steps=6)
+    run(tmp_path / "b", corpus, max_steps=6, stop_after=4, checkpoint_interval=2)
+    out = tmp_path / "b" / "run"
+    step_dir = out / "checkpoints" / "4"
+    damage(step_dir if damage is _edit_checksum else _largest_array_file(step_dir))
+    lines = []
+    summary = run(tmp_path / "b", corpus, max_steps=6, checkpoint_interval=2, log=lines.append)
+    reports = [line for line in lines if "is corrupt" in line]
+    assert len(reports) == 1 and "checkpoint step 4 is corrupt" in reports[0] and "\n" not in reports[0], lines
+    assert (out / "corrupt_checkpoints" / "4").is_dir(), "moved aside, never deleted"
+    assert summary["start_step"] == 2 and summary["step"] == 6
+    for a, b in zip(flat(straight["params"]), flat(summary["params"])):
+        np.testing.assert_array_equal(a, b)  # the same as a run that never stopped (and so resumed from 2)
+
+
+def test_sampling_skips_a_corrupt_checkpoint_without_moving_it(tmp_path, corpus, capsys):
+    run(tmp_path, corpus, max_steps=4, checkpoint_interval=2)
+    out = tmp_path / "run"
+    _truncate(_largest_array_file(out / "checkpoints" / "4"))
+    model = load_model(out)
+    assert "skipped corrupt checkpoint step 4" in capsys.readouterr().out
+    assert all_finite(jax.tree.leaves(model)) and (out / "checkpoints" / "4").is_dir()
+
+
+# ------------------------------------------------------------------------------------------ failed saves
+
+def _tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True)
+    try:
+        return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path, corpus):
+    disk = tmp_path / "small_disk"
+    if not _tmpfs(disk, "40m"):
+        pytest.skip("mounting a small tmpfs is not permitted here (needs root in a namespace that allows it)")
+    try:
+        out = disk / "run"
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *cli_flags(data=(corpus,), out_dir=str(out), max_steps=200,
+                                                               checkpoint_interval=2, keep_checkpoints=100,
+                                                               eval_interval=1000)],
+            env=ENV, capture_output=True, text=True, timeout=300)
+        last_line = result.stderr.strip().splitlines()[-1]
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert last_line.startswith("error: saving checkpoint step") and "No space left on device" in last_line, last_line
+        assert result.stderr.count("Traceback") == 0, result.stderr[-3000:]
+        intact = saved_steps(out)
+        assert intact, "the saves before the disk filled are kept"
+        assert f"the last complete checkpoint is step {intact[-1]}" in last_line
+        assert all_finite(jax.tree.leaves(load_model(out, step=intact[-1])))  # reads and verifies
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+# ------------------------------------------------------------------------------------------ clear failures
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("train.py", ["--data", "/no/such/file.txt"], "'/no/such/file.txt' is not a file, a directory or a matching glob"),
+    ("train.py", ["--data", "/bin/ls"], "'/bin/ls' is binary (a NUL byte in its first 8192 bytes)"),
+    ("train.py", ["--mesh", "data=3"], "mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but there are 1"),
+    ("train.py", ["--init_from", "/no/such/dir"], "'/no/such/dir' is neither a directory nor a GPT-2 hub name"),
+    ("train.py", ["--warmup_steps", "50", "--max_steps", "10"], "warmup_steps=50 must be in [0, max_steps=10)"),
+    ("sample.py", ["--temperature", "-1"], "temperature must be >= 0 (0 is greedy), got -1.0"),
+    ("sample.py", ["--init_from", "/no/such/run"], "--init_from '/no/such/run' is not a training out_dir"),
+])
+def test_user_errors_are_one_line_exit_2_and_come_before_any_compile(tmp_path, script, flags, message):
+    result = subprocess.run([sys.executable, str(ROOT / script), *flags, *(["--out_dir", str(tmp_path / "o")]
+                             if script == "train.py" else [])], env={**ENV, "JAX_LOG_COMPILES": "1"},
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines()]
+    assert lines[-1] == f"error: {lines[-1][7:]}" and message in lines[-1], result.stderr
+    assert "Traceback" not in result.stderr
+    assert "Compiling" not in result.stderr and "Finished XLA compilation" not in result.stderr, "compiled first"
+
+
+def test_newcomer_defaults_work(tmp_path, corpus):
+    assert TrainConfig(max_steps=10).warmup == 1 and TrainConfig().warmup == 30  # short runs clamp the warmup
+    with pytest.raises(ConfigError, match=r"warmup_steps=10 must be in \[0, max_steps=10\)"):
+        TrainConfig(warmup_steps=10, max_steps=10)  # no step left for the decay (optax would fail at compile)
+    tiny = run(tmp_path / "tiny", corpus, model=GPTConfig.preset("tiny"), max_steps=2, block_size=None)
+    assert tiny["step"] == 2  # the tiny preset's vocabulary is widened to the tokenizer's
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    flags = cli_flags(data=(corpus,), out_dir=str(tmp_path / "again"), max_steps=2, sample_tokens=0)
+    assert script.main(flags) == 0
+    assert script.main(flags) == 0  # a finished out_dir: nothing to do, no crash
+
+
+def test_every_flag_has_help(capsys):
+    from gpt.cli import parse_train_config
+
+    with pytest.raises(SystemExit):
+        parse_train_config(["--help"])
+    text = capsys.readouterr().out
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "model"]
+    names += [f"model.{f.name}" for f in dataclasses.fields(GPTConfig)]
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+        after = text[text.index(flag) + len(flag):]
+        entry = after[: after.find("│ --") if "│ --" in after else len(after)]
+        words = entry.replace("│", " ").split("(default")[0].split()
+        assert len(words) > 1, f"{flag} has no help text"  # more than its metavar
+
+
+# ------------------------------------------------------------------------------------------ signals, multi-host
+
+def test_two_processes_one_device_each_stop_together_when_only_one_gets_sigterm(tmp_path, corpus):
+    out = tmp_path / "run"
+    port = free_port()
+    env = {**ENV, "JAX_PLATFORMS": "cpu"}  # one CPU device per process: the one-GPU-per-host layout
+    flags = [*cli_flags(data=(corpus,), out_dir=str(out), max_steps=100000, checkpoint_interval=100000,
+                        eval_interval=100000, log_interval=1),
+             "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2"]
+    workers = [train_process(*flags, "--process_id", str(i), env=env) for i in range(2)]
+    try:
+        wait_for_step(out, 3, workers[0], seconds=180)
+        workers[1].send_signal(signal.SIGTERM)
+        outputs = [w.communicate(timeout=180) for w in workers]
+    finally:
+        for worker in workers:
+            stop(worker)
+    for worker, (_, err) in zip(workers, outputs):
+        assert worker.returncode == 128 + signal.SIGTERM, err[-3000:]
+    steps = saved_steps(out)
+    assert len(steps) == 1 and steps[0] >= 3, steps  # one save, of one step, by both processes
+    assert all_finite(jax.tree.leaves(load_model(out)))
+
+
+# ------------------------------------------------------------------------------------------ RunFailed is one line
+
+def test_run_failures_are_one_line_exit_1():
+    from gpt.errors import cli_main
+
+    @cli_main
+    def failing():
+        raise RunFailed("saving checkpoint step 4 failed; the cause: [Errno 28] No space left on device")
+
+    with pytest.raises(SystemExit) as exit_info:
+        failing()
+    assert exit_info.value.code == 1
