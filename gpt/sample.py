@@ -61,7 +61,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     loaded or anything compiled."""
     knobs = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
                  repetition_penalty=config.repetition_penalty)
-    SamplingParams.create(**knobs)  # raises ConfigError naming the knob and its bound
+    SamplingParams.check(**knobs)  # raises ConfigError naming the knob and its bound
     for name in ("num_samples", "max_new_tokens"):
         if getattr(config, name) < 1:
             raise ConfigError(f"SampleConfig.{name} must be >= 1, got {getattr(config, name)}")

@@ -37,6 +37,18 @@ class SamplingParams:
 
     @classmethod
     def create(cls, temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> SamplingParams:
+        cls.check(temperature, top_k, top_p, min_p, repetition_penalty)
+        return cls(
+            temperature=jnp.float32(temperature),
+            top_k=jnp.int32(top_k or 0),
+            top_p=jnp.float32(1.0 if top_p is None else top_p),
+            min_p=jnp.float32(min_p or 0.0),
+            repetition_penalty=jnp.float32(repetition_penalty),
+        )
+
+    @staticmethod
+    def check(temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
+        """Raise ConfigError naming the first knob outside its bound (plain Python: nothing compiles)."""
         if temperature is None or not temperature >= 0:
             raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
         if top_k is not None and (int(top_k) != top_k or top_k < 1):
@@ -47,13 +59,6 @@ class SamplingParams:
             raise ConfigError(f"min_p must be in [0, 1] (or None), got {min_p}")
         if not repetition_penalty > 0:
             raise ConfigError(f"repetition_penalty must be > 0 (1 is off), got {repetition_penalty}")
-        return cls(
-            temperature=jnp.float32(temperature),
-            top_k=jnp.int32(top_k or 0),
-            top_p=jnp.float32(1.0 if top_p is None else top_p),
-            min_p=jnp.float32(min_p or 0.0),
-            repetition_penalty=jnp.float32(repetition_penalty),
-        )
 
 
 def penalize_repetition(logits_BV: jax.Array, seen_BV: jax.Array, penalty: jax.Array) -> jax.Array:

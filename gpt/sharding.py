@@ -169,11 +169,14 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 
 def bytes_per_device(tree) -> dict:
-    """{device: bytes of `tree`'s arrays stored on it}: what sharding saves, measured from the shards."""
+    """{device: bytes of `tree`'s arrays stored on it}: what sharding saves, from each array's sharding
+    (the shape of its shard on each of this process's devices). Reading the shards themselves fails for
+    some arrays of a multi-process run with one device per process."""
     totals: dict = {}
     for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+        shard_bytes = math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for device in leaf.sharding.addressable_devices:
+            totals[device] = totals.get(device, 0) + shard_bytes
     return totals
 
 

@@ -258,14 +258,14 @@ def test_newcomer_defaults_work(tmp_path, corpus):
     assert TrainConfig(max_steps=10).warmup == 1 and TrainConfig().warmup == 30  # short runs clamp the warmup
     with pytest.raises(ConfigError, match=r"warmup_steps=10 must be in \[0, max_steps=10\)"):
         TrainConfig(warmup_steps=10, max_steps=10)  # no step left for the decay (optax would fail at compile)
-    tiny = run(tmp_path / "tiny", corpus, model=GPTConfig.preset("tiny"), max_steps=2, block_size=None)
+    tiny = run(tmp_path / "tiny", corpus, model=GPTConfig.preset("tiny"), max_steps=2, block_size=None, warmup_steps=None)
     assert tiny["step"] == 2  # the tiny preset's vocabulary is widened to the tokenizer's
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    flags = cli_flags(data=(corpus,), out_dir=str(tmp_path / "again"), max_steps=2, sample_tokens=0)
+    flags = cli_flags(data=(corpus,), out_dir=str(tmp_path / "again"), max_steps=3, sample_tokens=0)
     assert script.main(flags) == 0
     assert script.main(flags) == 0  # a finished out_dir: nothing to do, no crash
 

@@ -129,7 +129,7 @@ def test_bad_inputs_get_clear_errors(tmp_path, corpus):
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
     run(tmp_path, corpus, max_steps=8, stop_after=4)
-    with pytest.raises(NonFiniteStep, match=r"step 5 gave a non-finite .*it was not saved. The newest checkpoint, step 4"):
+    with pytest.raises(NonFiniteStep, match=r"step [0-9]+ gave a non-finite .*it was not saved. The newest checkpoint, step 4"):
         run(tmp_path, corpus, max_steps=8, lr=1e30, min_lr=1e30, resume_anyway=True)
     manager = CheckpointManager(tmp_path / "run", async_save=False)
     assert manager.latest_step() == 4
