@@ -38,7 +38,7 @@ from gpt.config import GPTConfig
 from gpt.errors import MissingInput, RunFailed
 from gpt.model import GPT
 
-__all__ = ["CheckpointManager", "load_model", "has_checkpoint", "checksums", "all_finite"]
+__all__ = ["CheckpointManager", "load_model", "has_checkpoint", "newest_step", "checksums", "all_finite"]
 
 
 # ------------------------------------------------------------------------------------------ checksums
@@ -233,9 +233,16 @@ class CheckpointManager:
         return target
 
 
-def has_checkpoint(out_dir: str | os.PathLike) -> bool:
+def newest_step(out_dir: str | os.PathLike) -> int | None:
+    """The newest complete step under `out_dir/checkpoints`, from the directory names alone (Orbax gives
+    a step its plain number only once it is whole); None when there is none."""
     directory = Path(out_dir) / "checkpoints"
-    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
+    return max(steps, default=None)
+
+
+def has_checkpoint(out_dir: str | os.PathLike) -> bool:
+    return newest_step(out_dir) is not None
 
 
 def load_model(out_dir: str | os.PathLike, step: int | None = None, dtype: str | None = None) -> GPT:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 
 __all__ = ["UserError", "ConfigError", "MissingInput", "RunFailed", "cli_main"]
@@ -75,7 +76,10 @@ def cli_main(function):
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
         except RunFailed as error:
-            print(f"error: {error}", file=sys.stderr)
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            if getattr(error, "exit_now", False):  # a clean exit would wait for a process that died
+                sys.stdout.flush()
+                os._exit(1)
             sys.exit(1)
 
     return main

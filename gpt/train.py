@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -21,12 +22,13 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from gpt import gpt2
-from gpt.checkpoint import CheckpointManager, config_to_json
+from gpt.checkpoint import CheckpointManager, config_to_json, newest_step
 from gpt.config import PRESETS, GPTConfig
 from gpt.data import Batches, corpus_identity, default_corpus, prepare
 from gpt.errors import ConfigError, RunFailed
 from gpt.metrics import MetricsWriter
 from gpt.model import GPT
+from gpt.peers import PeerLost, PeerWatch
 from gpt.run_dir import RunLock, check_identity, identity
 from gpt.sharding import (batch_sharding, bytes_per_device, data_parallel_size, initialize_distributed, make_mesh,
                           parse_mesh)
@@ -198,6 +200,19 @@ class _StopSignal:
         return local or None
 
 
+def _root(error: BaseException) -> BaseException:
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def _is_collective_failure(error: BaseException) -> bool:
+    """Did a cross-process collective fail (the sign, on CPU and GPU alike, that another process died)?"""
+    text = " ".join(str(e) for e in (error, _root(error)))
+    return any(sign in text for sign in ("Gloo", "Connection closed by peer", "Connection reset by peer",
+                                         "NCCL", "coordination service", "heartbeat"))
+
+
 def _non_finite_message(step: int, metrics: dict, checkpoints: CheckpointManager) -> str:
     values = {"loss": float(metrics["loss"]), "grad norm": float(metrics["grad_norm"])}
     bad = [f"{name} {value}" for name, value in values.items() if not np.isfinite(value)] or ["updated parameters"]
@@ -234,15 +249,27 @@ def train(config: TrainConfig, log=print) -> dict:
     run_identity = identity(config_to_json(model_config), {**dataclasses.asdict(config), "warmup_steps": config.warmup},
                             corpus_identity(inputs, config.val_fraction))
 
-    with RunLock(out_dir, enabled=pid == 0):
+    def restart_advice() -> str:
+        step = newest_step(out_dir)
+        return ("no checkpoint was saved yet: restart every process to start again" if step is None else
+                f"the newest checkpoint is step {step}: restart every process with the same flags to resume from it")
+
+    with PeerWatch(restart_advice) as peers, RunLock(out_dir, enabled=pid == 0):
         checkpoints = CheckpointManager(out_dir, keep=config.keep_checkpoints)
         try:
             newest = checkpoints.newest_metadata()
             if newest is not None:  # before the corpus is re-tokenized or anything restored
                 check_identity(newest[1].get("identity"), run_identity, out_dir, newest[0], config.resume_anyway, log)
             return _run(config, out_dir, mesh, model_config, inputs, run_identity, checkpoints, log)
+        except Exception as error:
+            if nproc > 1 and _is_collective_failure(error):
+                raise PeerLost(f"{peers.silent_peers()} died (a collective failed: "
+                               f"{str(_root(error)).strip().splitlines()[0][:200]}); process {pid} stops too; "
+                               f"{restart_advice()}") from error
+            raise
         finally:
-            checkpoints.close()
+            if nproc == 1 or not sys.exc_info()[0]:
+                checkpoints.close()  # on several processes after a failure, closing would wait for the dead
 
 
 def _run(config, out_dir, mesh, model_config, inputs, run_identity, checkpoints, log) -> dict:

@@ -325,3 +325,34 @@ def test_run_failures_are_one_line_exit_1():
     with pytest.raises(SystemExit) as exit_info:
         failing()
     assert exit_info.value.code == 1
+
+
+def test_when_a_process_dies_the_other_says_which_in_one_line_and_a_restart_resumes(tmp_path, corpus):
+    out = tmp_path / "run"
+    env = {**ENV, "JAX_PLATFORMS": "cpu"}
+
+    def start(port, **changes):
+        flags = [*cli_flags(**{"data": (corpus,), "out_dir": str(out), "max_steps": 100000, "checkpoint_interval": 3,
+                               "eval_interval": 100000, "log_interval": 1, **changes}),
+                 "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2"]
+        return [train_process(*flags, "--process_id", str(i), env=env) for i in range(2)]
+
+    workers = start(free_port())
+    try:
+        wait_for_step(out, 4, workers[0], seconds=180)
+        workers[1].kill()
+        _, err = workers[0].communicate(timeout=60)  # not JAX's 100 s heartbeat abort
+    finally:
+        for worker in workers:
+            stop(worker)
+    last_line = err.strip().splitlines()[-1]
+    assert workers[0].returncode == 1, err[-3000:]
+    assert last_line.startswith("error: process 1 died (a collective failed") and "process 0 stops too" in last_line
+    newest = saved_steps(out)[-1]
+    assert f"the newest checkpoint is step {newest}: restart every process" in last_line
+
+    workers = start(free_port(), stop_after=newest + 2)
+    outputs = [w.communicate(timeout=180) for w in workers]
+    for worker, (_, err) in zip(workers, outputs):
+        assert worker.returncode == 0, err[-3000:]
+    assert saved_steps(out)[-1] == newest + 2
