@@ -43,13 +43,17 @@ class TrainConfig:
     """Everything a training run needs; `python train.py --help` lists these as flags."""
 
     data: tuple[str, ...] = ()
-    """Text files, directories or globs to train on; empty trains on the embedded default corpus (the
-    running Python's standard-library sources)."""
+    """Files, directories or globs to train on (text, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, or a saved
+    datasets directory); empty trains on the embedded default corpus (the Python standard library)."""
     out_dir: str = "out"
     """Where the tokenized data, checkpoints, metrics.jsonl and TensorBoard events go; a run resumes from
     the newest intact checkpoint here automatically."""
     val_fraction: float = 0.05
-    """The share of the corpus (its end) held out for evaluation."""
+    """The share of the corpus held out for evaluation (sections chosen by hash: see gpt/data.py)."""
+    text_field: str = "text"
+    """The field (JSONL) or column (Parquet, saved datasets) holding each document's text."""
+    prepare_timeout_s: float = 24 * 3600
+    """On several processes: how long the others wait for process 0 to prepare the corpus."""
     init_from: str = "scratch"
     """'scratch', or GPT-2 weights to fine-tune: a hub name (gpt2, gpt2-medium, ...) or an HF directory."""
     model: GPTConfig = PRESETS["small"]
@@ -213,6 +217,16 @@ def _is_collective_failure(error: BaseException) -> bool:
                                          "NCCL", "coordination service", "heartbeat"))
 
 
+def _wait_for_all(name: str, timeout_s: float, message: str) -> None:
+    """A barrier of every process, through JAX's coordination service, that gives up after `timeout_s`."""
+    from jax._src.distributed import global_state  # jax.distributed's client (no public barrier with a timeout)
+
+    try:
+        global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+    except Exception as error:
+        raise RunFailed(f"{message} ({str(error).strip().splitlines()[0][:200]})") from error
+
+
 def _non_finite_message(step: int, metrics: dict, checkpoints: CheckpointManager) -> str:
     values = {"loss": float(metrics["loss"]), "grad norm": float(metrics["grad_norm"])}
     bad = [f"{name} {value}" for name, value in values.items() if not np.isfinite(value)] or ["updated parameters"]
@@ -247,7 +261,7 @@ def train(config: TrainConfig, log=print) -> dict:
     config, model_config = _resolve_model(config, log)
     inputs = list(config.data) or default_corpus()
     run_identity = identity(config_to_json(model_config), {**dataclasses.asdict(config), "warmup_steps": config.warmup},
-                            corpus_identity(inputs, config.val_fraction))
+                            corpus_identity(inputs, config.val_fraction, config.text_field))
 
     def restart_advice() -> str:
         step = newest_step(out_dir)
@@ -274,14 +288,17 @@ def train(config: TrainConfig, log=print) -> dict:
 
 def _run(config, out_dir, mesh, model_config, inputs, run_identity, checkpoints, log) -> dict:
     pid, nproc = jax.process_index(), jax.process_count()
-    if nproc > 1:  # process 0 tokenizes; the others then find the shards up to date
+    data_dir = out_dir / "data"
+    if nproc > 1:  # process 0 tokenizes; the others wait for it, then find the shards up to date
         if pid == 0:
-            prepare(inputs, out_dir / "data", config.val_fraction)
-        multihost_utils.sync_global_devices("gpt: data prepared")
-    meta = prepare(inputs, out_dir / "data", config.val_fraction)
+            prepare(inputs, data_dir, config.val_fraction, config.text_field)
+        _wait_for_all("gpt: corpus prepared", config.prepare_timeout_s,
+                      f"process 0 did not finish preparing the corpus in {data_dir} within --prepare_timeout_s="
+                      f"{config.prepare_timeout_s}")
+    meta = prepare(inputs, data_dir, config.val_fraction, config.text_field)
     global_rows = config.batch_size * config.grad_accum
-    train_batches = Batches(out_dir / "data" / "train.bin", config.block_size, global_rows, config.seed, pid, nproc)
-    val_batches = Batches(out_dir / "data" / "val.bin", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
+    train_batches = Batches.of_split(data_dir, "train", config.block_size, global_rows, config.seed, pid, nproc)
+    val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
 
     # From here on, work is compiled.
     optimizer, schedule = make_optimizer(config)

@@ -131,7 +131,7 @@ def test_a_second_run_in_the_same_process_is_refused_while_the_first_holds_the_l
 ])
 def test_resume_of_a_different_run_is_refused_naming_the_field(tmp_path, corpus, change, field):
     run(tmp_path, corpus, max_steps=4, stop_after=2)
-    train_bin = tmp_path / "run" / "data" / "train.bin"
+    train_bin = tmp_path / "run" / "data" / "train_00000.bin"
     before = train_bin.read_bytes()
     other = tmp_path / "other.txt"
     other.write_text(Path(corpus).read_text()[:150_000])

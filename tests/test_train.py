@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gpt.checkpoint import CheckpointManager, load_model
-from gpt.data import Batches, prepare, unigram_loss
+from gpt.data import unigram_loss
 from gpt.errors import ConfigError
 from gpt.train import NonFiniteStep
 from training import ROOT, cli_flags, flat, run
@@ -26,7 +26,7 @@ def test_validation_loss_falls_well_below_the_unigram_loss(tmp_path, corpus_text
     path.write_text(corpus_text)
     summary = run(tmp_path, str(path), max_steps=150, eval_interval=150, eval_iters=8, batch_size=16,
                   block_size=64, lr=6e-3, min_lr=6e-4)
-    bound = unigram_loss(tmp_path / "run" / "data" / "train.bin", tmp_path / "run" / "data" / "val.bin")
+    bound = unigram_loss(tmp_path / "run" / "data")
     assert summary["val_loss"] < bound - 0.3, (summary["val_loss"], bound)
 
 
@@ -38,33 +38,6 @@ def test_resume_is_exact(tmp_path, corpus):
     assert resumed["start_step"] == 4 and resumed["step"] == 8
     for a, b in zip(flat(straight["params"]), flat(resumed["params"])):
         np.testing.assert_array_equal(a, b)  # bitwise: same batches, same float32 ops on CPU
-
-
-def test_loader_is_deterministic_and_split_across_processes(tmp_path, corpus):
-    prepare([corpus], tmp_path)
-    whole = Batches(tmp_path / "train.bin", 16, 8, seed=3)
-    halves = [Batches(tmp_path / "train.bin", 16, 8, seed=3, process_index=i, process_count=2) for i in range(2)]
-    np.testing.assert_array_equal(whole[5], Batches(tmp_path / "train.bin", 16, 8, seed=3)[5])
-    np.testing.assert_array_equal(whole[5], np.concatenate([h[5] for h in halves]))
-    assert not np.array_equal(whole[5], whole[6])
-
-
-def test_prepare_skips_unchanged_inputs_and_redoes_changed(tmp_path, corpus):
-    prepare([corpus], tmp_path)
-    stamp = (tmp_path / "train.bin").stat().st_mtime_ns
-    prepare([corpus], tmp_path)
-    assert (tmp_path / "train.bin").stat().st_mtime_ns == stamp
-    other = tmp_path / "other.txt"
-    other.write_text("something else entirely " * 100)
-    meta = prepare([other], tmp_path)
-    assert meta["sources"][0]["path"] == str(other)
-
-
-def test_non_utf8_bytes_become_replacement_characters(tmp_path):
-    path = tmp_path / "latin1.txt"
-    path.write_bytes(("caf\xe9 " * 50).encode("latin-1"))
-    meta = prepare([path], tmp_path / "data")
-    assert meta["replaced_invalid_utf8"] == 50
 
 
 def test_sigterm_leaves_a_restorable_checkpoint(tmp_path, corpus):

@@ -1,0 +1,226 @@
+"""Reading a corpus: input paths -> documents -> sections of text, streamed, in a fixed order.
+
+Formats (by file name):
+- text (`.txt`, `.md`, `.py`, ... and any file named directly): one document per file, read in 8 MiB
+  pieces, so a file of any size streams;
+- JSON Lines (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`): one document per line, its `text_field`;
+- Parquet (`.parquet`): one document per row of the `text_field` column, read a batch at a time;
+- a Hugging Face `datasets` directory written by `save_to_disk` (its `state.json` names Arrow files): one
+  document per row, read with pyarrow (the `datasets` package is not needed).
+
+Every document is cut into **sections** of about `SECTION_CHARS` characters, at a newline that has an
+ASCII non-space character on both sides. GPT-2's pre-tokenizer always ends a piece there, so tokenizing
+the sections one by one gives exactly the tokens of the whole document (the tests check it against
+tiktoken). Sections are the unit of the validation split and of restarting.
+
+Bad records (a line that is not JSON, a missing or non-string field) are skipped and counted in
+`BadRecords`, which keeps the first file:line of each kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import io
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from gpt.errors import ConfigError, MissingInput
+
+__all__ = ["Section", "BadRecords", "expand_inputs", "input_format", "read_sections", "SECTION_CHARS",
+           "TEXT_SUFFIXES"]
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".tex", ".html", ".c", ".h")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+SECTION_CHARS = 4096
+_PIECE_BYTES = 8 << 20
+_SAFE_BREAK = re.compile(r"(?<=[!-~]\n)(?=[!-~])")  # a newline between two ASCII non-space characters
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A piece of one document's text; `last` marks the document's end (an <|endoftext|> follows it)."""
+
+    text: str
+    last: bool
+
+
+@dataclasses.dataclass
+class BadRecords:
+    """Records skipped while reading: a count per kind and where each kind was first seen."""
+
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    first: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def add(self, kind: str, where: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.first.setdefault(kind, where)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def describe(self) -> str:
+        return "; ".join(f"{n} {kind} (first at {self.first[kind]})" for kind, n in sorted(self.counts.items()))
+
+
+def input_format(path: Path) -> str:
+    """'jsonl', 'parquet', 'hf_dataset' or 'text', by the path's name (a directory with state.json is a
+    saved Hugging Face dataset)."""
+    name = path.name.lower()
+    if path.is_dir():
+        return "hf_dataset"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def _is_hf_dataset(path: Path) -> bool:
+    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+
+
+def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
+    """Files (and saved datasets) named by `inputs`: files as given, directories searched recursively for
+    text, JSONL and Parquet files (in name order), globs expanded. Raises MissingInput / ConfigError."""
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir() and _is_hf_dataset(path):
+            found.append(path)
+        elif path.is_file():
+            found.append(path)
+        elif path.is_dir():
+            suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES + (".parquet",)
+            found.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(suffixes)))
+        else:
+            matches = sorted(Path(m) for m in glob.glob(str(item), recursive=True) if Path(m).is_file())
+            if not matches:
+                raise MissingInput(f"data input {str(item)!r} is not a file, a directory or a matching glob")
+            found.extend(matches)
+    if not found:
+        raise ConfigError(f"no corpus files found in {[str(i) for i in inputs]} (directories are searched for "
+                          f"{', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)}, .parquet)")
+    return found
+
+
+def split_sections(pieces: Iterable[str], size: int = SECTION_CHARS) -> Iterator[Section]:
+    """One document, given as consecutive pieces of text, cut at the first safe newline after every `size`
+    characters. The cuts depend on the document's text alone, not on how it was split into pieces (a
+    break is only taken once the characters on both of its sides have arrived). The last section carries
+    `last`."""
+    buffer = ""
+    for piece in pieces:
+        buffer += piece
+        start = 0
+        while len(buffer) - start > size:
+            match = _SAFE_BREAK.search(buffer, start + size)
+            if match is None:
+                break
+            yield Section(buffer[start:match.start()], last=False)
+            start = match.start()
+        buffer = buffer[start:]
+    yield Section(buffer, last=True)
+
+
+# ------------------------------------------------------------------------------------------ documents
+
+def _text_pieces(path: Path) -> Iterator[str]:
+    """A text file in pieces of about 8 MiB, each cut after a newline (never inside a UTF-8 character),
+    decoded with U+FFFD for invalid bytes."""
+    with open(path, "rb") as file:
+        carry = b""
+        for block in iter(lambda: file.read(_PIECE_BYTES), b""):
+            data = carry + block
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                carry = data  # no newline yet: keep reading
+                continue
+            yield data[:cut].decode("utf-8", errors="replace")
+            carry = data[cut:]
+        yield carry.decode("utf-8", errors="replace")
+
+
+def _text_documents(path: Path, bad: BadRecords) -> Iterator[Iterable[str]]:
+    yield _text_pieces(path)  # one document per file
+
+
+def _open_jsonl(path: Path):
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return open(path, "rb")
+
+
+def _jsonl_documents(path: Path, field: str, bad: BadRecords) -> Iterator[Iterable[str]]:
+    with _open_jsonl(path) as raw:
+        for number, line in enumerate(io.BufferedReader(raw), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                bad.add("lines that are not JSON", f"{path}:{number}")
+                continue
+            if not isinstance(record, dict) or field not in record:
+                bad.add(f"records without a {field!r} field", f"{path}:{number}")
+                continue
+            if not isinstance(record[field], str):
+                bad.add(f"records whose {field!r} is not a string", f"{path}:{number}")
+                continue
+            yield (record[field],)
+
+
+def _arrow_documents(batches, field: str, where: str, bad: BadRecords) -> Iterator[Iterable[str]]:
+    row = 0
+    for batch in batches:
+        if field not in batch.schema.names:
+            raise ConfigError(f"{where} has no column {field!r} (columns: {batch.schema.names}); pass --text_field")
+        for value in batch.column(field).to_pylist():
+            row += 1
+            if not isinstance(value, str):
+                bad.add(f"rows whose {field!r} is not a string", f"{where} row {row}")
+                continue
+            yield (value,)
+
+
+def _parquet_documents(path: Path, field: str, bad: BadRecords) -> Iterator[Iterable[str]]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    if field not in parquet.schema_arrow.names:
+        raise ConfigError(f"{path} has no column {field!r} (columns: {parquet.schema_arrow.names}); pass --text_field")
+    yield from _arrow_documents(parquet.iter_batches(batch_size=1024, columns=[field]), field, str(path), bad)
+
+
+def _hf_dataset_documents(path: Path, field: str, bad: BadRecords) -> Iterator[Iterable[str]]:
+    import pyarrow as pa
+
+    state = json.loads((path / "state.json").read_text())
+    for entry in state.get("_data_files", []):
+        with pa.memory_map(str(path / entry["filename"])) as source:
+            yield from _arrow_documents(pa.ipc.open_stream(source), field, f"{path}/{entry['filename']}", bad)
+
+
+def read_sections(path: Path, text_field: str, bad: BadRecords) -> Iterator[Section]:
+    """The sections of every document in one input, in order."""
+    kind = input_format(path)
+    if kind == "text":
+        documents = _text_documents(path, bad)
+    elif kind == "jsonl":
+        documents = _jsonl_documents(path, text_field, bad)
+    elif kind == "parquet":
+        documents = _parquet_documents(path, text_field, bad)
+    else:
+        documents = _hf_dataset_documents(path, text_field, bad)
+    for pieces in documents:
+        yield from split_sections(pieces)
