@@ -277,6 +277,8 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
         detail = f": every record was bad: {bad.describe()}" if bad.total else ""
         raise ConfigError(f"the corpus {[str(i) for i in inputs]} holds no documents{detail}")
     totals = {split: sum(s["tokens"] for s in shards[split]) for split in shards}
+    if totals["train"] + totals["val"] == counts["documents"]:  # nothing but the separators
+        raise ConfigError(f"the corpus {[str(i) for i in inputs]} is empty: it has no tokens")
     for split, name in (("train", "training"), ("val", "validation")):
         if totals[split] == 0:
             raise ConfigError(f"the {name} split of {[str(i) for i in inputs]} is empty ({counts['sections']} "

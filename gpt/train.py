@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -270,11 +269,14 @@ def train(config: TrainConfig, log=print) -> dict:
 
     with PeerWatch(restart_advice) as peers, RunLock(out_dir, enabled=pid == 0):
         checkpoints = CheckpointManager(out_dir, keep=config.keep_checkpoints)
+        failed = True
         try:
             newest = checkpoints.newest_metadata()
             if newest is not None:  # before the corpus is re-tokenized or anything restored
                 check_identity(newest[1].get("identity"), run_identity, out_dir, newest[0], config.resume_anyway, log)
-            return _run(config, out_dir, mesh, model_config, inputs, run_identity, checkpoints, log)
+            summary = _run(config, out_dir, mesh, model_config, inputs, run_identity, checkpoints, log)
+            failed = False
+            return summary
         except Exception as error:
             if nproc > 1 and _is_collective_failure(error):
                 raise PeerLost(f"{peers.silent_peers()} died (a collective failed: "
@@ -282,8 +284,8 @@ def train(config: TrainConfig, log=print) -> dict:
                                f"{restart_advice()}") from error
             raise
         finally:
-            if nproc == 1 or not sys.exc_info()[0]:
-                checkpoints.close()  # on several processes after a failure, closing would wait for the dead
+            if not (failed and nproc > 1):  # after a failure on several processes, closing would wait for the dead
+                checkpoints.close()
 
 
 def _run(config, out_dir, mesh, model_config, inputs, run_identity, checkpoints, log) -> dict:

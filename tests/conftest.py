@@ -37,3 +37,11 @@ def corpus(tmp_path_factory, corpus_text) -> str:
     path = tmp_path_factory.mktemp("corpus") / "stdlib.txt"
     path.write_text(corpus_text[:200_000])
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def prose_text() -> str:
+    """About 465 kB of English prose that every Python has: the documentation topics behind `help()`."""
+    from pydoc_data.topics import topics
+
+    return "".join(topics[name] for name in sorted(topics))

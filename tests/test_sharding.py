@@ -152,7 +152,7 @@ def test_two_processes_train_like_one_process_with_four_devices(tmp_path, corpus
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(corpus_text[:100_000])
     model = {"n_layer": 2, "n_head": 2, "n_embd": 64}
-    flags = dict(data=(str(corpus),), block_size=32, batch_size=8, max_steps=5, warmup_steps=1, log_interval=1,
+    flags = dict(data=(str(corpus),), val_fraction=0.5, block_size=32, batch_size=8, max_steps=5, warmup_steps=1, log_interval=1,
                  eval_interval=5, eval_iters=2, checkpoint_interval=5, sample_tokens=0)
     one = train(TrainConfig(out_dir=str(tmp_path / "one"), num_devices=4, model=GPTConfig.preset("small", **model),
                             **flags), log=lambda *_: None)

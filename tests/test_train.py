@@ -18,12 +18,14 @@ from gpt.train import NonFiniteStep
 from training import ROOT, cli_flags, flat, run
 
 
-def test_validation_loss_falls_well_below_the_unigram_loss(tmp_path, corpus_text):
+def test_validation_loss_falls_well_below_the_unigram_loss(tmp_path, prose_text):
     # The bound: the validation loss of the best model that ignores context (the training split's unigram
-    # frequencies, 6.53 nats here). Beating it by 0.3 nats (perplexity 685 -> under 510) can only come
-    # from using the context; a random init starts near ln(50257) = 10.8. This 150-step run ends at 6.18.
-    path = tmp_path / "stdlib.txt"
-    path.write_text(corpus_text)
+    # frequencies, 6.22 nats on this prose). Beating it by 0.3 nats (perplexity 505 -> under 374) can only
+    # come from using the context; a random init starts near ln(50257) = 10.8. This 150-step run ends at
+    # 5.78 (2026-11-22, AMD EPYC). On Python source the margin is thinner: code is predictable token by
+    # token, so a unigram model is a strong baseline there.
+    path = tmp_path / "prose.txt"
+    path.write_text(prose_text)
     summary = run(tmp_path, str(path), max_steps=150, eval_interval=150, eval_iters=8, batch_size=16,
                   block_size=64, lr=6e-3, min_lr=6e-4)
     bound = unigram_loss(tmp_path / "run" / "data")
@@ -93,8 +95,8 @@ def test_bad_inputs_get_clear_errors(tmp_path, corpus):
     with pytest.raises(ConfigError, match="is empty: it has no tokens"):
         run(tmp_path, str(empty))
     short = tmp_path / "short.txt"
-    short.write_text("just a few words " * 20)
-    with pytest.raises(ConfigError, match=r"fewer than block_size \+ 1 = 33"):
+    short.write_text("just a few words " * 20)  # one section: it lands in one split, the other is empty
+    with pytest.raises(ConfigError, match=r"split of .* is empty \(1 sections of ~4096 characters, val_fraction=0.05\)"):
         run(tmp_path / "short", str(short))
     with pytest.raises(ConfigError, match="block_size=512 is above the model's context of 256 tokens"):
         run(tmp_path, corpus, block_size=512)
