@@ -22,6 +22,7 @@ What a checkpoint under `out_dir/checkpoints/<step>` guarantees:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -37,8 +38,10 @@ from jax.experimental import multihost_utils
 from gpt.config import GPTConfig
 from gpt.errors import MissingInput, RunFailed
 from gpt.model import GPT
+from gpt.sharding import replicated
+from gpt.step import all_finite
 
-__all__ = ["CheckpointManager", "load_model", "has_checkpoint", "newest_step", "checksums", "all_finite"]
+__all__ = ["CheckpointManager", "load_model", "has_checkpoint", "newest_step", "checksums", "is_finite"]
 
 
 # ------------------------------------------------------------------------------------------ checksums
@@ -64,27 +67,31 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
 
 
 def _replicated_like(tree):
-    """A sharding that puts small results on every device of the tree's mesh (None: jit's default)."""
+    """Where small results of a computation over `tree` go: every device of its mesh (None: jit's default)."""
     sharding = next((leaf.sharding for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding")), None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return None
+    return replicated(sharding.mesh) if isinstance(sharding, jax.sharding.NamedSharding) else None
+
+
+@functools.cache
+def _jitted(function, out_sharding):
+    """One compiled reduction per (function, output placement): saves and restores reuse it."""
+    return jax.jit(function, out_shardings=out_sharding)
+
+
+def _leaf_checksums(tree) -> list[jax.Array]:
+    return [_leaf_checksum(x) for x in jax.tree.leaves(tree)]
 
 
 def checksums(tree) -> dict[str, list[int]]:
     """{leaf path: [sum1, sum2]} of every array in `tree`, computed where the arrays live (any mesh)."""
     paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
-    sums = jax.jit(lambda t: [_leaf_checksum(x) for x in jax.tree.leaves(t)],
-                   out_shardings=_replicated_like(tree))(tree)
+    sums = _jitted(_leaf_checksums, _replicated_like(tree))(tree)
     return {path: [int(v) for v in np.asarray(s)] for path, s in zip(paths, sums)}
 
 
-def all_finite(tree) -> bool:
-    """True when every floating-point array in `tree` holds only finite values."""
-    floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    finite = jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]).all(),
-                     out_shardings=_replicated_like(tree))(floats)
-    return bool(finite)
+def is_finite(tree) -> bool:
+    """True when every array in `tree` holds only finite values (`gpt.step.all_finite`, on its mesh)."""
+    return bool(_jitted(all_finite, _replicated_like(tree))(tree))
 
 
 def _first_mismatch(want: dict, got: dict) -> str | None:
@@ -194,7 +201,7 @@ class CheckpointManager:
                 path = _first_mismatch(saved[name], checksums(restored[name]))
                 if path is not None:
                     raise ValueError(f"checksum mismatch in {name}{path}")
-            if not all_finite(restored[name]):
+            if not is_finite(restored[name]):
                 raise ValueError(f"non-finite values in {name}")
         return {name: restored[name] for name in trees}, metadata
 

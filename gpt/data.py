@@ -2,7 +2,7 @@
 
     python -m gpt.data --data corpus/ --out_dir out/data [--text_field text] [--workers N]
 
-- **Streaming, flat memory.** `gpt.corpus` reads documents as sections of ~4 KiB; batches of sections are
+- **Streaming, flat memory.** `gpt.corpus` reads documents as sections of at least 4,096 characters; batches of sections are
   tokenized by `workers` threads (tiktoken releases the GIL) with at most two batches per thread in
   flight, and tokens go straight to the open shard file. Peak memory does not grow with the corpus.
 - **Shards.** `train_00000.bin`, ... and `val_00000.bin`, ... of `shard_tokens` tokens each (the last one
@@ -45,7 +45,7 @@ from gpt.errors import ConfigError, MissingInput
 from gpt.loader import Batches, unigram_loss
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["prepare", "in_validation", "default_corpus", "corpus_identity", "Batches", "unigram_loss",
+__all__ = ["prepare", "sources", "in_validation", "default_corpus", "corpus_identity", "Batches", "unigram_loss",
            "PrepareConfig"]
 
 SPLIT_RULE = "section is val when blake2b-64(text) / 2**64 < val_fraction"
@@ -89,16 +89,17 @@ def _sha256(path: Path, refuse_binary: bool) -> str:
     return digest.hexdigest()
 
 
-def _sources(paths: list[Path]) -> list[dict]:
+def sources(inputs: Sequence[str | os.PathLike]) -> list[dict]:
+    """Every input named by `inputs` with its format and SHA-256: one read of the whole corpus, which
+    `corpus_identity` and `prepare` share. Refuses missing and binary inputs."""
     return [{"path": str(p), "format": input_format(p), "sha256": _sha256(p, input_format(p) == "text")}
-            for p in paths]
+            for p in expand_inputs(inputs)]
 
 
-def corpus_identity(inputs: Sequence[str | os.PathLike], val_fraction: float, text_field: str = "text") -> dict:
+def corpus_identity(corpus_sources: list[dict], val_fraction: float, text_field: str = "text") -> dict:
     """What makes a corpus this corpus, independent of where its files are: the number of inputs, one
-    SHA-256 over their contents' hashes in order, the text field and the split. Refuses missing and
-    binary inputs."""
-    hashes = [source["sha256"] for source in _sources(expand_inputs(inputs))]
+    SHA-256 over their contents' hashes in order (from `sources`), the text field and the split."""
+    hashes = [source["sha256"] for source in corpus_sources]
     return {"files": len(hashes), "sha256": hashlib.sha256("".join(hashes).encode()).hexdigest(),
             "text_field": text_field, "val_fraction": val_fraction}
 
@@ -183,8 +184,8 @@ def _encode(batch: list[tuple[int, Section]], val_fraction: float, dtype) -> lis
     return out
 
 
-def _matches(record: dict, sources: list[dict], settings: dict) -> bool:
-    return record.get("sources") == sources and record.get("settings") == settings
+def _matches(record: dict, corpus_sources: list[dict], settings: dict) -> bool:
+    return record.get("sources") == corpus_sources and all(record.get(k) == v for k, v in settings.items())
 
 
 def _clear_shards(out_dir: Path) -> None:
@@ -195,11 +196,13 @@ def _clear_shards(out_dir: Path) -> None:
 
 def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val_fraction: float = 0.1,
             text_field: str = "text", workers: int | None = None, shard_tokens: int = 100_000_000,
-            progress: bool | None = None) -> dict:
+            progress: bool | None = None, corpus_sources: list[dict] | None = None) -> dict:
     """Tokenize `inputs` (files, directories, globs; text, JSONL, Parquet or saved datasets) into token
     shards in `out_dir` with GPT-2's tokenizer, as this module's docstring describes.
 
-    Returns the metadata (also written to `out_dir/meta.json`), with `train_tokens` and `val_tokens`.
+    `corpus_sources`: `sources(inputs)` when the caller has it already (the inputs are then not read
+    again to hash them). Returns the metadata (also written to `out_dir/meta.json`), with `train_tokens`
+    and `val_tokens`.
     """
     if not 0 < val_fraction < 1:
         raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -207,8 +210,8 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
         raise ConfigError(f"shard_tokens must be >= 1, got {shard_tokens}")
     workers = workers or os.cpu_count() or 1
     out_dir = Path(out_dir)
-    paths = expand_inputs(inputs)
-    sources = _sources(paths)
+    corpus_sources = corpus_sources if corpus_sources is not None else sources(inputs)
+    paths = [Path(source["path"]) for source in corpus_sources]
     tokenizer = get_tokenizer()
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
     settings = {"format": _FORMAT_VERSION, "tokenizer": "gpt2", "vocab_size": tokenizer.vocab_size,
@@ -217,17 +220,17 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
     meta_path, progress_path = out_dir / "meta.json", out_dir / "progress.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        if _matches(meta, sources, settings) and all((out_dir / s["file"]).is_file()
+        if _matches(meta, corpus_sources, settings) and all((out_dir / s["file"]).is_file()
                                                      for split in ("train", "val") for s in meta["shards"][split]):
             return meta
     state = json.loads(progress_path.read_text()) if progress_path.is_file() else {}
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not _matches(state, sources, settings):
+    if not _matches(state, corpus_sources, settings):
         _clear_shards(out_dir)
         state = {}
 
     def save_progress() -> None:
-        record = {"sources": sources, "settings": settings, **{split: w.state() for split, w in writers.items()}}
+        record = {**settings, "sources": corpus_sources, **{split: w.state() for split, w in writers.items()}}
         staging = progress_path.with_suffix(".json.tmp")
         staging.write_text(json.dumps(record))
         staging.replace(progress_path)
@@ -286,7 +289,7 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
                               f"text or another val_fraction")
     if bad.total:
         print(f"warning: skipped {bad.total} bad records: {bad.describe()}", file=sys.stderr)
-    meta = {**settings, "sources": sources, "settings": settings, "shards": shards,
+    meta = {**settings, "sources": corpus_sources, "shards": shards,
             "train_tokens": totals["train"], "val_tokens": totals["val"], "documents": counts["documents"],
             "sections": counts["sections"], "replaced_invalid_utf8": counts["replaced_invalid_utf8"],
             "bad_records": {"counts": bad.counts, "first": bad.first}}

@@ -22,7 +22,7 @@ from gpt.sharding import param_shardings, replicated
 if TYPE_CHECKING:
     from gpt.train import TrainConfig
 
-__all__ = ["loss_fn", "make_optimizer", "init_train_state", "make_train_step", "make_eval_step",
+__all__ = ["loss_fn", "make_optimizer", "init_train_state", "make_train_step", "make_eval_step", "all_finite",
            "flops_per_token", "peak_flops", "PEAK_BF16_FLOPS"]
 
 
@@ -75,8 +75,9 @@ def _optimizer_shardings(optimizer, params, shardings, mesh):
     return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(optimizer.init, params))
 
 
-def _all_finite(*trees) -> jax.Array:
-    """bool []: every element of every array is finite (one fused reduction per array, no overflow)."""
+def all_finite(*trees) -> jax.Array:
+    """bool []: every element of every array is finite (one fused reduction per array, no overflow).
+    Traceable; integer arrays count as finite."""
     return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(trees)]).all()
 
 
@@ -102,7 +103,7 @@ def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh,
         params = optax.apply_updates(params, updates)
         loss, grad_norm = losses.mean(), optax.tree.norm(grads)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
-                                   "finite": _all_finite(loss, grad_norm, params)}
+                                   "finite": all_finite(loss, grad_norm, params)}
 
     return _on_mesh(jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, replicated(mesh))), mesh)
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from gpt import gpt2
 from gpt.checkpoint import CheckpointManager, config_to_json, newest_step
 from gpt.config import PRESETS, GPTConfig
-from gpt.data import Batches, corpus_identity, default_corpus, prepare
+from gpt.data import Batches, corpus_identity, default_corpus, prepare, sources
 from gpt.errors import ConfigError, RunFailed
 from gpt.metrics import MetricsWriter
 from gpt.model import GPT
@@ -259,8 +259,9 @@ def train(config: TrainConfig, log=print) -> dict:
         log = lambda *_: None  # noqa: E731  (one process speaks for the run)
     config, model_config = _resolve_model(config, log)
     inputs = list(config.data) or default_corpus()
+    corpus_sources = sources(inputs)  # the one read of the whole corpus before tokenizing
     run_identity = identity(config_to_json(model_config), {**dataclasses.asdict(config), "warmup_steps": config.warmup},
-                            corpus_identity(inputs, config.val_fraction, config.text_field))
+                            corpus_identity(corpus_sources, config.val_fraction, config.text_field))
 
     def restart_advice() -> str:
         step = newest_step(out_dir)
@@ -274,7 +275,7 @@ def train(config: TrainConfig, log=print) -> dict:
             newest = checkpoints.newest_metadata()
             if newest is not None:  # before the corpus is re-tokenized or anything restored
                 check_identity(newest[1].get("identity"), run_identity, out_dir, newest[0], config.resume_anyway, log)
-            summary = _run(config, out_dir, mesh, model_config, inputs, run_identity, checkpoints, log)
+            summary = _run(config, out_dir, mesh, model_config, inputs, corpus_sources, run_identity, checkpoints, log)
             failed = False
             return summary
         except Exception as error:
@@ -288,16 +289,21 @@ def train(config: TrainConfig, log=print) -> dict:
                 checkpoints.close()
 
 
-def _run(config, out_dir, mesh, model_config, inputs, run_identity, checkpoints, log) -> dict:
+def _run(config, out_dir, mesh, model_config, inputs, corpus_sources, run_identity, checkpoints, log) -> dict:
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = out_dir / "data"
-    if nproc > 1:  # process 0 tokenizes; the others wait for it, then find the shards up to date
-        if pid == 0:
-            prepare(inputs, data_dir, config.val_fraction, config.text_field)
+
+    def prepare_corpus() -> dict:
+        return prepare(inputs, data_dir, config.val_fraction, config.text_field, corpus_sources=corpus_sources)
+
+    if pid == 0:
+        meta = prepare_corpus()
+    if nproc > 1:  # the others wait for process 0, then find the shards up to date
         _wait_for_all("gpt: corpus prepared", config.prepare_timeout_s,
                       f"process 0 did not finish preparing the corpus in {data_dir} within --prepare_timeout_s="
                       f"{config.prepare_timeout_s}")
-    meta = prepare(inputs, data_dir, config.val_fraction, config.text_field)
+        if pid != 0:
+            meta = prepare_corpus()
     global_rows = config.batch_size * config.grad_accum
     train_batches = Batches.of_split(data_dir, "train", config.block_size, global_rows, config.seed, pid, nproc)
     val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from gpt.checkpoint import CheckpointManager, all_finite, load_model
+from gpt.checkpoint import CheckpointManager, is_finite, load_model
 from gpt.config import GPTConfig
 from gpt.errors import ConfigError, RunFailed
 from gpt.run_dir import RunLocked
@@ -195,7 +195,7 @@ def test_sampling_skips_a_corrupt_checkpoint_without_moving_it(tmp_path, corpus,
     _truncate(_largest_array_file(out / "checkpoints" / "4"))
     model = load_model(out)
     assert "skipped corrupt checkpoint step 4" in capsys.readouterr().out
-    assert all_finite(jax.tree.leaves(model)) and (out / "checkpoints" / "4").is_dir()
+    assert is_finite(jax.tree.leaves(model)) and (out / "checkpoints" / "4").is_dir()
 
 
 # ------------------------------------------------------------------------------------------ failed saves
@@ -227,7 +227,7 @@ def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path,
         intact = saved_steps(out)
         assert intact, "the saves before the disk filled are kept"
         assert f"the last complete checkpoint is step {intact[-1]}" in last_line
-        assert all_finite(jax.tree.leaves(load_model(out, step=intact[-1])))  # reads and verifies
+        assert is_finite(jax.tree.leaves(load_model(out, step=intact[-1])))  # reads and verifies
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
@@ -310,7 +310,7 @@ def test_two_processes_one_device_each_stop_together_when_only_one_gets_sigterm(
         assert worker.returncode == 128 + signal.SIGTERM, err[-3000:]
     steps = saved_steps(out)
     assert len(steps) == 1 and steps[0] >= 3, steps  # one save, of one step, by both processes
-    assert all_finite(jax.tree.leaves(load_model(out)))
+    assert is_finite(jax.tree.leaves(load_model(out)))
 
 
 # ------------------------------------------------------------------------------------------ RunFailed is one line
