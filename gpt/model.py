@@ -11,7 +11,6 @@ maps them onto a device mesh.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +19,11 @@ from flax import nnx
 from gpt.attention import apply_rope, attend, sinusoidal_embedding
 from gpt.config import GPTConfig
 from gpt.kv_cache import KVCache
+from gpt.layouts import OutputMajor, dense
 from gpt.loss import lm_head_cross_entropy
 from gpt.sharding import constrain
 
-__all__ = ["GPT"]
+__all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm"]
 
 
 def _normal(rngs: nnx.Rngs, shape, axes, dtype, std: float) -> nnx.Param:
@@ -50,20 +50,6 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
         return x
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class OutputMajor:
-    """A weight matrix stored transposed, [K, D] for a map from D inputs to K outputs, so that each
-    output's weights are contiguous. XLA on CPU runs the matrix-vector products of decoding a batch of
-    one faster this way: GPT-2, 128 new tokens, 3.23-3.57 s against 3.37-3.89 s in alternating runs.
-    `Blocks.for_decoding` makes them; training keeps the [D, ...] kernels."""
-
-    matrix_KD: jax.Array
-
-    def astype(self, dtype) -> OutputMajor:
-        return OutputMajor(self.matrix_KD.astype(dtype))
 
 
 class Blocks(nnx.Module):
@@ -97,65 +83,30 @@ class Blocks(nnx.Module):
         """The raw parameter arrays, each with its leading layer axis."""
         return {name: (None if getattr(self, name) is None else getattr(self, name)[...]) for name in self.NAMES}
 
-    def unstacked(self) -> list[dict[str, jax.Array | None]]:
-        """One dict of parameter arrays per layer, for the blocks run unrolled.
-
-        Decoding streams every weight once per token; on CPU, XLA copies a layer's slice of a stacked
-        array before each matmul, which doubles that traffic. A decode loop therefore gets its slices
-        made once, outside the loop (`for_decoding`).
-        """
+    def unstacked(self) -> tuple[dict[str, jax.Array | None], ...]:
+        """One dict of parameter arrays per layer (each without the layer axis)."""
         stacked = self.stacked()
-        return [{name: (None if a is None else a[layer]) for name, a in stacked.items()}
-                for layer in range(self.config.n_layer)]
-
-    # How many leading axes of each kernel (after the layer axis) are its inputs.
-    KERNEL_INPUT_AXES = {"qkv_kernel": 1, "out_kernel": 2, "fc_kernel": 1, "proj_kernel": 1}
-
-    def for_decoding(self) -> list[dict[str, jax.Array | OutputMajor | None]]:
-        """`unstacked()` with every kernel as an `OutputMajor` matrix, for a decode loop.
-
-        Run it in a jit of its own and pass the result into the loop's (as `gpt.generate` does): inside one
-        jit, XLA folds the transpose into the matmul and streams the weights in their stored order again.
-        """
-        layers = self.unstacked()
-        for p in layers:
-            for name, input_axes in self.KERNEL_INPUT_AXES.items():
-                kernel = p[name]
-                p[name] = OutputMajor(kernel.reshape(math.prod(kernel.shape[:input_axes]), -1).T)
-        return layers
-
-
-def dense(x_BTD: jax.Array, kernel: jax.Array | OutputMajor) -> jax.Array:
-    """x [B, T, D] times a kernel whose leading axes are the D inputs ([D, ...], flattened to [D, K]), or an
-    `OutputMajor` [K, D]: [B, T, K], as one 2-D matmul over B*T rows. XLA on CPU runs a dot that contracts
-    two axes (the kernel gradient of a 3-D matmul contracts B and T) ~3x slower than the same 2-D GEMM;
-    the reshapes are free."""
-    B, T, D = x_BTD.shape
-    x_MD = x_BTD.reshape(B * T, D)
-    if isinstance(kernel, OutputMajor):
-        y_MK = jax.lax.dot_general(x_MD, kernel.matrix_KD, (((1,), (1,)), ((), ())))
-    else:
-        y_MK = x_MD @ kernel.reshape(D, -1)
-    return y_MK.reshape(B, T, -1)
+        return tuple({name: (None if a is None else a[layer]) for name, a in stacked.items()}
+                     for layer in range(self.config.n_layer))
 
 
 def block(
     config: GPTConfig,
-    p: dict[str, jax.Array | None],
+    p: dict,
     x_BTD: jax.Array,
     positions_BT: jax.Array,
     cache: KVCache | None,
-    layer: int | jax.Array,
+    layer: int,
     dropout_key: jax.Array | None,
     mask_BTS: jax.Array | None = None,
-) -> tuple[tuple[jax.Array, KVCache | None], tuple[jax.Array, jax.Array]]:
-    """One decoder block. `p` holds this layer's parameters (no layer axis).
+) -> tuple[jax.Array, KVCache | None]:
+    """One decoder block. `p` holds this layer's weights (no layer axis), as arrays or in any layout that
+    `gpt.layouts.dense` takes.
 
-    With a cache, the new keys and values are written into it (`layer`, a Python int, picks its buffers)
-    and attention reads the whole cache as `mask_BTS` [B, T, S] says (`cache.mask(T)`, computed once per
-    forward by the caller, not once per layer). Without one, attention is over the T tokens themselves,
-    plainly causal or as `mask_BTS` [B, T, T] says. Returns ((x, cache), (k, v)): the block's output [B, T, D],
-    the updated cache, and its new keys and values [B, T, N, H] (for `GPT.prefill`)."""
+    With a cache, the new keys and values are written into layer `layer`'s buffers at `positions_BT`, and
+    attention reads that whole buffer as `mask_BTS` [B, T, S] says (`cache.mask(positions_BT)`, computed
+    once per forward by the caller). Without one, attention is plainly causal over the T tokens.
+    Returns the block's output [B, T, D] and the updated cache."""
     dtype = config.compute_dtype
     cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
     attn_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
@@ -175,11 +126,10 @@ def block(
 
     if cache is None:
         k_MTH, v_MTH = (x.transpose(0, 2, 1, 3).reshape(B * N, T, H) for x in (k_BTNH, v_BTNH))
-        attn_BTNH = attend(q_BTNH, k_MTH, v_MTH, mask_BTS)
+        attn_BTNH = attend(q_BTNH, k_MTH, v_MTH, None)
     else:
-        cache = cache.write(layer, k_BTNH, v_BTNH)
-        k_MSH, v_MSH = cache.layer(layer)
-        attn_BTNH = attend(q_BTNH, k_MSH, v_MSH, mask_BTS)
+        cache = cache.write(layer, k_BTNH, v_BTNH, positions_BT)
+        attn_BTNH = attend(q_BTNH, *cache.layer(layer), mask_BTS)
 
     out_BTD = dense(attn_BTNH.reshape(B, T, N * H), cast(p["out_kernel"]))
     if p["out_bias"] is not None:
@@ -195,7 +145,120 @@ def block(
     if p["proj_bias"] is not None:
         h_BTD = h_BTD + cast(p["proj_bias"])
     x_BTD = x_BTD + dropout(h_BTD, config.dropout, mlp_key)
-    return (constrain(x_BTD, ("batch", None, None)), cache), (k_BTNH, v_BTNH)
+    return constrain(x_BTD, ("batch", None, None)), cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """Every array the forward reads, in the layout its owner chose.
+
+    `GPT.weights()` gives the stored parameters (`layers` one dict of arrays stacked on a leading layer
+    axis); `gpt.decoding` gives a layout for fast decoding (`layers` a tuple of per-layer dicts whose
+    kernels are `gpt.layouts` objects). The forward runs either.
+
+    Attributes:
+      embedding: the token table [V, D], read by lookup.
+      positional: the learned position table [block_size, D], or None.
+      layers: the blocks' weights: a dict of stacked [L, ...] arrays, or a tuple of L per-layer dicts.
+      final_scale, final_bias: the last LayerNorm's [D] (bias None without biases).
+      head: the LM head, a kernel `dense` takes; GPT-2 ties it to the embedding (`OutputMajor(embedding)`).
+    """
+
+    embedding: jax.Array
+    positional: jax.Array | None
+    layers: dict | tuple
+    final_scale: jax.Array
+    final_bias: jax.Array | None
+    head: object
+
+
+def embed(config: GPTConfig, weights: Weights, tokens_BT: jax.Array, positions_BT: jax.Array,
+          dropout_key: jax.Array | None = None) -> jax.Array:
+    """Token (+ learned or sinusoidal position) embeddings, [B, T, D] in the compute dtype."""
+    # Gather the table's width (split over fsdp) first, as FSDP does for every weight before use: the
+    # lookup's output is split over the batch, which would otherwise claim the same mesh axis.
+    x_BTD = constrain(weights.embedding, ("vocab", None))[tokens_BT].astype(jnp.float32)
+    # Rows that hold no request (free engine slots) may run past the table; clip them into it (their
+    # output is never read).
+    positions_BT = jnp.clip(positions_BT, 0, config.block_size - 1)
+    if config.position == "learned":
+        x_BTD = x_BTD + constrain(weights.positional, (None, None))[positions_BT].astype(jnp.float32)
+    elif config.position == "sinusoidal":
+        x_BTD = x_BTD + sinusoidal_embedding(positions_BT, config.n_embd)
+    x_BTD = dropout(x_BTD.astype(config.compute_dtype), config.dropout, dropout_key)
+    return constrain(x_BTD, ("batch", None, None))
+
+
+def forward(
+    config: GPTConfig,
+    weights: Weights,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    cache: KVCache | None = None,
+    *,
+    dropout_key: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """The forward up to the final LayerNorm: (hidden states [B, T, D] in the compute dtype, the cache).
+
+    Args:
+      config: the model's shape.
+      weights: `GPT.weights()` or a decoding layout (`gpt.decoding`).
+      tokens_BT: int32 token ids [B, T].
+      positions_BT: int32 positions [B, T]; each row its own (a row's tokens need not start at 0).
+      cache: a KVCache to write the new keys and values into (at `positions_BT`) and read; each query
+        attends to every cached slot at or before its position. None for the plain causal forward.
+      dropout_key: a PRNG key to apply dropout with (training); None disables it.
+    Returns:
+      (hidden [B, T, D], the cache with each row's length set past its last position; None without one).
+    """
+    embed_key, blocks_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+    x_BTD = embed(config, weights, tokens_BT, positions_BT, embed_key)
+    return transform(config, weights, x_BTD, positions_BT, cache, blocks_key)
+
+
+def transform(
+    config: GPTConfig,
+    weights: Weights,
+    x_BTD: jax.Array,
+    positions_BT: jax.Array,
+    cache: KVCache | None = None,
+    dropout_key: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """Every block and the final LayerNorm over embeddings x [B, T, D]; arguments and result as `forward`'s.
+
+    Without a cache and with `config.scan_layers`, stacked layers run as one lax.scan (compile time flat
+    in depth); otherwise the blocks run unrolled, each over its own layer's weights.
+    """
+    num_layers = config.n_layer
+    keys = None if dropout_key is None else jax.random.split(dropout_key, num_layers)
+    mask_BTS = None if cache is None else cache.mask(positions_BT)  # the same for every layer
+
+    def step(x_BTD, p, key):
+        return block(config, p, x_BTD, positions_BT, None, 0, key)[0]
+
+    if config.remat and cache is None:  # a training-time saving; decoding keeps no activations anyway
+        step = jax.checkpoint(step, prevent_cse=False)
+    stacked = isinstance(weights.layers, dict)
+    if stacked and cache is None and config.scan_layers:
+        x_BTD, _ = jax.lax.scan(lambda x, xs: (step(x, *xs), None), x_BTD, (weights.layers, keys))
+    else:
+        layers = [{name: None if a is None else a[i] for name, a in weights.layers.items()}
+                  for i in range(num_layers)] if stacked else weights.layers
+        for layer, p in enumerate(layers):
+            key = None if keys is None else keys[layer]
+            if cache is None:
+                x_BTD = step(x_BTD, p, key)
+            else:
+                x_BTD, cache = block(config, p, x_BTD, positions_BT, cache, layer, key, mask_BTS)
+    x_BTD = layer_norm(x_BTD, weights.final_scale, weights.final_bias, config.layer_norm_epsilon)
+    return x_BTD, None if cache is None else cache.advance(positions_BT)
+
+
+def lm_head(weights: Weights, x_BTD: jax.Array) -> jax.Array:
+    """The LM head: float32 logits [B, T, V] of hidden states [B, T, D]."""
+    head = weights.head.astype(x_BTD.dtype)
+    return constrain(dense(x_BTD, head).astype(jnp.float32), ("batch", None, "vocab"))
 
 
 class GPT(nnx.Module):
@@ -217,113 +280,22 @@ class GPT(nnx.Module):
         self.lnf_scale = _constant(1.0, (D,), ("embed",), dtype)
         self.lnf_bias = _constant(0.0, (D,), ("embed",), dtype) if config.bias else None
 
-    def embed(self, tokens_BT: jax.Array, positions_BT: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Token (+ learned or sinusoidal position) embeddings, [B, T, D] in the compute dtype."""
-        config = self.config
-        # Gather the table's width (split over fsdp) first, as FSDP does for every weight before use: the
-        # lookup's output is split over the batch, which would otherwise claim the same mesh axis.
-        x_BTD = constrain(self.wte[...], ("vocab", None))[tokens_BT].astype(jnp.float32)
-        # Padding slots of ragged batches have negative positions; clip them into the table (they are
-        # masked out of attention anyway).
-        positions_BT = jnp.clip(positions_BT, 0, config.block_size - 1)
-        if config.position == "learned":
-            x_BTD = x_BTD + constrain(self.wpe[...], (None, None))[positions_BT].astype(jnp.float32)
-        elif config.position == "sinusoidal":
-            x_BTD = x_BTD + sinusoidal_embedding(positions_BT, config.n_embd)
-        x_BTD = dropout(x_BTD.astype(config.compute_dtype), config.dropout, dropout_key)
-        return constrain(x_BTD, ("batch", None, None))
+    def weights(self) -> Weights:
+        """The parameters as the forward reads them, the blocks' stacked (no copy is made)."""
+        embedding = self.wte[...]
+        return Weights(
+            embedding=embedding,
+            positional=None if self.wpe is None else self.wpe[...],
+            layers=self.blocks.stacked(),
+            final_scale=self.lnf_scale[...],
+            final_bias=None if self.lnf_bias is None else self.lnf_bias[...],
+            head=OutputMajor(embedding),
+        )
 
-    def transform(
-        self,
-        x_BTD: jax.Array,
-        positions_BT: jax.Array,
-        cache: KVCache | None = None,
-        dropout_key: jax.Array | None = None,
-        layers: list[dict] | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
-        """Run every block and the final LayerNorm.
-
-        Without a cache and with `config.scan_layers`, one lax.scan runs over the stacked layers (compile
-        time flat in depth). Otherwise the blocks run unrolled, each over its own layer's weights (sliced
-        here, or given as `layers`: a decode loop passes `self.blocks.for_decoding()`, made once outside
-        the loop) and, with a cache, its own cache buffers.
-        """
-        config = self.config
-        keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
-        mask_BTS = None if cache is None else cache.mask(x_BTD.shape[1])  # the same for every layer
-
-        def step(carry, xs):
-            x_BTD, cache = carry
-            p, layer, key = xs
-            return block(config, p, x_BTD, positions_BT, cache, layer, key, mask_BTS)[0], None
-
-        if config.remat and cache is None:  # a training-time saving; decoding keeps no activations anyway
-            step = jax.checkpoint(step, prevent_cse=False)
-        if layers is None and cache is None and config.scan_layers:
-            indices = jnp.arange(config.n_layer, dtype=jnp.int32)
-            (x_BTD, cache), _ = jax.lax.scan(step, (x_BTD, cache), (self.blocks.stacked(), indices, keys))
-        else:
-            for layer, p in enumerate(self.blocks.unstacked() if layers is None else layers):
-                (x_BTD, cache), _ = step((x_BTD, cache), (p, layer, None if keys is None else keys[layer]))
-        return self.final_norm(x_BTD), cache
-
-    def final_norm(self, x_BTD: jax.Array) -> jax.Array:
-        bias = None if self.lnf_bias is None else self.lnf_bias[...]
-        return layer_norm(x_BTD, self.lnf_scale[...], bias, self.config.layer_norm_epsilon)
-
-    def prefill(self, tokens_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Fill an empty cache (index 0) with a left-padded prompt batch, as `self(tokens, cache=cache,
-        last_only=True)` would, but with the layers run as one `lax.scan` (one block to compile instead
-        of one per layer). Each layer attends within the prompt; the keys and values it makes are written
-        into the cache's per-layer buffers after the scan.
-
-        Args:
-          tokens_BT: int32 [B, T], rows left-padded as `cache.start` says.
-          cache: a KVCache with nothing written yet.
-        Returns:
-          (float32 logits of the last position [B, 1, V], the cache advanced by T).
-        """
-        T = tokens_BT.shape[1]
-        positions_BT = cache.positions(T)
-        mask_BTT = cache.mask(T)[:, :, :T]  # the cache is empty: its first T slots are the prompt
-
-        def step(x_BTD, p):
-            (x_BTD, _), kv = block(self.config, p, x_BTD, positions_BT, None, 0, None, mask_BTT)
-            return x_BTD, kv
-
-        x_BTD, (k_LBTNH, v_LBTNH) = jax.lax.scan(step, self.embed(tokens_BT, positions_BT), self.blocks.stacked())
-        for layer in range(self.config.n_layer):
-            cache = cache.write(layer, k_LBTNH[layer], v_LBTNH[layer])
-        return self.logits(self.final_norm(x_BTD[:, -1:])), cache.advance(T)
-
-    def logits(self, x_BTD: jax.Array) -> jax.Array:
-        """The tied LM head: float32 logits [B, T, V]."""
-        # The table [V, D] already is an output-major matrix: contract over its own D axis. Spelled as
-        # `x @ wte.T`, XLA on CPU copies the transposed 154 MB table before every decode step.
-        logits_BTV = dense(x_BTD, OutputMajor(self.wte[...].astype(x_BTD.dtype)))
-        return constrain(logits_BTV.astype(jnp.float32), ("batch", None, "vocab"))
-
-    def hidden(
-        self,
-        tokens_BT: jax.Array,
-        positions_BT: jax.Array | None = None,
-        cache: KVCache | None = None,
-        *,
-        dropout_key: jax.Array | None = None,
-        layers: list[dict] | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
-        """The final hidden states [B, T, D] (after the last LayerNorm, in the compute dtype), and the
-        cache advanced past the tokens (None without one). Arguments as for `__call__`."""
-        num_tokens = tokens_BT.shape[1]
-        if positions_BT is None:
-            positions_BT = (
-                jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), tokens_BT.shape)
-                if cache is None else cache.positions(num_tokens)
-            )
-        embed_key, blocks_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        x_BTD = self.embed(tokens_BT, positions_BT, embed_key)
-        x_BTD, cache = self.transform(x_BTD, positions_BT, cache, blocks_key, layers)
-        return x_BTD, None if cache is None else cache.advance(num_tokens)
+    def hidden(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """The training forward's final hidden states [B, T, D] (after the last LayerNorm)."""
+        positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+        return forward(self.config, self.weights(), tokens_BT, positions_BT, dropout_key=dropout_key)[0]
 
     def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         """Mean next-token cross-entropy (float32 nats) of int32 targets [B, T] after tokens [B, T].
@@ -331,7 +303,7 @@ class GPT(nnx.Module):
         Equal to the cross-entropy of `self(tokens_BT)`, but the [B, T, V] logits are never held at once
         (`gpt.loss.lm_head_cross_entropy`): faster on CPU, and the memory they would take on a GPU.
         """
-        x_BTD, _ = self.hidden(tokens_BT, dropout_key=dropout_key)
+        x_BTD = self.hidden(tokens_BT, dropout_key=dropout_key)
         return lm_head_cross_entropy(x_BTD, self.wte[...].astype(x_BTD.dtype), targets_BT)
 
     def __call__(
@@ -341,22 +313,22 @@ class GPT(nnx.Module):
         cache: KVCache | None = None,
         *,
         dropout_key: jax.Array | None = None,
-        last_only: bool = False,
-        layers: list[dict] | None = None,
     ):
         """Logits for int32 tokens [B, T].
 
         Args:
           tokens_BT: int32 token ids [B, T].
-          positions_BT: int32 positions [B, T]; defaults to 0..T-1 (or, with a cache, the cache's next slots).
+          positions_BT: int32 positions [B, T]; defaults to 0..T-1, or with a cache each row's next ones.
           cache: a KVCache to read and extend; None for the plain (training) forward.
           dropout_key: a PRNG key to apply dropout with (training); None disables dropout.
-          last_only: only the last position's logits ([B, 1, V]), as a prefill needs.
-          layers: per-layer parameters to run unrolled (`Blocks.unstacked` or `Blocks.for_decoding`; see
-            `transform`).
         Returns:
           float32 logits [B, T, V] without a cache; (logits, updated cache) with one.
         """
-        x_BTD, new_cache = self.hidden(tokens_BT, positions_BT, cache, dropout_key=dropout_key, layers=layers)
-        logits_BTV = self.logits(x_BTD[:, -1:] if last_only else x_BTD)
-        return logits_BTV if cache is None else (logits_BTV, new_cache)
+        if positions_BT is None:
+            T = tokens_BT.shape[1]
+            positions_BT = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BT.shape) if cache is None
+                            else cache.next_positions(T))
+        weights = self.weights()
+        x_BTD, cache = forward(self.config, weights, tokens_BT, positions_BT, cache, dropout_key=dropout_key)
+        logits_BTV = lm_head(weights, x_BTD)
+        return logits_BTV if cache is None else (logits_BTV, cache)

@@ -27,6 +27,8 @@ class SamplingParams:
     min_p: keep tokens whose probability is at least min_p times the most likely one's (0 keeps all).
     repetition_penalty: CTRL's penalty on tokens already in the prompt or output: a positive logit is
       divided by it, a negative one multiplied (1 is off; > 1 discourages repeats).
+
+    Each field is a scalar, or an array [B] with one value per row (an engine's per-slot knobs).
     """
 
     temperature: jax.Array
@@ -46,6 +48,18 @@ class SamplingParams:
             repetition_penalty=jnp.float32(repetition_penalty),
         )
 
+    @classmethod
+    def rows(cls, batch: int) -> SamplingParams:
+        """Per-row knobs for `batch` rows, all greedy until set."""
+        return cls(temperature=jnp.zeros((batch,), jnp.float32), top_k=jnp.zeros((batch,), jnp.int32),
+                   top_p=jnp.ones((batch,), jnp.float32), min_p=jnp.zeros((batch,), jnp.float32),
+                   repetition_penalty=jnp.ones((batch,), jnp.float32))
+
+    def set_rows(self, rows_b: jax.Array, other: SamplingParams) -> SamplingParams:
+        """These per-row knobs with rows `rows_b` set to `other`'s ([b] each); rows out of range are dropped."""
+        return jax.tree.map(lambda mine, theirs: mine.at[rows_b].set(theirs.astype(mine.dtype), mode="drop"),
+                            self, other)
+
     @staticmethod
     def check(temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
         """Raise ConfigError naming the first knob outside its bound (plain Python: nothing compiles)."""
@@ -61,37 +75,55 @@ class SamplingParams:
             raise ConfigError(f"repetition_penalty must be > 0 (1 is off), got {repetition_penalty}")
 
 
-def penalize_repetition(logits_BV: jax.Array, seen_BV: jax.Array, penalty: jax.Array) -> jax.Array:
-    """CTRL's repetition penalty on the tokens marked in `seen_BV` (bool [B, V])."""
-    penalized = jnp.where(logits_BV > 0, logits_BV / penalty, logits_BV * penalty)
+def penalize_repetition(logits_BV: jax.Array, seen_BV: jax.Array, penalty_B: jax.Array) -> jax.Array:
+    """CTRL's repetition penalty [B] on the tokens marked in `seen_BV` (bool [B, V])."""
+    penalty_B1 = jnp.asarray(penalty_B, jnp.float32).reshape(-1, 1)
+    penalized = jnp.where(logits_BV > 0, logits_BV / penalty_B1, logits_BV * penalty_B1)
     return jnp.where(seen_BV, penalized, logits_BV)
 
 
 def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature, then top-k, top-p and min-p: excluded tokens get -inf. float32 [B, V] in and out."""
-    logits_BV = logits_BV / params.temperature
-    vocab = logits_BV.shape[-1]
-    # One descending sort serves top-k and top-p: both reduce to a per-row logit threshold.
-    sorted_BV = -jnp.sort(-logits_BV, axis=-1)
-    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
-    kth_B1 = jnp.take_along_axis(sorted_BV, jnp.broadcast_to(k - 1, sorted_BV.shape[:-1])[:, None], axis=-1)
-    sorted_BV = jnp.where(jnp.arange(vocab) < k, sorted_BV, -jnp.inf)
-    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-    # Keep a token if the mass strictly before it is below p; the most likely token is always kept.
-    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    kept_BV = (mass_before_BV < params.top_p) & (jnp.arange(vocab) < k)
-    top_p_threshold_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
-    # min-p: p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p).
-    min_p_threshold_B1 = sorted_BV[:, :1] + jnp.log(params.min_p)
-    threshold_B1 = jnp.maximum(jnp.maximum(kth_B1, top_p_threshold_B1), min_p_threshold_B1)
+    """Temperature, then top-k, top-p and min-p, each row by its own knobs ([B] or scalars): excluded
+    tokens get -inf. float32 [B, V] in and out. Rows with temperature 0 are divided by 1."""
+    B, vocab = logits_BV.shape
+    column = lambda x: jnp.broadcast_to(jnp.asarray(x), (B,))[:, None]  # noqa: E731  a knob as [B, 1]
+    temperature_B1 = column(params.temperature)
+    logits_BV = logits_BV / jnp.where(temperature_B1 > 0, temperature_B1, 1.0)
+    k_B1 = column(jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab))
+    top_p_B1, min_p_B1 = column(params.top_p), column(params.min_p)
+    # min-p: p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p). It needs no sort.
+    min_p_threshold_B1 = logits_BV.max(-1, keepdims=True) + jnp.log(min_p_B1)
+
+    def sorted_thresholds():
+        # One descending sort serves top-k and top-p: both reduce to a per-row logit threshold.
+        sorted_BV = -jnp.sort(-logits_BV, axis=-1)
+        kth_B1 = jnp.take_along_axis(sorted_BV, k_B1 - 1, axis=-1)
+        in_top_k_BV = jnp.arange(vocab) < k_B1
+        probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
+        # Keep a token if the mass strictly before it is below p; the most likely token is always kept.
+        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        kept_BV = (mass_before_BV < top_p_B1) & in_top_k_BV
+        top_p_threshold_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+        return jnp.maximum(kth_B1, top_p_threshold_B1)
+
+    # The sort is most of a sampling step's cost over GPT-2's 50257 tokens: skip it when no row needs it.
+    needs_sort = jnp.any((k_B1 < vocab) | (top_p_B1 < 1))
+    sort_threshold_B1 = jax.lax.cond(needs_sort, sorted_thresholds, lambda: jnp.full((B, 1), -jnp.inf))
+    threshold_B1 = jnp.maximum(sort_threshold_B1, min_p_threshold_B1)
     return jnp.where(logits_BV >= threshold_B1, logits_BV, -jnp.inf)
 
 
-def choose(logits_BV: jax.Array, seen_BV: jax.Array, params: SamplingParams, key: jax.Array) -> jax.Array:
-    """The next token of each row, int32 [B]: argmax when temperature is 0, else a filtered draw."""
+def choose(logits_BV: jax.Array, seen_BV: jax.Array, params: SamplingParams, keys_B: jax.Array) -> jax.Array:
+    """The next token of each row, int32 [B]: argmax where the row's temperature is 0, else a draw from
+    its filtered distribution with its own PRNG key (`keys_B`, a key array [B]), so a row's draw does
+    not depend on what else is in the batch."""
     logits_BV = penalize_repetition(logits_BV.astype(jnp.float32), seen_BV, params.repetition_penalty)
-    return jax.lax.cond(
-        params.temperature == 0,
-        lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32),
-        lambda: jax.random.categorical(key, filter_logits(logits_BV, params), axis=-1).astype(jnp.int32),
-    )
+    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    greedy_rows_B = jnp.broadcast_to(params.temperature == 0, greedy_B.shape)
+
+    def draw():
+        filtered_BV = filter_logits(logits_BV, params)
+        drawn_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BV).astype(jnp.int32)
+        return jnp.where(greedy_rows_B, greedy_B, drawn_B)
+
+    return jax.lax.cond(jnp.all(greedy_rows_B), lambda: greedy_B, draw)

@@ -8,10 +8,15 @@ from flax import nnx
 
 from gpt import GPT, GPTConfig, KVCache
 from gpt.errors import ConfigError
-from gpt.generate import _compiled_decode_loop, generate, generate_text
+from gpt.decoding import compiled_decode, compiled_prefill
+from gpt.generate import generate, generate_text
 from gpt.sampling import SamplingParams, choose, filter_logits, penalize_repetition
 
 POSITIONS = ("learned", "sinusoidal", "rope")
+
+
+def compiled_programs() -> int:
+    return compiled_prefill._cache_size() + compiled_decode._cache_size()
 
 
 def scaled_model(position: str, scale: float = 4.0, seed: int = 0, **fields) -> GPT:
@@ -29,37 +34,27 @@ def model(request):
 
 
 def test_cached_decoding_equals_plain_forward(model):
+    # Two rows at different lengths in one cache: each row writes and reads at its own positions.
     rng = np.random.default_rng(0)
-    lengths, total, prefill = [20, 13], 20, 6
-    # Row 1 is left-padded by 7 slots, as in a ragged batch.
-    tokens = np.zeros((2, total), np.int32)
-    tokens[0] = rng.integers(0, 256, 20)
-    tokens[1, 7:] = rng.integers(0, 256, 13)
-    start = jnp.asarray([total - n for n in lengths], jnp.int32)
-    cache = KVCache.init(model.config, start, 32)
-    logits, cache = model(jnp.asarray(tokens[:, :prefill]), cache=cache)
-    cached = [logits]
-    for t in range(prefill, total):
-        logits, cache = model(jnp.asarray(tokens[:, t : t + 1]), cache=cache)
-        cached.append(logits)
-    cached = np.concatenate([np.asarray(c) for c in cached], axis=1)
-    for row, n in enumerate(lengths):
-        plain = np.asarray(model(jnp.asarray(tokens[row : row + 1, total - n :])))[0]
-        first_real = max(prefill, total - n) - (total - n)  # compare every real position
-        np.testing.assert_allclose(cached[row, total - n + first_real :], plain[first_real:], atol=1e-5, rtol=0)
-
-
-def test_prefill_equals_the_cached_forward(model):
-    # GPT.prefill (scanned layers, attention within the prompt) fills the cache as the cached forward does.
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 16)), jnp.int32)
-    start = jnp.asarray([0, 9], jnp.int32)  # row 1: 9 padding slots
-    want_logits, want = model(tokens, cache=KVCache.init(model.config, start, 24), last_only=True)
-    logits, cache = model.prefill(tokens, KVCache.init(model.config, start, 24))
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5, rtol=0)
-    assert int(cache.index) == int(want.index) == 16
-    real = np.repeat(np.arange(24)[None] >= np.asarray(start)[:, None], model.config.n_head, axis=0)  # [B*N, S]
-    for got, expected in zip(cache.k + cache.v, want.k + want.v):
-        np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=1e-5, rtol=0)
+    lengths, prefill = [20, 13], [6, 2]
+    rows = [rng.integers(0, 256, n) for n in lengths]
+    cache = KVCache.init(model.config, 2, 32)
+    cached = [[], []]
+    for row in range(2):  # each row's prompt enters on its own, as an engine admits a request
+        one = KVCache.init(model.config, 1, 32)
+        logits, one = model(jnp.asarray(rows[row][None, : prefill[row]]), cache=one)
+        cached[row].append(np.asarray(logits)[0])
+        cache = cache.insert(one, jnp.asarray([row]), jnp.asarray([prefill[row]]))
+    for t in range(max(lengths) - min(prefill)):  # then both decode together, one token a step
+        positions = np.asarray(cache.lengths)
+        tokens = [rows[row][min(positions[row], lengths[row] - 1)] for row in range(2)]
+        logits, cache = model(jnp.asarray(tokens, jnp.int32)[:, None], cache=cache)
+        for row in range(2):
+            if positions[row] < lengths[row]:
+                cached[row].append(np.asarray(logits)[row])
+    for row in range(2):
+        plain = np.asarray(model(jnp.asarray(rows[row][None])))[0]
+        np.testing.assert_allclose(np.concatenate(cached[row]), plain, atol=1e-5, rtol=0)
 
 
 def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
@@ -81,14 +76,14 @@ def test_new_weights_are_used_by_the_next_call():
 
 def test_compile_count_is_flat_within_a_bucket():
     model = scaled_model("rope", rope_theta=5000.0)  # a config no other test compiles for
-    size = _compiled_decode_loop._cache_size()
+    size = compiled_programs()
     generate(model, [[1, 2, 3]], 5, temperature=0)
-    assert _compiled_decode_loop._cache_size() == size + 1
+    assert compiled_programs() == size + 2  # one prefill, one decode
     for length, new, temperature in [(4, 9, 0.0), (11, 16, 0.8), (16, 2, 1.0), (7, 13, 0.0)]:
         generate(model, [list(range(1, length + 1))], new, temperature=temperature, top_p=0.9, top_k=40)
-    assert _compiled_decode_loop._cache_size() == size + 1
+    assert compiled_programs() == size + 2
     generate(model, [list(range(1, 18))], 5, temperature=0)  # a longer prompt: the next bucket
-    assert _compiled_decode_loop._cache_size() == size + 2
+    assert compiled_programs() == size + 4
 
 
 def test_seeds_reproduce(model):
@@ -100,7 +95,7 @@ def test_seeds_reproduce(model):
 def _draws(logits_V, params, n=4000):
     logits = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, len(logits_V)))
     seen = jnp.zeros(logits.shape, bool)
-    return np.asarray(choose(logits, seen, params, jax.random.key(0)))
+    return np.asarray(choose(logits, seen, params, jax.random.split(jax.random.key(0), n)))
 
 
 LOGITS = np.log(np.array([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02]))
@@ -196,8 +191,8 @@ def test_streaming_hands_out_each_token_in_order(model):
 )
 def test_bad_input_fails_before_compiling(prompts, kwargs, message):
     model = scaled_model("learned")
-    size = _compiled_decode_loop._cache_size()
+    size = compiled_programs()
     kwargs = {"max_new_tokens": 5, **kwargs}
     with pytest.raises(ConfigError, match=message):
         generate(model, prompts, **kwargs)
-    assert _compiled_decode_loop._cache_size() == size
+    assert compiled_programs() == size

@@ -8,6 +8,7 @@ from flax import nnx
 
 from gpt import GPT, GPTConfig
 from gpt.errors import ConfigError
+from gpt.model import embed, lm_head, transform
 
 POSITIONS = ("learned", "sinusoidal", "rope")
 
@@ -35,11 +36,12 @@ def test_loss_at_t_has_no_gradient_from_later_tokens(position):
     T, t = 16, 6
     tokens = jax.random.randint(jax.random.key(1), (2, T), 0, config.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(T), (2, T))
-    embeddings = model.embed(tokens, positions)
+    weights = model.weights()
+    embeddings = embed(config, weights, tokens, positions)
 
     def loss_at_t(x):
-        hidden, _ = model.transform(x, positions)
-        logits = model.logits(hidden)
+        hidden, _ = transform(config, weights, x, positions)
+        logits = lm_head(weights, hidden)
         return -jax.nn.log_softmax(logits[:, t])[jnp.arange(2), tokens[:, t + 1]].sum()
 
     grad = np.asarray(jax.grad(loss_at_t)(embeddings))

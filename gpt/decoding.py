@@ -1,0 +1,270 @@
+"""The engine's device side: weights laid out for decoding, the slots' state, and the two jitted
+functions the engine runs, `prefill` (requests enter slots) and `decode` (steps for every live slot).
+
+Everything here is a pure function of pytrees; `gpt.engine` decides what runs when. Shapes: S slots,
+C cache slots per row, b rows admitted per prefill, P their (bucketed) prompt length, V vocabulary,
+K stop tokens per slot, J top logprobs, M decode steps per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gpt.config import GPTConfig
+from gpt.kv_cache import KVCache
+from gpt.layouts import OutputMajor
+from gpt.model import GPT, Weights, forward, lm_head
+from gpt.sampling import SamplingParams, choose
+
+__all__ = ["decoding_weights", "Slots", "Admission", "Emitted", "init_slots", "prefill", "decode",
+           "TOP_LOGPROBS", "NO_TOKEN"]
+
+TOP_LOGPROBS = 5  # J: the most alternatives a request may ask logprobs for (the OpenAI API's own bound)
+NO_TOKEN = -1  # an Emitted entry where a slot produced nothing (free, finished, or a stop token)
+
+# How many leading axes of each kernel (after the layer axis) are its inputs.
+_KERNEL_INPUT_AXES = {"qkv_kernel": 1, "out_kernel": 2, "fc_kernel": 1, "proj_kernel": 1}
+
+
+def decoding_weights(model: GPT) -> Weights:
+    """The model's weights laid out for decoding.
+
+    One dict per layer, so that no stacked array is sliced inside the loop (XLA on CPU copies a layer's
+    slice of a stacked array before each matmul, doubling the weight traffic that bounds a decode step),
+    and every kernel `OutputMajor` ([out, in]: XLA on CPU runs the matrix-vector products of a small batch
+    faster so). Made once per engine, in a jit of its own so that the new layout is real memory (inside
+    the decode jit, XLA would fold it away again). Costs one copy of the block weights.
+    """
+    graphdef, state = nnx.split(model)
+    return _lay_out(graphdef, state)
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _lay_out(graphdef: nnx.GraphDef, state: nnx.State) -> Weights:
+    model = nnx.merge(graphdef, state)
+    weights = model.weights()
+    layers = []
+    for i in range(model.config.n_layer):
+        p = {name: None if a is None else a[i] for name, a in weights.layers.items()}
+        for name, input_axes in _KERNEL_INPUT_AXES.items():
+            kernel = p[name]
+            p[name] = OutputMajor(kernel.reshape(math.prod(kernel.shape[:input_axes]), -1).T)
+        layers.append(p)
+    return dataclasses.replace(weights, layers=tuple(layers))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """Everything the device keeps per slot between engine steps.
+
+    Attributes:
+      cache: the KV cache, one row per slot, each with its own length.
+      last_token: int32 [S], the token to feed at the slot's next step.
+      live: bool [S], the slot holds a request that is still generating.
+      remaining: int32 [S], how many more tokens the request may emit.
+      generated: int32 [S], tokens chosen so far (the position in the request's PRNG stream).
+      seen: bool [S, V], tokens in the prompt or output (for the repetition penalty).
+      params: the sampling knobs, [S] each.
+      seed, stream: uint32 [S]: a request's draws use key(seed) folded with stream, then with `generated`;
+        `generate` gives row i of one call stream i.
+      stop_tokens: int32 [S, K], ids that end the request (-2 pads).
+      top_logprobs: bool [S], the request wants the top-J alternatives of each token.
+    """
+
+    cache: KVCache
+    last_token: jax.Array
+    live: jax.Array
+    remaining: jax.Array
+    generated: jax.Array
+    seen: jax.Array
+    params: SamplingParams
+    seed: jax.Array
+    stream: jax.Array
+    stop_tokens: jax.Array
+    top_logprobs: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """b requests entering slots: the host's side of one `prefill` call ([b, ...] each).
+
+    tokens: int32 [b, P], prompts right-padded; lengths: int32 [b], their real lengths (>= 1); slots:
+    int32 [b], where each goes (S or more for a padding row). max_tokens: int32 [b]. Other fields as in
+    `Slots`.
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    slots: jax.Array
+    max_tokens: jax.Array
+    params: SamplingParams
+    seed: jax.Array
+    stream: jax.Array
+    stop_tokens: jax.Array
+    top_logprobs: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Emitted:
+    """What steps produced, [M, R] each for M steps over R rows (slots, or a prefill's rows).
+
+    token: int32, NO_TOKEN where a row emitted nothing; logprob: float32, the token's log-probability
+    under the model (before any sampling knob); top_ids, top_logprobs: [M, R, J], the J most likely
+    tokens (zeros unless some row asked for them); live: bool [R], whether each row is still generating
+    after the last step; steps: int32, how many of the M steps ran.
+    """
+
+    token: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    live: jax.Array
+    steps: jax.Array
+
+
+def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_tokens: int) -> Slots:
+    """Empty slots (all free) over a zeroed cache of `cache_length` positions per slot."""
+    S = num_slots
+    return Slots(
+        cache=KVCache.init(config, S, cache_length),
+        last_token=jnp.zeros((S,), jnp.int32), live=jnp.zeros((S,), jnp.bool_),
+        remaining=jnp.zeros((S,), jnp.int32), generated=jnp.zeros((S,), jnp.int32),
+        seen=jnp.zeros((S, config.vocab_size), jnp.bool_), params=SamplingParams.rows(S),
+        seed=jnp.zeros((S,), jnp.uint32), stream=jnp.zeros((S,), jnp.uint32),
+        stop_tokens=jnp.full((S, max_stop_tokens), -2, jnp.int32), top_logprobs=jnp.zeros((S,), jnp.bool_),
+    )
+
+
+def _keys(seed_R: jax.Array, stream_R: jax.Array, generated_R: jax.Array) -> jax.Array:
+    """Each row's PRNG key for its next draw: a pure function of (seed, stream, position)."""
+    def key(seed, stream, generated):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), generated)
+    return jax.vmap(key)(seed_R, stream_R, generated_R)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    token: jax.Array  # int32 [R], the chosen token or NO_TOKEN
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    live: jax.Array  # bool [R] after this choice
+    remaining: jax.Array
+    seen: jax.Array
+
+
+def _choose_next(weights: Weights, x_RD: jax.Array, live_R: jax.Array, remaining_R: jax.Array,
+                 seen_RV: jax.Array, params: SamplingParams, keys_R: jax.Array, stop_tokens_RK: jax.Array,
+                 top_logprobs_R: jax.Array) -> _Choice:
+    """The LM head, a choice per row, and the bookkeeping of what it ends: a stop token ends a row
+    without being emitted; a row that emits its last allowed token ends after it."""
+    logits_RV = lm_head(weights, x_RD[:, None])[:, 0]
+    token_R = choose(logits_RV, seen_RV, params, keys_R)
+    logprobs_RV = jax.nn.log_softmax(logits_RV, axis=-1)
+    logprob_R = jnp.take_along_axis(logprobs_RV, token_R[:, None], axis=-1)[:, 0]
+    R = token_R.shape[0]
+    top_logprobs_RJ, top_ids_RJ = jax.lax.cond(
+        jnp.any(top_logprobs_R & live_R),
+        lambda: tuple(jax.lax.top_k(logprobs_RV, TOP_LOGPROBS)),
+        lambda: (jnp.zeros((R, TOP_LOGPROBS), jnp.float32), jnp.zeros((R, TOP_LOGPROBS), jnp.int32)),
+    )
+    is_stop_R = jnp.any(token_R[:, None] == stop_tokens_RK, axis=-1)
+    emitted_R = live_R & ~is_stop_R
+    remaining_R = remaining_R - emitted_R
+    seen_RV = seen_RV.at[jnp.arange(R), token_R].max(emitted_R)
+    return _Choice(token=jnp.where(emitted_R, token_R, NO_TOKEN), logprob=logprob_R, top_ids=top_ids_RJ,
+                   top_logprobs=top_logprobs_RJ, live=emitted_R & (remaining_R > 0), remaining=remaining_R,
+                   seen=seen_RV)
+
+
+def prefill(config: GPTConfig, weights: Weights, slots: Slots, admission: Admission) -> tuple[Slots, Emitted]:
+    """Run b prompts, choose each one's first token, and move them into their slots.
+
+    The prompts run over a fresh cache of P positions (a request always starts at position 0); their
+    keys and values are then copied into the slots' rows. Returns the new slots and an Emitted [1, b].
+    """
+    b, P = admission.tokens.shape
+    positions_bP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (b, P))
+    x_bPD, fresh = forward(config, weights, admission.tokens, positions_bP, KVCache.init(config, b, P))
+    rows_b = jnp.arange(b)
+    x_bD = x_bPD[rows_b, admission.lengths - 1]
+    real_bP = jnp.arange(P)[None, :] < admission.lengths[:, None]
+    seen_bV = jnp.zeros((b, config.vocab_size), jnp.bool_).at[rows_b[:, None], admission.tokens].max(real_bP)
+    admitted_b = admission.slots < slots.live.shape[0]
+    keys_b = _keys(admission.seed, admission.stream, jnp.zeros((b,), jnp.int32))
+    c = _choose_next(weights, x_bD, admitted_b, admission.max_tokens, seen_bV, admission.params, keys_b,
+                     admission.stop_tokens, admission.top_logprobs)
+
+    at = admission.slots
+    put = lambda mine, theirs: mine.at[at].set(theirs.astype(mine.dtype), mode="drop")  # noqa: E731
+    slots = Slots(
+        cache=slots.cache.insert(fresh, at, admission.lengths),
+        last_token=put(slots.last_token, jnp.maximum(c.token, 0)), live=put(slots.live, c.live),
+        remaining=put(slots.remaining, c.remaining), generated=put(slots.generated, jnp.ones((b,), jnp.int32)),
+        seen=put(slots.seen, c.seen), params=slots.params.set_rows(at, admission.params),
+        seed=put(slots.seed, admission.seed), stream=put(slots.stream, admission.stream),
+        stop_tokens=put(slots.stop_tokens, admission.stop_tokens),
+        top_logprobs=put(slots.top_logprobs, admission.top_logprobs),
+    )
+    emitted = Emitted(token=c.token[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
+                      top_logprobs=c.top_logprobs[None], live=c.live, steps=jnp.int32(1))
+    return slots, emitted
+
+
+def decode(config: GPTConfig, weights: Weights, slots: Slots, cancel_S: jax.Array, num_steps: jax.Array,
+           stop_at_finish: jax.Array, max_steps: int) -> tuple[Slots, Emitted]:
+    """Up to `num_steps` (<= max_steps, static) decode steps for every live slot, in one while_loop.
+
+    Slots in `cancel_S` stop first. The loop ends early when no slot is live, or, with `stop_at_finish`,
+    once any slot finishes (so that the host can hand the freed slot to a waiting request).
+    """
+    S = slots.live.shape[0]
+    J = TOP_LOGPROBS
+    slots = dataclasses.replace(slots, live=slots.live & ~cancel_S)
+    out = Emitted(token=jnp.full((max_steps, S), NO_TOKEN, jnp.int32), logprob=jnp.zeros((max_steps, S)),
+                  top_ids=jnp.zeros((max_steps, S, J), jnp.int32), top_logprobs=jnp.zeros((max_steps, S, J)),
+                  live=slots.live, steps=jnp.int32(0))
+    live_at_start = slots.live
+
+    def keep_going(carry):
+        slots, out = carry
+        finished = jnp.any(live_at_start & ~slots.live)
+        return (out.steps < num_steps) & jnp.any(slots.live) & ~(stop_at_finish & finished)
+
+    def step(carry):
+        slots, out = carry
+        cache = slots.cache
+        positions_S1 = cache.lengths[:, None]
+        x_S1D, new_cache = forward(config, weights, slots.last_token[:, None], positions_S1, cache)
+        # Free slots run too (one shape for every step) but their lengths stay put.
+        new_cache = dataclasses.replace(new_cache, lengths=jnp.where(slots.live, new_cache.lengths, cache.lengths))
+        keys_S = _keys(slots.seed, slots.stream, slots.generated)
+        c = _choose_next(weights, x_S1D[:, 0], slots.live, slots.remaining, slots.seen, slots.params, keys_S,
+                         slots.stop_tokens, slots.top_logprobs)
+        slots = dataclasses.replace(
+            slots, cache=new_cache, last_token=jnp.where(slots.live, jnp.maximum(c.token, 0), slots.last_token),
+            live=c.live, remaining=c.remaining, generated=slots.generated + slots.live, seen=c.seen)
+        i = out.steps
+        out = Emitted(token=out.token.at[i].set(c.token), logprob=out.logprob.at[i].set(c.logprob),
+                      top_ids=out.top_ids.at[i].set(c.top_ids), top_logprobs=out.top_logprobs.at[i].set(c.top_logprobs),
+                      live=c.live, steps=i + 1)
+        return slots, out
+
+    slots, out = jax.lax.while_loop(keep_going, step, (slots, out))
+    return slots, out
+
+
+# One compiled program per shape; the config is static, the weights, slots and knobs are traced. The
+# slots are donated: the cache is updated in place.
+compiled_prefill = jax.jit(prefill, static_argnames="config", donate_argnames="slots")
+compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps"), donate_argnames="slots")
+compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3))

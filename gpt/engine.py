@@ -1,0 +1,411 @@
+"""The decoding engine: a fixed number of slots over one KV cache, fed from a bounded queue.
+
+Each round (`step`), on the thread that owns the engine:
+  1. cancelled requests give up their slots;
+  2. waiting requests enter free slots: their prompts run (`gpt.decoding.prefill`, prompt lengths in
+     power-of-two buckets) and each gets its first token;
+  3. one call of `gpt.decoding.decode` runs up to `steps_per_call` steps for every live slot;
+  4. new tokens go to their requests; finished slots become free.
+Requests come and go between rounds, so a short request never waits for a long one to end (continuous
+batching). Every sampling knob is a per-slot array, so no request's settings compile anything; `warmup`
+compiles every shape the engine can run before it serves.
+
+`generate` runs an engine on the caller's thread (`run`); `serve.py` runs one on a thread of its own
+(`start` / `stop`) and submits requests from the HTTP handlers.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from gpt.decoding import (NO_TOKEN, TOP_LOGPROBS, Admission, compiled_decode, compiled_init_slots,
+                          compiled_prefill, decoding_weights)
+from gpt.errors import ConfigError
+from gpt.model import GPT
+from gpt.sampling import SamplingParams
+from gpt.sharding import data_parallel_size, shard_state
+from gpt.text_stream import TextStream
+
+__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "prompt_buckets"]
+
+_MIN_PROMPT_BUCKET = 16
+
+
+class QueueFull(Exception):
+    """The engine's queue holds `max_queue` waiting requests already (HTTP 429)."""
+
+
+class EngineStopped(Exception):
+    """The engine is shutting down and admits nothing new (HTTP 503)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One completion to generate. Knobs as in `gpt.sampling.SamplingParams` (temperature 0 is greedy).
+
+    seed, stream: the request's draws are a pure function of (seed, stream, model, prompt, knobs), whatever
+      else the engine is running; `generate` gives the rows of one call streams 0, 1, ...
+    stop_tokens: ids that end the completion (not emitted). stop_strings: texts that end it once its
+      decoded output contains one (`Completion.text` is cut before it).
+    logprobs: how many most likely alternatives to report for each token (0..5); the chosen token's own
+      log-probability is always recorded.
+    """
+
+    prompt: Sequence[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    stream: int = 0
+    stop_tokens: Sequence[int] = ()
+    stop_strings: Sequence[str] = ()
+    logprobs: int = 0
+
+
+class Completion:
+    """A request's progress, written by the engine's thread and read by anyone.
+
+    tokens, logprobs: the emitted tokens and their log-probabilities; top_logprobs: per token, a list of
+    (id, logprob) for the request's `logprobs` most likely alternatives. text: a `TextStream` of the
+    output (stop strings applied). finish_reason: None while running, then "stop" (a stop token or
+    string), "length" (max_tokens reached) or "cancelled". `done` is set when it ends. `on_update`,
+    when given, is called on the engine's thread after each batch of new tokens and at the end.
+    """
+
+    def __init__(self, request: Request, on_update: Callable[[Completion], None] | None = None):
+        self.request, self.on_update = request, on_update
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.text = TextStream(request.stop_strings)
+        self.finish_reason: str | None = None
+        self.done = threading.Event()
+        self.cancel_requested = False
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; its slot is freed at the engine's next round."""
+        self.cancel_requested = True
+
+    def _add(self, token: int, logprob: float, top: list[tuple[int, float]]) -> bool:
+        """Record one token; True if it completed a stop string."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if self.request.logprobs:
+            self.top_logprobs.append(top[: self.request.logprobs])
+        return self.text.push(token) and bool(self.request.stop_strings)
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.done.set()
+
+
+def prompt_buckets(cache_length: int) -> list[int]:
+    """The prompt lengths a prefill is compiled for: powers of two from 16, and the cache length."""
+    buckets, n = [], _MIN_PROMPT_BUCKET
+    while n < cache_length:
+        buckets.append(n)
+        n *= 2
+    return buckets + [cache_length]
+
+
+class Engine:
+    """Slots over one KV cache and a bounded queue; see the module docstring.
+
+    Args:
+      model: the GPT to decode with (its weights are laid out for decoding once, here).
+      slots: how many requests decode together (rounded up to a multiple of the mesh's data-parallel size).
+      cache_length: positions per slot, prompt + output (default and bound: the model's context).
+      max_queue: the most requests waiting for a slot; `submit` raises QueueFull beyond it.
+      steps_per_call: decode steps per device call; more amortize dispatch, fewer admit sooner.
+      max_stop_tokens: the most stop tokens a request may give.
+      mesh: run sharded over this mesh (`gpt.sharding.make_mesh`).
+    """
+
+    def __init__(self, model: GPT, *, slots: int = 8, cache_length: int | None = None, max_queue: int = 64,
+                 steps_per_call: int = 1, max_stop_tokens: int = 8, mesh: Mesh | None = None):
+        config = model.config
+        cache_length = config.block_size if cache_length is None else cache_length
+        if not 1 <= cache_length <= config.block_size:
+            raise ConfigError(f"cache_length must be in [1, {config.block_size}] (the model's context), got {cache_length}")
+        for name, value in dict(slots=slots, max_queue=max_queue, steps_per_call=steps_per_call,
+                                max_stop_tokens=max_stop_tokens).items():
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Engine {name} must be an integer >= 1, got {value!r}")
+        self.rows_per_prefill = data_parallel_size(mesh) if mesh is not None else 1
+        slots = -(-slots // self.rows_per_prefill) * self.rows_per_prefill
+        self.config, self.num_slots, self.cache_length = config, slots, cache_length
+        self.max_queue, self.steps_per_call, self.max_stop_tokens = max_queue, steps_per_call, max_stop_tokens
+        self.mesh = mesh
+        with self._on_mesh():
+            if mesh is not None:
+                graphdef, state = nnx.split(model)
+                model = nnx.merge(graphdef, shard_state(model, state, mesh))
+            self.weights = decoding_weights(model)
+            self._slots = compiled_init_slots(config, slots, cache_length, max_stop_tokens)
+        self._owners: list[Completion | None] = [None] * slots
+        self._queue: collections.deque[Completion] = collections.deque()
+        self._lock = threading.Condition()
+        self._stopping = self._exit = False
+        self._thread: threading.Thread | None = None
+        self._cancel_S = np.zeros((slots,), np.bool_)  # slots to stop at the next decode call
+        self.tokens_emitted = 0  # a running total, for tokens/s
+
+    # ------------------------------------------------------------------------------ clients (any thread)
+
+    def check(self, request: Request) -> None:
+        """Raise ConfigError naming the first field of `request` outside its bound (nothing compiles)."""
+        config, prompt = self.config, request.prompt
+        if isinstance(prompt, (str, bytes)) or len(prompt) == 0:
+            raise ConfigError("prompt is empty: a request needs at least one token")
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ConfigError(f"prompt must be a list of integer token ids, got dtype {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= config.vocab_size:
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise ConfigError(f"prompt has token id {bad} outside the vocabulary [0, {config.vocab_size})")
+        if not isinstance(request.max_tokens, (int, np.integer)) or request.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
+        if ids.size + request.max_tokens > self.cache_length:
+            raise ConfigError(
+                f"the prompt has {ids.size} tokens; with max_tokens={request.max_tokens} that is "
+                f"{ids.size + request.max_tokens}, beyond the context of {self.cache_length} tokens")
+        SamplingParams.check(request.temperature, request.top_k, request.top_p, request.min_p,
+                             request.repetition_penalty)
+        stops = list(request.stop_tokens)
+        if len(stops) > self.max_stop_tokens:
+            raise ConfigError(f"stop_tokens has {len(stops)} ids; at most {self.max_stop_tokens} are allowed")
+        if any(not 0 <= int(t) < config.vocab_size for t in stops):
+            raise ConfigError(f"stop_tokens {stops} must be ids in [0, {config.vocab_size})")
+        if not 0 <= request.logprobs <= TOP_LOGPROBS:
+            raise ConfigError(f"logprobs must be in [0, {TOP_LOGPROBS}], got {request.logprobs}")
+
+    def submit(self, request: Request, on_update: Callable[[Completion], None] | None = None) -> Completion:
+        """Queue a request (checked first); returns its Completion. Raises ConfigError, QueueFull or
+        EngineStopped."""
+        self.check(request)
+        completion = Completion(request, on_update)
+        with self._lock:
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue={self.max_queue})")
+            self._queue.append(completion)
+            self._lock.notify()
+        return completion
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def live_slots(self) -> int:
+        return sum(owner is not None for owner in self._owners)
+
+    # -------------------------------------------------------------------------- the engine's own thread
+
+    def step(self) -> bool:
+        """One round (cancel, admit, decode, deliver). False when there was nothing to do."""
+        for slot, owner in enumerate(self._owners):
+            if owner is not None and owner.cancel_requested:
+                self._release(slot, "cancelled")
+        admitted = self._admit()
+        if not any(self._owners):
+            return admitted
+        stop_at_finish = bool(self._queue)  # someone waits for a slot: come back as soon as one frees
+        cancel_S, self._cancel_S = self._cancel_S, np.zeros((self.num_slots,), np.bool_)
+        emitted = self._decode(cancel_S, self.steps_per_call, stop_at_finish)
+        self._deliver(list(range(self.num_slots)), emitted)
+        return True
+
+    def run(self, completions: Sequence[Completion]) -> None:
+        """Run rounds on this thread until every one of `completions` has ended."""
+        while not all(c.done.is_set() for c in completions):
+            if not self.step():
+                raise RuntimeError("the engine is idle but some completions never ended")
+
+    def warmup(self, log: Callable[[str], None] = print) -> None:
+        """Compile every shape the engine runs (each prompt bucket's prefill, and the decode), with a
+        progress line. Padding-only prefills and a zero-step decode change nothing."""
+        buckets = prompt_buckets(self.cache_length)
+        start = time.perf_counter()
+        for i, length in enumerate(buckets):
+            log(f"warm-up: compiling prefill {i + 1}/{len(buckets) + 1} (prompts up to {length} tokens)")
+            self._prefill([], length)
+        log(f"warm-up: compiling decode {len(buckets) + 1}/{len(buckets) + 1}")
+        jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 0, False))
+        log(f"warm-up: done in {time.perf_counter() - start:.1f} s")
+
+    def compiled_shapes(self) -> int:
+        """How many programs the engine's jitted functions hold (for tests: no compile after warm-up)."""
+        return compiled_prefill._cache_size() + compiled_decode._cache_size()
+
+    def start(self) -> None:
+        """Run rounds on a background thread until `stop`."""
+        self._thread = threading.Thread(target=self._serve_forever, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, deadline_s: float = 10.0) -> None:
+        """Admit nothing new; let running and waiting requests finish for up to `deadline_s`, cancel the
+        rest, and end the background thread."""
+        with self._lock:
+            self._stopping = True
+        end = time.monotonic() + deadline_s
+        while (self._queue or any(self._owners)) and time.monotonic() < end and self._thread is not None:
+            time.sleep(0.01)
+        with self._lock:
+            for completion in self._queue:
+                completion._finish("cancelled")
+                self._notify(completion)
+            self._queue.clear()
+            for owner in self._owners:
+                if owner is not None:
+                    owner.cancel()
+            self._exit = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _serve_forever(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not any(self._owners) and not self._exit:
+                    self._lock.wait()
+                if self._exit and not self._queue and not any(self._owners):
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug must not leave clients waiting forever: end what is running
+                logging.getLogger(__name__).exception("engine round failed; ending the running requests")
+                for slot, owner in enumerate(self._owners):
+                    if owner is not None:
+                        self._release(slot, "error")
+
+    # ----------------------------------------------------------------------------------------- internals
+
+    def _on_mesh(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _admit(self) -> bool:
+        """Move waiting requests into free slots, `rows_per_prefill` at a time."""
+        admitted = False
+        while True:
+            free = [slot for slot, owner in enumerate(self._owners) if owner is None]
+            with self._lock:
+                batch = []
+                while self._queue and len(batch) < min(len(free), self.rows_per_prefill):
+                    completion = self._queue.popleft()
+                    if completion.cancel_requested:
+                        completion._finish("cancelled")
+                        self._notify(completion)
+                    else:
+                        batch.append(completion)
+            if not batch:
+                return admitted
+            for slot, completion in zip(free, batch):
+                self._owners[slot] = completion
+                self._cancel_S[slot] = False  # the prefill makes the slot's device state new
+            longest = max(len(c.request.prompt) for c in batch)
+            length = next(b for b in prompt_buckets(self.cache_length) if b >= longest)
+            emitted = self._prefill(list(zip(free, batch)), length)
+            self._deliver(free[: len(batch)], emitted, rows=range(len(batch)))
+            admitted = True
+
+    def _decode(self, cancel_S: np.ndarray, num_steps: int, stop_at_finish: bool):
+        with self._on_mesh():
+            self._slots, emitted = compiled_decode(
+                self.config, self.weights, self._slots, cancel_S, np.int32(num_steps), np.bool_(stop_at_finish),
+                max_steps=self.steps_per_call)
+        return emitted
+
+    def _prefill(self, entries: list[tuple[int, Completion]], length: int):
+        """One prefill of `rows_per_prefill` rows (entries, then padding rows that go nowhere)."""
+        b, K = self.rows_per_prefill, self.max_stop_tokens
+        tokens = np.zeros((b, length), np.int32)
+        lengths, slots = np.ones((b,), np.int32), np.full((b,), self.num_slots, np.int32)
+        max_tokens, seed, stream = np.ones((b,), np.int32), np.zeros((b,), np.uint32), np.zeros((b,), np.uint32)
+        stop_tokens, top = np.full((b, K), -2, np.int32), np.zeros((b,), np.bool_)
+        knobs = {name: [] for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
+        for row in range(b):
+            request = entries[row][1].request if row < len(entries) else Request([0], 1, temperature=0.0)
+            if row < len(entries):
+                slots[row] = entries[row][0]
+                prompt = request.prompt
+                tokens[row, : len(prompt)], lengths[row] = prompt, len(prompt)
+                max_tokens[row] = request.max_tokens
+                seed[row], stream[row] = request.seed % 2**32, request.stream % 2**32
+                stop_tokens[row, : len(request.stop_tokens)] = request.stop_tokens
+                top[row] = request.logprobs > 0
+            knobs["temperature"].append(request.temperature)
+            knobs["top_k"].append(request.top_k or 0)
+            knobs["top_p"].append(1.0 if request.top_p is None else request.top_p)
+            knobs["min_p"].append(request.min_p or 0.0)
+            knobs["repetition_penalty"].append(request.repetition_penalty)
+        params = SamplingParams(
+            temperature=np.asarray(knobs["temperature"], np.float32), top_k=np.asarray(knobs["top_k"], np.int32),
+            top_p=np.asarray(knobs["top_p"], np.float32), min_p=np.asarray(knobs["min_p"], np.float32),
+            repetition_penalty=np.asarray(knobs["repetition_penalty"], np.float32))
+        admission = Admission(tokens=tokens, lengths=lengths, slots=slots, max_tokens=max_tokens, params=params,
+                              seed=seed, stream=stream, stop_tokens=stop_tokens, top_logprobs=top)
+        with self._on_mesh():
+            self._slots, emitted = compiled_prefill(self.config, self.weights, self._slots, admission)
+        return emitted
+
+    def _deliver(self, slots: list[int], emitted, rows: Sequence[int] | None = None) -> None:
+        """Hand each slot's new tokens to its request; free the slots whose request ended."""
+        token = np.asarray(emitted.token)
+        steps = int(emitted.steps)
+        logprob, live = np.asarray(emitted.logprob), np.asarray(emitted.live)
+        wants_top = any(self._owners[s] is not None and self._owners[s].request.logprobs for s in slots)
+        top_ids, top_lps = (np.asarray(emitted.top_ids), np.asarray(emitted.top_logprobs)) if wants_top else (None, None)
+        rows = range(len(slots)) if rows is None else rows
+        for slot, row in zip(slots, rows):
+            owner = self._owners[slot]
+            if owner is None:
+                continue
+            before = len(owner.tokens)
+            stopped = False
+            for i in range(steps):
+                if token[i, row] == NO_TOKEN:
+                    break
+                top = ([(int(t), float(lp)) for t, lp in zip(top_ids[i, row], top_lps[i, row])]
+                       if top_ids is not None else [])
+                if owner._add(int(token[i, row]), float(logprob[i, row]), top):
+                    stopped = True
+                    break
+            self.tokens_emitted += len(owner.tokens) - before
+            if stopped:
+                owner.cancel()  # the device slot is still live: stop it at the next round
+                owner._finish("stop")
+                self._notify(owner)
+            elif not live[row]:
+                self._release(slot, "length" if len(owner.tokens) >= owner.request.max_tokens else "stop")
+            elif len(owner.tokens) > before:
+                self._notify(owner)
+
+    def _release(self, slot: int, reason: str) -> None:
+        owner = self._owners[slot]
+        self._owners[slot] = None
+        self._cancel_S[slot] = True  # the device may still count it live (a stop string, a cancel)
+        if not owner.done.is_set():
+            owner._finish(reason)
+            self._notify(owner)
+
+    @staticmethod
+    def _notify(completion: Completion) -> None:
+        if completion.on_update is not None:
+            completion.on_update(completion)

@@ -1,0 +1,406 @@
+"""An OpenAI-compatible completions server over one `gpt.engine.Engine`.
+
+    POST /v1/completions   prompt (a string, strings, token ids, or lists of them), max_tokens,
+                           temperature, top_p, n, stop, seed, stream (server-sent events), logprobs,
+                           and the extras top_k, min_p, repetition_penalty
+    GET  /v1/models        the one model served
+    GET  /health           200 while serving, 503 while shutting down
+    GET  /metrics          Prometheus: queue depth, live slots, tokens, tokens/s, time to first token,
+                           inter-token latency
+
+Starlette (through FastAPI) on uvicorn does the HTTP; the engine runs on a thread of its own and each
+request waits on an asyncio queue that the engine's thread feeds. A bad request gets OpenAI's error JSON
+with status 400 naming the field; a full queue gets 429. A client that disconnects cancels its requests.
+SIGTERM: uvicorn stops accepting connections and waits up to the deadline for running requests, then the
+engine cancels what is left, and the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import prometheus_client
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gpt.engine import Completion, Engine, EngineStopped, QueueFull, Request
+from gpt.errors import ConfigError
+from gpt.tokenizer import get_tokenizer
+
+__all__ = ["ServeConfig", "create_app", "serve"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """`python serve.py --help` lists these as flags."""
+
+    init_from: str = "out"
+    """A training out_dir, a Hugging Face GPT-2 directory, or a hub name (gpt2, ...) in the local cache."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    """0 picks a free port (the chosen one is printed)."""
+    slots: int = 8
+    """Requests decoded together."""
+    max_queue: int = 64
+    """Requests that may wait for a slot; more get HTTP 429."""
+    cache_length: int | None = None
+    """Positions per slot (prompt + output); default: the model's context."""
+    steps_per_call: int = 1
+    """Decode steps per device call: more amortize dispatch, fewer stream more smoothly."""
+    model_name: str | None = None
+    """The name clients pass as `model`; default: the last part of init_from."""
+    dtype: str = "float32"
+    """Compute dtype (bfloat16 on GPUs)."""
+    shutdown_deadline_s: float = 10.0
+    """On SIGTERM, how long running requests may take to finish before they are cancelled."""
+    compile_cache: bool = True
+    """Keep compiled programs in the user's cache directory, so that a restart skips most of the warm-up."""
+
+
+class _BadRequest(Exception):
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "n",
+           "stop", "seed", "stream", "logprobs", "stop_tokens")
+
+
+def _field_of(message: str) -> str | None:
+    """The request field a ConfigError's message is about (the messages name their field)."""
+    if "max_tokens" in message:
+        return "max_tokens"
+    first = message.split()[0].strip(":=")
+    return first if first in _FIELDS else "prompt" if message.startswith("prompt") else None
+
+
+def _number(body: dict, name: str, default, kind=float):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        raise _BadRequest(name, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
+
+
+def _prompts(body: dict) -> list[list[int]]:
+    """The request's prompts as token-id lists: a string, a list of strings, a list of ids, or a list of
+    id lists."""
+    prompt = body.get("prompt")
+    tokenizer = get_tokenizer()
+    is_ids = lambda p: isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)  # noqa: E731
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and is_ids(prompt):
+        return [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (is_ids(p) and p) for p in prompt):
+        prompts = prompt
+    else:
+        raise _BadRequest("prompt", "prompt must be a non-empty string, list of strings, list of token ids, or list "
+                                    f"of token-id lists, got {json.dumps(prompt)[:80]}")
+    ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    if any(len(p) == 0 for p in ids):
+        raise _BadRequest("prompt", "prompt is empty: a completion needs at least one prompt token")
+    return ids
+
+
+class _Metrics:
+    """The Prometheus series, in a registry of the app's own (so that several apps can live in one process)."""
+
+    def __init__(self, engine: Engine):
+        self.registry = registry = prometheus_client.CollectorRegistry()
+        prometheus_client.Gauge("gpt_queue_depth", "Requests waiting for a slot", registry=registry
+                                ).set_function(lambda: engine.queue_depth)
+        prometheus_client.Gauge("gpt_live_slots", "Slots holding a running request", registry=registry
+                                ).set_function(lambda: engine.live_slots)
+        self.tokens = prometheus_client.Counter("gpt_generated_tokens", "Tokens generated", registry=registry)
+        prometheus_client.Gauge("gpt_tokens_per_second", "Tokens generated per second over the last 10 s",
+                                registry=registry).set_function(self._rate)
+        self.ttft = prometheus_client.Histogram(
+            "gpt_time_to_first_token_seconds", "From a request's arrival to its first token", registry=registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.itl = prometheus_client.Histogram(
+            "gpt_inter_token_latency_seconds", "Between a request's consecutive tokens", registry=registry,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.requests = prometheus_client.Counter("gpt_requests", "Completion requests by HTTP status",
+                                                  ["status"], registry=registry)
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def record_tokens(self, count: int) -> None:
+        self.tokens.inc(count)
+        with self._lock:
+            self._recent.append((time.monotonic(), count))
+
+    def _rate(self) -> float:
+        with self._lock:
+            now = time.monotonic()
+            while self._recent and self._recent[0][0] < now - 10:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / 10.0
+
+
+class _Choice:
+    """One (prompt, sample) pair of a request: its engine Completion and what has been sent of it."""
+
+    def __init__(self, index: int, prompt: list[int]):
+        self.index, self.prompt = index, prompt
+        self.completion: Completion | None = None
+        self.sent_tokens = 0
+        self.seen_tokens = 0  # tokens the metrics have counted
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+
+def _logprobs(choice: _Choice, start: int, end: int, text_offset: int, top: int) -> dict:
+    """OpenAI's legacy completions logprobs object for tokens start..end of a choice."""
+    tokenizer, completion = get_tokenizer(), choice.completion
+    tokens = completion.tokens[start:end]
+    strings = [tokenizer.decode([t]) for t in tokens]
+    offsets, at = [], text_offset
+    for s in strings:
+        offsets.append(at)
+        at += len(s)
+    return {
+        "tokens": strings,
+        "token_logprobs": completion.logprobs[start:end],
+        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in alternatives}
+                         for alternatives in completion.top_logprobs[start:end]] if top else None,
+        "text_offset": offsets,
+    }
+
+
+def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown_deadline_s: float = 10.0,
+               log: Callable[[str], None] = print) -> FastAPI:
+    """The ASGI app over `engine`. Its lifespan warms the engine up and starts its thread, and at shutdown
+    stops it (running requests get up to `shutdown_deadline_s`)."""
+    metrics = _Metrics(engine)
+    state = {"serving": False}
+    eot = get_tokenizer().eot_id if engine.config.vocab_size > get_tokenizer().eot_id else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if warmup:
+            await asyncio.to_thread(engine.warmup, log)
+        engine.start()
+        state["serving"] = True
+        try:
+            yield
+        finally:
+            state["serving"] = False
+            await asyncio.to_thread(engine.stop, shutdown_deadline_s)
+
+    app = FastAPI(title="gpt", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health():
+        if not state["serving"]:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return {"status": "ok", "live_slots": engine.live_slots, "queue_depth": engine.queue_depth}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "gpt"}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(prometheus_client.generate_latest(metrics.registry),
+                        media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    def parse(body) -> tuple[list[Request], list[_Choice], dict]:
+        if not isinstance(body, dict):
+            raise _BadRequest(None, "the request body must be a JSON object")
+        if body.get("model") != model_name:
+            raise _BadRequest("model", f"model {body.get('model')!r} is not served here; the model is {model_name!r}")
+        prompts = _prompts(body)
+        n = _number(body, "n", 1, int)
+        if not 1 <= n <= engine.max_queue:
+            raise _BadRequest("n", f"n must be in [1, {engine.max_queue}], got {n}")
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop or []
+        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            raise _BadRequest("stop", f"stop must be a non-empty string or a list of at most 4, got {json.dumps(stop)[:80]}")
+        logprobs = _number(body, "logprobs", 0, int)
+        seed = _number(body, "seed", None, int)
+        if seed is None:
+            seed = secrets.randbits(32)
+        knobs = dict(
+            max_tokens=_number(body, "max_tokens", 16, int), temperature=_number(body, "temperature", 1.0),
+            top_p=_number(body, "top_p", None), top_k=_number(body, "top_k", None, int),
+            min_p=_number(body, "min_p", None), repetition_penalty=_number(body, "repetition_penalty", 1.0),
+            seed=seed, stop_strings=tuple(stop), logprobs=logprobs, stop_tokens=(eot,) if eot is not None else ())
+        if knobs["top_k"] == 0:
+            knobs["top_k"] = None  # a common way to say "no top-k"
+        if not isinstance(body.get("stream", False), bool):
+            raise _BadRequest("stream", f"stream must be true or false, got {body.get('stream')!r}")
+        requests, choices = [], []
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                requests.append(Request(prompt, stream=j, **knobs))
+                choices.append(_Choice(i * n + j, prompt))
+        for request in requests:
+            engine.check(request)
+        options = {"stream": body.get("stream", False), "logprobs": logprobs,
+                   "prompt_tokens": sum(map(len, prompts))}
+        return requests, choices, options
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        arrived = time.monotonic()
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            metrics.requests.labels("400").inc()
+            return _error(400, f"the request body is not valid JSON: {e}")
+        try:
+            requests, choices, options = parse(body)
+        except _BadRequest as e:
+            metrics.requests.labels("400").inc()
+            return _error(400, str(e), e.param)
+        except ConfigError as e:
+            metrics.requests.labels("400").inc()
+            return _error(400, str(e), _field_of(str(e)))
+
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+
+        def on_update(choice: _Choice):
+            def hook(completion: Completion):  # on the engine's thread
+                now = time.monotonic()
+                new = len(completion.tokens) - choice.seen_tokens
+                choice.seen_tokens = len(completion.tokens)
+                if new > 0:
+                    metrics.record_tokens(new)
+                    if choice.first_token_at is None:
+                        choice.first_token_at = now
+                        metrics.ttft.observe(now - arrived)
+                        new -= 1
+                    if new > 0:  # tokens that came together share the gap since the last one
+                        for _ in range(new):
+                            metrics.itl.observe((now - choice.last_token_at) / new)
+                    choice.last_token_at = now
+                loop.call_soon_threadsafe(updates.put_nowait, choice)
+            return hook
+
+        try:
+            for request, choice in zip(requests, choices):
+                choice.completion = engine.submit(request, on_update(choice))
+        except (QueueFull, EngineStopped) as e:
+            for choice in choices:
+                if choice.completion is not None:
+                    choice.completion.cancel()
+            status = 429 if isinstance(e, QueueFull) else 503
+            metrics.requests.labels(str(status)).inc()
+            return _error(status, str(e), None, "rate_limit_error" if status == 429 else "server_error")
+        metrics.requests.labels("200").inc()
+
+        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        header = {"id": ident, "object": "text_completion", "created": created, "model": model_name}
+        if options["stream"]:
+            return StreamingResponse(_stream(header, choices, updates, options["logprobs"]),
+                                     media_type="text/event-stream")
+        try:
+            while not all(c.completion.done.is_set() for c in choices):
+                try:
+                    await asyncio.wait_for(updates.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        raise asyncio.CancelledError
+        finally:
+            for choice in choices:
+                if not choice.completion.done.is_set():
+                    choice.completion.cancel()
+        out = []
+        for choice in choices:
+            c = choice.completion
+            text = c.text.finish()
+            out.append({"text": text, "index": choice.index, "finish_reason": c.finish_reason,
+                        "logprobs": _logprobs(choice, 0, len(c.tokens), 0, options["logprobs"]) if options["logprobs"] else None})
+        completion_tokens = sum(len(c.completion.tokens) for c in choices)
+        prompt_tokens = options["prompt_tokens"]
+        return {**header, "choices": out, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                                    "total_tokens": prompt_tokens + completion_tokens}}
+
+    return app
+
+
+async def _stream(header: dict, choices: list[_Choice], updates: asyncio.Queue, logprobs: int):
+    """Server-sent events: a chunk per choice per batch of new text, a last chunk per choice with its
+    finish_reason, then [DONE]. Leaving early (the client went away) cancels every choice."""
+    finished: set[int] = set()
+    offsets = {c.index: 0 for c in choices}
+    try:
+        while len(finished) < len(choices):
+            choice = await updates.get()
+            if choice.index in finished:
+                continue
+            c = choice.completion
+            done = c.done.is_set()
+            end = len(c.tokens)
+            text = c.text.finish() if done else c.text.take()
+            if text or done:
+                chunk = {"text": text, "index": choice.index, "finish_reason": c.finish_reason if done else None,
+                         "logprobs": _logprobs(choice, choice.sent_tokens, end, offsets[choice.index], logprobs)
+                         if logprobs else None}
+                choice.sent_tokens = end
+                offsets[choice.index] += len(text)
+                yield f"data: {json.dumps({**header, 'choices': [chunk]})}\n\n"
+            if done:
+                finished.add(choice.index)
+        yield "data: [DONE]\n\n"
+    finally:
+        for choice in choices:
+            if not choice.completion.done.is_set():
+                choice.completion.cancel()
+
+
+def serve(config: ServeConfig) -> None:
+    """Load the model, build the engine, and serve until SIGINT or SIGTERM. Settings are checked before
+    anything loads or compiles."""
+    import uvicorn
+
+    from gpt.compilation_cache import enable_compilation_cache
+    from gpt.sample import load
+
+    for name in ("slots", "max_queue", "steps_per_call"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"ServeConfig.{name} must be >= 1, got {getattr(config, name)}")
+    if not 0 <= config.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {config.port}")
+    if config.shutdown_deadline_s < 0:
+        raise ConfigError(f"--shutdown_deadline_s must be >= 0, got {config.shutdown_deadline_s}")
+    enable_compilation_cache(config.compile_cache)
+    model = load(config.init_from, config.dtype)
+    engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
+                    steps_per_call=config.steps_per_call)
+    name = config.model_name or Path(config.init_from.rstrip("/")).name
+    app = create_app(engine, name, shutdown_deadline_s=config.shutdown_deadline_s,
+                     log=lambda line: print(line, flush=True))
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           timeout_graceful_shutdown=config.shutdown_deadline_s))
+
+    async def main():
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            port = server.servers[0].sockets[0].getsockname()[1]
+            print(f"serving {name!r} on http://{config.host}:{port}/v1 ({engine.num_slots} slots)", flush=True)
+        await task
+
+    asyncio.run(main())

@@ -1,0 +1,146 @@
+"""The decoding engine on the caller's thread: continuous batching, per-request seeds, cancellation,
+the queue bound, no compile after warm-up; and incremental detokenization with stop strings."""
+
+import jax
+import pytest
+from flax import nnx
+
+from gpt import GPT, GPTConfig
+from gpt.engine import Engine, QueueFull, Request
+from gpt.errors import ConfigError
+from gpt.generate import generate
+from gpt.text_stream import TextStream
+from gpt.tokenizer import get_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = GPT(GPTConfig.preset("tiny", block_size=128), rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)  # scaled up: varied greedy paths, far from ties
+    nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, state))
+    return model
+
+
+def run_until(engine, completion, rounds=1000):
+    for _ in range(rounds):
+        if completion.done.is_set():
+            return
+        engine.step()
+    raise AssertionError("the completion never ended")
+
+
+def test_a_short_request_overtakes_a_long_one(model):
+    engine = Engine(model, slots=2, cache_length=128)
+    long = engine.submit(Request([1, 2, 3], 60, temperature=0))
+    for _ in range(5):
+        engine.step()
+    assert len(long.tokens) == 6 and not long.done.is_set()
+    short = engine.submit(Request([9, 8, 7, 6, 5], 4, temperature=0))
+    run_until(engine, short)
+    assert len(short.tokens) == 4 and short.finish_reason == "length"
+    assert not long.done.is_set() and len(long.tokens) < 15  # it entered mid-sequence, not after
+    run_until(engine, long)
+    # Both equal what each gives alone: the slots share a cache but not positions.
+    assert long.tokens == generate(model, [[1, 2, 3]], 60, temperature=0)[0]
+    assert short.tokens == generate(model, [[9, 8, 7, 6, 5]], 4, temperature=0)[0]
+
+
+def test_seeds_reproduce_whatever_else_runs(model):
+    request = Request([4, 5, 6], 20, temperature=1.0, top_k=50, seed=11)
+    alone = Engine(model, slots=4, cache_length=64)
+    want = alone.submit(request)
+    alone.run([want])
+    busy = Engine(model, slots=4, cache_length=64)
+    others = [busy.submit(Request([7] * n, 30, temperature=t, top_p=0.9, seed=n)) for n, t in [(3, 0.7), (9, 1.3)]]
+    busy.step()
+    got = busy.submit(request)  # enters while the others are mid-sequence, in another slot
+    busy.run([got, *others])
+    assert got.tokens == want.tokens
+    other_seed = Engine(model, slots=4, cache_length=64)
+    different = other_seed.submit(Request([4, 5, 6], 20, temperature=1.0, top_k=50, seed=12))
+    other_seed.run([different])
+    assert different.tokens != want.tokens
+
+
+def test_cancel_frees_the_slot(model):
+    engine = Engine(model, slots=1, cache_length=128, max_queue=1)
+    first = engine.submit(Request([1, 2], 100, temperature=0))
+    engine.step()
+    waiting = engine.submit(Request([3, 4], 5, temperature=0))
+    with pytest.raises(QueueFull, match="max_queue=1"):
+        engine.submit(Request([5], 5))
+    first.cancel()
+    run_until(engine, waiting)
+    assert first.finish_reason == "cancelled" and len(first.tokens) < 100
+    assert waiting.tokens == generate(model, [[3, 4]], 5, temperature=0)[0]
+    assert engine.live_slots == 0 and engine.queue_depth == 0
+
+
+def test_stop_tokens_and_lengths_end_requests(model):
+    free = generate(model, [[1, 2, 3]], 20, temperature=0)[0]
+    stop = free[7]
+    engine = Engine(model, slots=2, cache_length=64)
+    stopped = engine.submit(Request([1, 2, 3], 20, temperature=0, stop_tokens=[stop]))
+    engine.run([stopped])
+    assert stopped.tokens == free[: free.index(stop)] and stopped.finish_reason == "stop"
+    one = engine.submit(Request([1, 2, 3], 1, temperature=0))
+    engine.run([one])
+    assert one.tokens == free[:1] and one.finish_reason == "length"
+
+
+def test_no_compile_after_warmup(model):
+    engine = Engine(model, slots=4, cache_length=64, steps_per_call=2)
+    engine.warmup(log=lambda line: None)
+    compiled = engine.compiled_shapes()
+    requests = [Request(list(range(1, n + 1)), m, temperature=t, top_k=k, top_p=p, min_p=mp, repetition_penalty=r,
+                        seed=n, logprobs=lp, stop_tokens=st, stop_strings=ss)
+                for n, m, t, k, p, mp, r, lp, st, ss in [
+                    (1, 5, 0.0, None, None, None, 1.0, 0, (), ()), (40, 20, 0.8, 40, 0.9, None, 1.2, 3, (7,), ()),
+                    (17, 30, 1.0, None, None, 0.1, 1.0, 5, (), ("a",)), (60, 4, 0.0, 5, None, None, 2.0, 0, (1, 2), ()),
+                    (3, 61, 1.5, None, 0.5, 0.05, 1.0, 1, (), ())]]
+    completions = [engine.submit(r) for r in requests]
+    engine.step()
+    completions[1].cancel()
+    engine.run(completions)
+    assert engine.compiled_shapes() == compiled
+    assert all(c.finish_reason in ("stop", "length", "cancelled") for c in completions)
+    assert len(completions[2].top_logprobs[0]) == 5 and len(completions[4].top_logprobs[0]) == 1
+
+
+@pytest.mark.parametrize("request_changes, message", [
+    (dict(prompt=[]), "prompt is empty"),
+    (dict(prompt=[1, 256]), r"token id 256 outside the vocabulary \[0, 256\)"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=62), "that is 64, beyond the context of 63 tokens"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(stop_tokens=list(range(9))), "at most 8 are allowed"),
+    (dict(logprobs=6), r"logprobs must be in \[0, 5\]"),
+])
+def test_bad_requests_are_refused_before_anything_runs(model, request_changes, message):
+    engine = Engine(model, slots=1, cache_length=63)
+    compiled = engine.compiled_shapes()
+    with pytest.raises(ConfigError, match=message):
+        engine.submit(Request(**{"prompt": [1, 2], "max_tokens": 5, **request_changes}))
+    assert engine.compiled_shapes() == compiled and engine.queue_depth == 0
+
+
+def test_text_stream_releases_whole_characters_and_holds_back_stop_strings():
+    tokenizer = get_tokenizer()
+    text = "naïve café — 東京 and more"
+    tokens = tokenizer.encode(text)
+    stream, pieces = TextStream(), []
+    for token in tokens:
+        stream.push(token)
+        pieces.append(stream.take())
+    pieces.append(stream.finish())
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert len(tokens) > len([p for p in pieces if p])  # some characters took several tokens
+
+    stream, shown = TextStream(["and m"]), ""
+    for token in tokens:
+        stopped = stream.push(token)
+        shown += stream.take()
+        assert "and" not in shown  # the start of the stop string is never shown early
+        if stopped:
+            break
+    assert stopped and shown + stream.finish() == "naïve café — 東京 "
