@@ -312,15 +312,12 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         header = {"id": ident, "object": "text_completion", "created": created, "model": model_name}
         if options["stream"]:
-            return StreamingResponse(_stream(header, choices, updates, options["logprobs"]),
+            return StreamingResponse(_stream(http, header, choices, updates, options["logprobs"]),
                                      media_type="text/event-stream")
         try:
             while not all(c.completion.done.is_set() for c in choices):
-                try:
-                    await asyncio.wait_for(updates.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        raise asyncio.CancelledError
+                if await _next_update(http, updates) is None:
+                    return Response(status_code=499)  # nobody is listening; the choices are cancelled below
         finally:
             for choice in choices:
                 if not choice.completion.done.is_set():
@@ -339,14 +336,29 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
     return app
 
 
-async def _stream(header: dict, choices: list[_Choice], updates: asyncio.Queue, logprobs: int):
+async def _next_update(http: HTTPRequest, updates: asyncio.Queue) -> _Choice | None:
+    """The next choice with news, or None once the client has gone away. Starlette cancels a stream whose
+    client left, but a plain request's handler is never told: it asks, before each wait and every quarter
+    second while waiting."""
+    while True:
+        if await http.is_disconnected():
+            return None
+        try:
+            return await asyncio.wait_for(updates.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updates: asyncio.Queue, logprobs: int):
     """Server-sent events: a chunk per choice per batch of new text, a last chunk per choice with its
     finish_reason, then [DONE]. Leaving early (the client went away) cancels every choice."""
     finished: set[int] = set()
     offsets = {c.index: 0 for c in choices}
     try:
         while len(finished) < len(choices):
-            choice = await updates.get()
+            choice = await _next_update(http, updates)
+            if choice is None:
+                return
             if choice.index in finished:
                 continue
             c = choice.completion

@@ -1,0 +1,255 @@
+"""The OpenAI-compatible server, on 127.0.0.1 with an ephemeral port, driven by the official client."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax
+import openai
+import pytest
+import uvicorn
+from flax import nnx
+
+from gpt import GPT, GPTConfig, gpt2
+from gpt.engine import Engine
+from gpt.generate import generate_text
+from gpt.serve import create_app
+from gpt.tokenizer import get_tokenizer
+from training import ROOT
+
+EOT = 50256
+
+
+def decisive_model() -> GPT:
+    """A tiny model with GPT-2's vocabulary (so text round-trips) and scaled weights (no greedy ties)."""
+    model = GPT(GPTConfig.preset("tiny", vocab_size=50257, block_size=128), rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, state))
+    return model
+
+
+class Server:
+    """uvicorn on a thread, on an ephemeral port; `delay_s` slows each engine round (to hold requests
+    in flight); stop() always ends it."""
+
+    def __init__(self, model, **engine_args):
+        self.engine = Engine(model, **engine_args)
+        self.delay_s = 0.0
+        step = self.engine.step
+        self.engine.step = lambda: (time.sleep(self.delay_s), step())[1]
+        self.lines = []
+        app = create_app(self.engine, "tiny", log=self.lines.append, shutdown_deadline_s=2)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return decisive_model()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    server = Server(model, slots=4, max_queue=16, cache_length=128)
+    yield server
+    server.stop()
+
+
+def alone(model, prompt: str, max_tokens: int) -> str:
+    return generate_text(model, [prompt], max_tokens, temperature=0, stop_tokens=[EOT])[0]
+
+
+def test_openai_client_completions_equal_generate_text(server, model):
+    assert any("warm-up: done" in line for line in server.lines)
+    reply = server.client.completions.create(model="tiny", prompt="Hello there", max_tokens=24, temperature=0)
+    assert reply.choices[0].text == alone(model, "Hello there", 24)
+    assert reply.usage.prompt_tokens == 2 and reply.usage.completion_tokens == 24
+    assert reply.choices[0].finish_reason == "length"
+
+    chunks = list(server.client.completions.create(model="tiny", prompt="Hello there", max_tokens=24,
+                                                   temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == reply.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 1
+    assert [m.id for m in server.client.models.list().data] == ["tiny"]
+
+
+def test_prompts_as_lists_ids_n_logprobs_and_stop(server, model):
+    tokenizer = get_tokenizer()
+    reply = server.client.completions.create(model="tiny", prompt=["One", tokenizer.encode("Two words")], n=2,
+                                             max_tokens=10, temperature=0, logprobs=3)
+    texts = {c.index: c.text for c in reply.choices}
+    assert texts[0] == texts[1] == alone(model, "One", 10) and texts[2] == texts[3] == alone(model, "Two words", 10)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == 10 and all(len(top) == 3 for top in logprobs.top_logprobs)
+    assert "".join(logprobs.tokens) == texts[0]
+    assert logprobs.token_logprobs[0] == pytest.approx(max(logprobs.top_logprobs[0].values()))  # greedy: the top
+
+    stop = texts[0][5:9]
+    cut = server.client.completions.create(model="tiny", prompt="One", max_tokens=10, temperature=0, stop=[stop])
+    assert cut.choices[0].text == texts[0][: texts[0].index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_clients_get_their_single_request_results(server, model):
+    words = "the quick brown fox jumps over a lazy dog while seven tired wizards quietly brew potions".split()
+    prompts = [" ".join(words[: 1 + (3 * i) % len(words)]) for i in range(16)]
+    max_tokens = [4 + (5 * i) % 29 for i in range(16)]
+
+    def ask(i):
+        reply = server.client.completions.create(model="tiny", prompt=prompts[i], max_tokens=max_tokens[i],
+                                                 temperature=0, stream=i % 2 == 1)
+        return "".join(c.choices[0].text for c in reply) if i % 2 else reply.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, range(16)))
+    assert got == [alone(model, p, m) for p, m in zip(prompts, max_tokens)]
+
+
+def test_seeds_reproduce_per_request_whatever_else_runs(server):
+    ask = lambda **kw: server.client.completions.create(model="tiny", prompt="Seeds", max_tokens=16,  # noqa: E731
+                                                        temperature=1.0, top_p=0.95, **kw).choices[0].text
+    first = ask(seed=5)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        noise = [pool.submit(ask, seed=s) for s in range(5)]
+        again = pool.submit(ask, seed=5).result()
+        [n.result() for n in noise]
+    assert again == first and ask(seed=6) != first
+
+
+def test_a_short_request_finishes_while_a_long_one_decodes(server):
+    server.delay_s = 0.01
+    try:
+        finished = {}
+
+        def ask(name, max_tokens):
+            server.client.completions.create(model="tiny", prompt="Long and short", max_tokens=max_tokens, temperature=0)
+            finished[name] = time.monotonic()
+
+        long = threading.Thread(target=ask, args=("long", 100))
+        long.start()
+        while server.engine.live_slots == 0:
+            time.sleep(0.005)
+        ask("short", 3)
+        long.join()
+        assert finished["short"] < finished["long"]
+    finally:
+        server.delay_s = 0.0
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"model": "other", "prompt": "x"}, "model", "model 'other' is not served here"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 200}, "max_tokens", "beyond the context of 128 tokens"),
+    ({"model": "tiny", "prompt": "x", "temperature": -0.5}, "temperature", "temperature must be >= 0"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p", r"top_p must be in \(0, 1\]"),
+    ({"model": "tiny", "prompt": "x", "top_p": 1.5}, "top_p", r"top_p must be in \(0, 1\]"),
+    ({"model": "tiny", "prompt": ""}, "prompt", "prompt is empty"),
+    ({"model": "tiny", "prompt": []}, "prompt", "prompt must be a non-empty string"),
+    ({"model": "tiny", "prompt": [1, 50257]}, "prompt", r"token id 50257 outside the vocabulary \[0, 50257\)"),
+    ({"model": "tiny", "prompt": [-1]}, "prompt", "token id -1 outside the vocabulary"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "ten"}, "max_tokens", "max_tokens must be an integer"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, "n", r"n must be in \[1, 16\]"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 9}, "logprobs", r"logprobs must be in \[0, 5\]"),
+    ({"model": "tiny", "prompt": "x", "stop": 3}, "stop", "stop must be"),
+    ([1, 2], None, "must be a JSON object"),
+])
+def test_bad_requests_get_400_naming_the_field(server, body, param, message):
+    reply = httpx.post(server.url + "/v1/completions", json=body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert __import__("re").search(message, error["message"])
+
+
+def test_malformed_json_gets_400_and_the_server_stays_up(server, model):
+    reply = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": ',
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert server.client.completions.create(model="tiny", prompt="Still", max_tokens=5,
+                                            temperature=0).choices[0].text == alone(model, "Still", 5)
+
+
+def test_metrics_are_exported(server):
+    server.client.completions.create(model="tiny", prompt="Count me", max_tokens=6, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for series in ("gpt_queue_depth", "gpt_live_slots", "gpt_generated_tokens_total", "gpt_tokens_per_second",
+                   "gpt_time_to_first_token_seconds_bucket", "gpt_inter_token_latency_seconds_bucket",
+                   'gpt_requests_total{status="400"}'):
+        assert series in text
+    tokens = next(line for line in text.splitlines() if line.startswith("gpt_generated_tokens_total"))
+    assert float(tokens.split()[1]) >= 6
+
+
+def test_a_full_queue_gets_429_and_a_disconnect_frees_the_slot(model):
+    server = Server(model, slots=1, max_queue=1, cache_length=128)
+    try:
+        server.delay_s = 0.05  # 100 tokens take ~5 s: long enough to act while they run
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "Hold the slot", "max_tokens": 100, "stream": True}) as held:
+            lines = held.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # it is decoding now
+            waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+                server.client.completions.create, model="tiny", prompt="Wait", max_tokens=3, temperature=0)
+            while server.engine.queue_depth == 0:
+                time.sleep(0.005)
+            with pytest.raises(openai.RateLimitError):
+                server.client.completions.create(model="tiny", prompt="One too many", max_tokens=3)
+        # The held stream's client went away: its request is cancelled and the waiting one gets the slot
+        # long before the 100 tokens could have finished.
+        started = time.monotonic()
+        reply = waiting.result(timeout=10)
+        assert time.monotonic() - started < 2.5
+        assert reply.choices[0].text == alone(model, "Wait", 3)
+        assert server.engine.live_slots == 0 and server.engine.queue_depth == 0
+    finally:
+        server.stop()
+
+
+def test_sigterm_finishes_running_requests_and_exits(tmp_path, model):
+    gpt2.save(model, tmp_path / "model")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "serve.py"), "--init_from", str(tmp_path / "model"), "--port", "0",
+         "--slots", "2", "--model_name", "tiny", "--no-compile_cache", "--shutdown_deadline_s", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("serving"):
+                break
+        url = line.split(" on ")[1].split()[0]
+        with httpx.stream("POST", url + "/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "Finish me", "max_tokens": 100, "stream": True,
+                                "temperature": 0}) as reply:
+            events = reply.iter_lines()
+            first = next(e for e in events if e.startswith("data:"))
+            process.send_signal(signal.SIGTERM)
+            rest = [e for e in events if e.startswith("data:")]
+        chunks = [json.loads(e[5:]) for e in [first, *rest] if e != "data: [DONE]"]
+        assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(c["choices"][0]["text"] for c in chunks) == alone(model, "Finish me", 100)
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+    finally:
+        process.kill()
+        process.wait()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url.rsplit("/v1", 1)[0] + "/health")
