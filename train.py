@@ -3,6 +3,7 @@
 import sys
 
 from gpt.cli import parse_train_config
+from gpt.compilation_cache import enable_compilation_cache
 from gpt.errors import cli_main
 from gpt.generate import generate_text
 from gpt.train import train
@@ -11,6 +12,7 @@ from gpt.train import train
 @cli_main
 def main(argv: list[str]) -> int:
     config = parse_train_config(argv)
+    enable_compilation_cache(config.compile_cache)
     summary = train(config)
     if summary["signal"] is not None:
         return 128 + summary["signal"]  # stopped, not finished: the shell's convention for a signal

@@ -39,6 +39,8 @@ class SampleConfig:
     """Print each sample's text as it is produced (samples are then generated one after another)."""
     dtype: str = "float32"
     """Compute dtype (bfloat16 on GPUs)."""
+    compile_cache: bool = True
+    """Keep compiled programs in the user's cache directory, so that the next run skips most compiles."""
     mesh: str = ""
     """Sample sharded over a device mesh, e.g. 'tensor=4' (heads and MLP split over 4 devices) or
     'data=2,tensor=4'; empty runs on one device."""

@@ -235,7 +235,7 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
         stop = [stop] if isinstance(stop, str) else stop or []
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise _BadRequest("stop", f"stop must be a non-empty string or a list of at most 4, got {json.dumps(stop)[:80]}")
-        logprobs = _number(body, "logprobs", 0, int)
+        logprobs = _number(body, "logprobs", None, int)  # None: none; 0: the chosen tokens' own; k: and top k
         seed = _number(body, "seed", None, int)
         if seed is None:
             seed = secrets.randbits(32)
@@ -243,7 +243,7 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             max_tokens=_number(body, "max_tokens", 16, int), temperature=_number(body, "temperature", 1.0),
             top_p=_number(body, "top_p", None), top_k=_number(body, "top_k", None, int),
             min_p=_number(body, "min_p", None), repetition_penalty=_number(body, "repetition_penalty", 1.0),
-            seed=seed, stop_strings=tuple(stop), logprobs=logprobs, stop_tokens=(eot,) if eot is not None else ())
+            seed=seed, stop_strings=tuple(stop), logprobs=logprobs or 0, stop_tokens=(eot,) if eot is not None else ())
         if knobs["top_k"] == 0:
             knobs["top_k"] = None  # a common way to say "no top-k"
         if not isinstance(body.get("stream", False), bool):
@@ -327,7 +327,8 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             c = choice.completion
             text = c.text.finish()
             out.append({"text": text, "index": choice.index, "finish_reason": c.finish_reason,
-                        "logprobs": _logprobs(choice, 0, len(c.tokens), 0, options["logprobs"]) if options["logprobs"] else None})
+                        "logprobs": _logprobs(choice, 0, len(c.tokens), 0, options["logprobs"])
+                        if options["logprobs"] is not None else None})
         completion_tokens = sum(len(c.completion.tokens) for c in choices)
         prompt_tokens = options["prompt_tokens"]
         return {**header, "choices": out, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -349,7 +350,8 @@ async def _next_update(http: HTTPRequest, updates: asyncio.Queue) -> _Choice | N
             pass
 
 
-async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updates: asyncio.Queue, logprobs: int):
+async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updates: asyncio.Queue,
+                  logprobs: int | None):
     """Server-sent events: a chunk per choice per batch of new text, a last chunk per choice with its
     finish_reason, then [DONE]. Leaving early (the client went away) cancels every choice."""
     finished: set[int] = set()
@@ -368,7 +370,7 @@ async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updat
             if text or done:
                 chunk = {"text": text, "index": choice.index, "finish_reason": c.finish_reason if done else None,
                          "logprobs": _logprobs(choice, choice.sent_tokens, end, offsets[choice.index], logprobs)
-                         if logprobs else None}
+                         if logprobs is not None else None}
                 choice.sent_tokens = end
                 offsets[choice.index] += len(text)
                 yield f"data: {json.dumps({**header, 'choices': [chunk]})}\n\n"

@@ -115,6 +115,8 @@ class TrainConfig:
     """Peak FLOP/s of one device, for MFU; known GPUs are looked up, unknown devices report no MFU."""
     sample_tokens: int = 200
     """Tokens of a sample printed at the end (0 for none)."""
+    compile_cache: bool = True
+    """Keep compiled programs in the user's cache directory (a resumed run skips most of its compiles)."""
 
     def __post_init__(self):
         for name in ("batch_size", "grad_accum", "max_steps", "eval_iters", "log_interval",

@@ -2,10 +2,13 @@
 
 import os
 import sysconfig
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CLIs keep a persistent compilation cache in the user's cache directory: tests' runs keep theirs apart.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gpt-test-cache-")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 if (SHARED / "tiktoken_cache").is_dir():

@@ -1,0 +1,189 @@
+"""Serving under load: our engine behind serve.py, our `generate` one request at a time, and transformers'
+continuous batching, on the same requests and the same weights.
+
+    python bench/serve_bench.py                 # GPT-2 124M shapes, random weights, float32, CPU
+    python bench/serve_bench.py --dtype bfloat16 --skip-torch   # on a GPU
+
+The load: --requests requests (default 64), prompt lengths uniform in [16, 256] and output lengths
+uniform in [16, 128], random token ids, all drawn from a fixed seed, greedy; --clients closed-loop clients
+(default 8), client c sending requests c, c + clients, ... one after another. Each client times its own
+requests: time to first token (TTFT, from sending), and the gaps between tokens (ITL; tokens that arrive
+together share their gap). Output tokens/s is all tokens over the wall time of the whole load.
+
+  ours, serve.py       the HTTP server (in this process, on 127.0.0.1), the official openai client
+                       streaming; compiled at start-up (warm-up not timed)
+  ours, generate       gpt.generate.generate per request, one at a time in arrival order (every
+                       shape compiled before timing)
+  transformers CB      transformers' in-process continuous batching (`init_continuous_batching`),
+                       the engine behind `transformers serve`, called directly: its server needs
+                       a hub download, which this machine cannot make
+Prints a Markdown table for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import platform
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from gpt import gpt2
+from gpt.engine import Engine
+from gpt.generate import generate
+
+
+def make_load(requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, 50256, int(rng.integers(16, 257))).tolist(), int(rng.integers(16, 129)))
+            for _ in range(requests)]
+
+
+def run_load(load, clients: int, send) -> dict:
+    """Run `send(prompt, max_tokens) -> (ttft, token arrival gaps)` from `clients` closed-loop threads."""
+    results = [None] * len(load)
+
+    def client(c):
+        for i in range(c, len(load), clients):
+            results[i] = send(*load[i])
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    wall = time.perf_counter() - start
+    ttft = np.array([r[0] for r in results])
+    gaps = np.concatenate([r[1] for r in results if len(r[1])])
+    tokens = sum(len(r[1]) + 1 for r in results)
+    return dict(tokens=tokens, wall=wall, tokens_per_s=tokens / wall, ttft_p50=np.percentile(ttft, 50),
+                ttft_p99=np.percentile(ttft, 99), itl_p50=np.percentile(gaps, 50), itl_p99=np.percentile(gaps, 99))
+
+
+def gaps_of(times: list[float], counts: list[int]) -> list[float]:
+    """Per-token gaps from arrival times of batches of `counts` tokens (the first batch's first token is
+    the TTFT)."""
+    gaps = [0.0] * (counts[0] - 1)
+    for before, now, n in zip(times, times[1:], counts[1:]):
+        gaps += [(now - before) / n] * n
+    return gaps
+
+
+def bench_server(directory, load, clients, dtype, slots, steps_per_call):
+    import openai
+    import uvicorn
+
+    from gpt.serve import create_app
+
+    engine = Engine(gpt2.load(directory, dtype=dtype), slots=slots, steps_per_call=steps_per_call,
+                    max_queue=len(load))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, "gpt2", log=lambda line: None), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.1)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="-", max_retries=0)
+
+    def send(prompt, max_tokens):
+        sent, times, counts = time.perf_counter(), [], []
+        for chunk in client.completions.create(model="gpt2", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                               stream=True, logprobs=0):
+            n = len(chunk.choices[0].logprobs.tokens) if chunk.choices[0].logprobs else 0
+            if n:
+                times.append(time.perf_counter())
+                counts.append(n)
+        return times[0] - sent, gaps_of(times, counts)
+
+    try:
+        return run_load(load, clients, send)
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def bench_generate(directory, load, clients, dtype):
+    model = gpt2.load(directory, dtype=dtype)
+    for prompt, max_tokens in {(len(p) - 1).bit_length() * 100 + (m - 1).bit_length(): (p, m) for p, m in load}.values():
+        generate(model, [prompt], max_tokens, temperature=0)  # compile every bucket the load will use
+    lock = threading.Lock()
+
+    def send(prompt, max_tokens):
+        sent, times = time.perf_counter(), []
+        with lock:  # one request at a time, in the order they arrive
+            generate(model, [prompt], max_tokens, temperature=0, on_token=lambda row, token: times.append(time.perf_counter()))
+        return times[0] - sent, list(np.diff(times))
+
+    return run_load(load, clients, send)
+
+
+def bench_transformers(directory, load, clients):
+    import torch
+    import transformers
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(directory).eval()
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=128, eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+
+    def send(prompt, max_tokens):
+        sent = time.perf_counter()
+        request_id = manager.add_request(prompt, max_new_tokens=max_tokens, record_timestamps=True)
+        result = next(r for r in manager.request_id_iter(request_id) if r.is_finished())
+        return result.timestamps[0] - sent, list(np.diff(result.timestamps))
+
+    try:
+        with torch.inference_mode():
+            send(*load[0])  # first-call setup outside the timing
+            return run_load(load, clients, send)
+    finally:
+        manager.stop(block=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--skip-generate", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    load = make_load(args.requests)
+    print(f"# {platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}; {args.requests} requests, {args.clients} clients, "
+          f"{sum(m for _, m in load)} output tokens asked")
+    print("| impl | output tokens/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | wall (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+
+    def row(name, r):
+        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
+              f"{1e3 * r['itl_p50']:.0f} | {1e3 * r['itl_p99']:.0f} | {r['wall']:.1f} |", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        reference.save_pretrained(Path(tmp))
+        del reference
+        for steps in args.steps_per_call:
+            row(f"ours, serve.py ({args.slots} slots, {steps} step/call, {args.dtype})",
+                bench_server(tmp, load, args.clients, args.dtype, args.slots, steps))
+        if not args.skip_generate:
+            row(f"ours, generate per request ({args.dtype})", bench_generate(tmp, load, args.clients, args.dtype))
+        if not args.skip_torch:
+            row("transformers continuous batching (torch, float32)", bench_transformers(tmp, load, args.clients))
+
+
+if __name__ == "__main__":
+    main()
