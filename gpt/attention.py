@@ -79,3 +79,51 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
     exp_MTS = jnp.exp(scores_MTS - jax.lax.stop_gradient(scores_MTS.max(-1, keepdims=True)))
     weights_MTS = (exp_MTS / exp_MTS.sum(-1, keepdims=True)).astype(v_MSH.dtype)
     return jnp.einsum("MTS,MSH->MTH", weights_MTS, v_MSH).reshape(B, N, T, H).transpose(0, 2, 1, 3)
+
+
+def attend_cached(q_B1NH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, positions_B1: jax.Array,
+                  chunk: int = 128) -> jax.Array:
+    """One query per row over a KV cache, reading only as far as the rows have got.
+
+    A decode step's cost is streaming the weights and the cache; a cache sized for the model's whole
+    context but holding short sequences would be read in full by plain attention. This reads it in chunks
+    of `chunk` positions up to the furthest row's position (a traced bound: one compiled program for any
+    lengths), with the online softmax of flash attention, so a step costs what the sequences hold.
+
+    Args:
+      q_B1NH: queries [B, 1, N, H].
+      k_MSH, v_MSH: the cache's keys and values [B * N, S, H].
+      positions_B1: int32 [B, 1], each row's query position; it sees cache slots 0..position.
+      chunk: positions per chunk.
+    Returns:
+      [B, 1, N, H] in q's dtype; the softmax is computed in float32.
+    """
+    B, _, N, H = q_B1NH.shape
+    M, S, _ = k_MSH.shape
+    chunk = min(chunk, S)
+    q_MH = (q_B1NH[:, 0] * jnp.asarray(H ** -0.5, q_B1NH.dtype)).reshape(M, H)
+    position_M = jnp.repeat(positions_B1[:, 0], N)
+    num_chunks = jnp.max(positions_B1) // chunk + 1
+
+    def one_chunk(c, carry):
+        max_M, sum_M, acc_MH = carry
+        # The last chunk may run past S: dynamic_slice then starts it earlier, and the slots an earlier
+        # chunk covered are masked out.
+        start = jnp.minimum(c * chunk, S - chunk)
+        k_MCH = jax.lax.dynamic_slice_in_dim(k_MSH, start, chunk, axis=1)
+        v_MCH = jax.lax.dynamic_slice_in_dim(v_MSH, start, chunk, axis=1)
+        slot_C = start + jnp.arange(chunk)
+        seen_MC = (slot_C[None, :] <= position_M[:, None]) & (slot_C[None, :] >= c * chunk)
+        scores_MC = jnp.einsum("MH,MCH->MC", q_MH, k_MCH, preferred_element_type=jnp.float32)
+        scores_MC = jnp.where(seen_MC, scores_MC, -jnp.inf)
+        new_max_M = jnp.maximum(max_M, scores_MC.max(-1))
+        weights_MC = jnp.exp(scores_MC - new_max_M[:, None])
+        rescale_M = jnp.exp(max_M - new_max_M)
+        acc_MH = acc_MH * rescale_M[:, None] + jnp.einsum("MC,MCH->MH", weights_MC.astype(v_MCH.dtype), v_MCH,
+                                                           preferred_element_type=jnp.float32)
+        return new_max_M, sum_M * rescale_M + weights_MC.sum(-1), acc_MH
+
+    # Slot 0 is always seen, so the first chunk makes every row's max finite.
+    init = (jnp.full((M,), -jnp.inf), jnp.zeros((M,)), jnp.zeros((M, H)))
+    _, sum_M, acc_MH = jax.lax.fori_loop(0, num_chunks, one_chunk, init)
+    return (acc_MH / sum_M[:, None]).astype(q_B1NH.dtype).reshape(B, N, 1, H).transpose(0, 2, 1, 3)

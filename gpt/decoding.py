@@ -19,7 +19,7 @@ from flax import nnx
 from gpt.config import GPTConfig
 from gpt.kv_cache import KVCache
 from gpt.layouts import OutputMajor
-from gpt.model import GPT, Weights, forward, lm_head
+from gpt.model import GPT, Weights, forward, lm_head, unstack
 from gpt.sampling import SamplingParams, choose
 
 __all__ = ["decoding_weights", "Slots", "Admission", "Emitted", "init_slots", "prefill", "decode",
@@ -49,14 +49,12 @@ def decoding_weights(model: GPT) -> Weights:
 def _lay_out(graphdef: nnx.GraphDef, state: nnx.State) -> Weights:
     model = nnx.merge(graphdef, state)
     weights = model.weights()
-    layers = []
-    for i in range(model.config.n_layer):
-        p = {name: None if a is None else a[i] for name, a in weights.layers.items()}
+    layers = unstack(weights.layers, model.config.n_layer)
+    for p in layers:
         for name, input_axes in _KERNEL_INPUT_AXES.items():
             kernel = p[name]
             p[name] = OutputMajor(kernel.reshape(math.prod(kernel.shape[:input_axes]), -1).T)
-        layers.append(p)
-    return dataclasses.replace(weights, layers=tuple(layers))
+    return dataclasses.replace(weights, layers=layers)
 
 
 @jax.tree_util.register_dataclass
@@ -243,7 +241,9 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, cancel_S: jax.Arra
     def step(carry):
         slots, out = carry
         cache = slots.cache
-        positions_S1 = cache.lengths[:, None]
+        # Free slots run too (one shape for every step), at position 0: a long-finished request's length
+        # would make attention read as far as it had got.
+        positions_S1 = jnp.where(slots.live, cache.lengths, 0)[:, None]
         x_S1D, new_cache = forward(config, weights, slots.last_token[:, None], positions_S1, cache)
         # Free slots run too (one shape for every step) but their lengths stay put.
         new_cache = dataclasses.replace(new_cache, lengths=jnp.where(slots.live, new_cache.lengths, cache.lengths))

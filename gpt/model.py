@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gpt.attention import apply_rope, attend, sinusoidal_embedding
+from gpt.attention import apply_rope, attend, attend_cached, sinusoidal_embedding
 from gpt.config import GPTConfig
 from gpt.kv_cache import KVCache
 from gpt.layouts import OutputMajor, dense
@@ -85,9 +85,12 @@ class Blocks(nnx.Module):
 
     def unstacked(self) -> tuple[dict[str, jax.Array | None], ...]:
         """One dict of parameter arrays per layer (each without the layer axis)."""
-        stacked = self.stacked()
-        return tuple({name: (None if a is None else a[layer]) for name, a in stacked.items()}
-                     for layer in range(self.config.n_layer))
+        return unstack(self.stacked(), self.config.n_layer)
+
+
+def unstack(stacked: dict, num_layers: int) -> tuple[dict, ...]:
+    """One dict per layer from a dict of arrays stacked on a leading layer axis (None stays None)."""
+    return tuple({name: None if a is None else a[layer] for name, a in stacked.items()} for layer in range(num_layers))
 
 
 def block(
@@ -129,7 +132,10 @@ def block(
         attn_BTNH = attend(q_BTNH, k_MTH, v_MTH, None)
     else:
         cache = cache.write(layer, k_BTNH, v_BTNH, positions_BT)
-        attn_BTNH = attend(q_BTNH, *cache.layer(layer), mask_BTS)
+        if T == 1 and jax.default_backend() != "gpu":  # a decode step: read only as far as the rows have got
+            attn_BTNH = attend_cached(q_BTNH, *cache.layer(layer), positions_BT)
+        else:
+            attn_BTNH = attend(q_BTNH, *cache.layer(layer), mask_BTS)
 
     out_BTD = dense(attn_BTNH.reshape(B, T, N * H), cast(p["out_kernel"]))
     if p["out_bias"] is not None:
@@ -243,8 +249,7 @@ def transform(
     if stacked and cache is None and config.scan_layers:
         x_BTD, _ = jax.lax.scan(lambda x, xs: (step(x, *xs), None), x_BTD, (weights.layers, keys))
     else:
-        layers = [{name: None if a is None else a[i] for name, a in weights.layers.items()}
-                  for i in range(num_layers)] if stacked else weights.layers
+        layers = unstack(weights.layers, num_layers) if stacked else weights.layers
         for layer, p in enumerate(layers):
             key = None if keys is None else keys[layer]
             if cache is None:

@@ -1,7 +1,7 @@
 """Logit processors and token choice, all inside jit.
 
-Every knob is a traced scalar (0 or 1 means "off"), so changing temperature, top-k, top-p, min-p or the
-repetition penalty never compiles again.
+Every knob is a traced value (0 or 1 means "off"), a scalar or one per row (an engine's slots), so
+changing temperature, top-k, top-p, min-p or the repetition penalty never compiles again.
 """
 
 from __future__ import annotations

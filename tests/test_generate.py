@@ -1,5 +1,7 @@
 """KV-cache decoding against the plain forward, ragged batches, bucketing, sampling rules and bad input."""
 
+import concurrent.futures
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ from flax import nnx
 
 from gpt import GPT, GPTConfig, KVCache
 from gpt.errors import ConfigError
+from gpt.attention import attend, attend_cached
 from gpt.decoding import compiled_decode, compiled_prefill
 from gpt.generate import generate, generate_text
 from gpt.sampling import SamplingParams, choose, filter_logits, penalize_repetition
@@ -55,6 +58,20 @@ def test_cached_decoding_equals_plain_forward(model):
     for row in range(2):
         plain = np.asarray(model(jnp.asarray(rows[row][None])))[0]
         np.testing.assert_allclose(np.concatenate(cached[row]), plain, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [16, 13, 128])
+def test_chunked_decode_attention_equals_masked_attention(chunk):
+    # attend_cached reads the cache in chunks up to the furthest row (a last chunk past S starts earlier);
+    # it must equal plain attention under the mask "slots 0..position".
+    rng = np.random.default_rng(0)
+    B, N, S, H = 4, 3, 40, 8
+    q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B * N, S, H)), jnp.float32) for _ in range(2))
+    positions = jnp.asarray([[0], [17], [39], [31]], jnp.int32)
+    mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
+    np.testing.assert_allclose(np.asarray(attend_cached(q, k, v, positions, chunk)),
+                               np.asarray(attend(q, k, v, mask)), atol=1e-5, rtol=0)
 
 
 def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
@@ -165,6 +182,18 @@ def test_stop_strings_end_each_row_on_its_own():
         assert stopped[row] == free[row][:cut]
     texts = generate_text(model, [tokenizer.decode(p) for p in prompts], 20, temperature=0, stop_strings=[stop])
     assert stop not in texts[0] and tokenizer.decode(free[0]).startswith(texts[0])
+
+
+def test_generate_is_reentrant_and_thread_safe(model):
+    # Each call has its own engine: an on_token may call generate, and threads may call it at once.
+    inner = []
+    on_token = lambda row, token: inner or inner.append(generate(model, [[token]], 3, temperature=0)[0])  # noqa: E731
+    out = generate(model, [[1, 2, 3]], 5, temperature=0, on_token=on_token)
+    assert inner == [generate(model, [[out[0][0]]], 3, temperature=0)[0]]
+    prompts = [[5, 17, 99], list(range(30, 51)), [200], [7, 7, 8, 9, 10, 250, 3]]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: generate(model, [p], 12, temperature=0)[0], prompts))
+    assert together == generate(model, prompts, 12, temperature=0)
 
 
 def test_streaming_hands_out_each_token_in_order(model):

@@ -103,6 +103,9 @@ def test_prompts_as_lists_ids_n_logprobs_and_stop(server, model):
     assert "".join(logprobs.tokens) == texts[0]
     assert logprobs.token_logprobs[0] == pytest.approx(max(logprobs.top_logprobs[0].values()))  # greedy: the top
 
+    own = server.client.completions.create(model="tiny", prompt="One", max_tokens=10, temperature=0, logprobs=0)
+    assert own.choices[0].logprobs.token_logprobs == logprobs.token_logprobs and own.choices[0].logprobs.top_logprobs is None
+
     stop = texts[0][5:9]
     cut = server.client.completions.create(model="tiny", prompt="One", max_tokens=10, temperature=0, stop=[stop])
     assert cut.choices[0].text == texts[0][: texts[0].index(stop)] and cut.choices[0].finish_reason == "stop"
