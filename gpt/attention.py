@@ -94,13 +94,14 @@ def attend_cached(q_B1NH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, positio
       q_B1NH: queries [B, 1, N, H].
       k_MSH, v_MSH: the cache's keys and values [B * N, S, H].
       positions_B1: int32 [B, 1], each row's query position; it sees cache slots 0..position.
-      chunk: positions per chunk.
+      chunk: positions per chunk; a cache of at most two chunks is read whole.
     Returns:
       [B, 1, N, H] in q's dtype; the softmax is computed in float32.
     """
     B, _, N, H = q_B1NH.shape
     M, S, _ = k_MSH.shape
-    chunk = min(chunk, S)
+    if S <= 2 * chunk:  # a short cache: the loop would cost more than the reading it saves
+        return attend(q_B1NH, k_MSH, v_MSH, jnp.arange(S)[None, None, :] <= positions_B1[:, :, None])
     q_MH = (q_B1NH[:, 0] * jnp.asarray(H ** -0.5, q_B1NH.dtype)).reshape(M, H)
     position_M = jnp.repeat(positions_B1[:, 0], N)
     num_chunks = jnp.max(positions_B1) // chunk + 1
