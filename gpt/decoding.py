@@ -18,7 +18,8 @@ from flax import nnx
 
 from gpt.config import GPTConfig
 from gpt.kv_cache import KVCache
-from gpt.layouts import OutputMajor
+from gpt.errors import ConfigError
+from gpt.layouts import QUANTIZED_LAYOUTS, OutputMajor
 from gpt.model import GPT, Weights, forward, lm_head, unstack
 from gpt.sampling import SamplingParams, choose
 
@@ -32,29 +33,41 @@ NO_TOKEN = -1  # an Emitted entry where a slot produced nothing (free, finished,
 _KERNEL_INPUT_AXES = {"qkv_kernel": 1, "out_kernel": 2, "fc_kernel": 1, "proj_kernel": 1}
 
 
-def decoding_weights(model: GPT) -> Weights:
-    """The model's weights laid out for decoding.
+def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
+    """The model's weights laid out for decoding, optionally quantized.
 
     One dict per layer, so that no stacked array is sliced inside the loop (XLA on CPU copies a layer's
     slice of a stacked array before each matmul, doubling the weight traffic that bounds a decode step),
     and every kernel `OutputMajor` ([out, in]: XLA on CPU runs the matrix-vector products of a small batch
     faster so). Made once per engine, in a jit of its own so that the new layout is real memory (inside
     the decode jit, XLA would fold it away again). Costs one copy of the block weights.
+
+    quantize: "none" keeps float32 (`OutputMajor`); "int8" stores every matrix, the tied embedding / LM
+    head included, as int8 with a float32 scale per output (`gpt.layouts.Int8Matrix`; the embedding
+    lookup rescales the rows it reads, and the table is stored once for both uses); "bf16" stores them in
+    bfloat16 (`Bf16Matrix`). Biases, LayerNorms, learned positions and the KV cache stay in the compute
+    dtype, and so do all activations.
     """
+    if quantize not in ("none", *QUANTIZED_LAYOUTS):
+        raise ConfigError(f"quantize must be one of none, {', '.join(QUANTIZED_LAYOUTS)}; got {quantize!r}")
     graphdef, state = nnx.split(model)
-    return _lay_out(graphdef, state)
+    return _lay_out(graphdef, state, quantize)
 
 
-@functools.partial(jax.jit, static_argnames="graphdef")
-def _lay_out(graphdef: nnx.GraphDef, state: nnx.State) -> Weights:
+@functools.partial(jax.jit, static_argnames=("graphdef", "quantize"))
+def _lay_out(graphdef: nnx.GraphDef, state: nnx.State, quantize: str) -> Weights:
     model = nnx.merge(graphdef, state)
     weights = model.weights()
+    store = QUANTIZED_LAYOUTS[quantize].quantize if quantize != "none" else OutputMajor
     layers = unstack(weights.layers, model.config.n_layer)
     for p in layers:
         for name, input_axes in _KERNEL_INPUT_AXES.items():
             kernel = p[name]
-            p[name] = OutputMajor(kernel.reshape(math.prod(kernel.shape[:input_axes]), -1).T)
-    return dataclasses.replace(weights, layers=layers)
+            p[name] = store(kernel.reshape(math.prod(kernel.shape[:input_axes]), -1).T)
+    if quantize == "none":
+        return dataclasses.replace(weights, layers=layers)
+    table = store(weights.embedding)  # [V, D] is already output-major for the head
+    return dataclasses.replace(weights, layers=layers, embedding=table, head=table)
 
 
 @jax.tree_util.register_dataclass

@@ -133,11 +133,14 @@ class Engine:
       max_queue: the most requests waiting for a slot; `submit` raises QueueFull beyond it.
       steps_per_call: decode steps per device call; more amortize dispatch, fewer admit sooner.
       max_stop_tokens: the most stop tokens a request may give.
+      quantize: how the weights are stored for decoding: "none" (float32), "int8" or "bf16"
+        (`gpt.decoding.decoding_weights`).
       mesh: run sharded over this mesh (`gpt.sharding.make_mesh`).
     """
 
     def __init__(self, model: GPT, *, slots: int = 8, cache_length: int | None = None, max_queue: int = 64,
-                 steps_per_call: int = 1, max_stop_tokens: int = 8, mesh: Mesh | None = None):
+                 steps_per_call: int = 1, max_stop_tokens: int = 8, quantize: str = "none",
+                 mesh: Mesh | None = None):
         config = model.config
         cache_length = config.block_size if cache_length is None else cache_length
         if not 1 <= cache_length <= config.block_size:
@@ -155,7 +158,7 @@ class Engine:
             if mesh is not None:
                 graphdef, state = nnx.split(model)
                 model = nnx.merge(graphdef, shard_state(model, state, mesh))
-            self.weights = decoding_weights(model)
+            self.weights = decoding_weights(model, quantize)
             self._slots = compiled_init_slots(config, slots, cache_length, max_stop_tokens)
         self._owners: list[Completion | None] = [None] * slots
         self._queue: collections.deque[Completion] = collections.deque()

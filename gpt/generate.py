@@ -68,6 +68,7 @@ def generate(
     stop_strings: Sequence[str] = (),
     seed: int = 0,
     on_token: Callable[[int, int], None] | None = None,
+    quantize: str = "none",
     mesh: Mesh | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens.
@@ -83,6 +84,8 @@ def generate(
         and including the one that completed the string are returned (`generate_text` cuts the text).
       seed: the PRNG seed; the same seed, prompts and settings give the same tokens.
       on_token: called as on_token(row, token) on the host for each new token while the loop runs.
+      quantize: decode with the weights stored as "int8" or "bf16" (`gpt.decoding.decoding_weights`),
+        made from the float weights at each call; "none" keeps float32.
       mesh: run sharded over this mesh (`gpt.sharding.make_mesh`): rows over data and fsdp, heads and MLP
         over tensor, the cache like the attention. The batch is padded to a multiple of data x fsdp.
     Returns:
@@ -102,7 +105,7 @@ def generate(
     # call runs the whole decode.
     engine = Engine(model, slots=_bucket(len(prompts), 1), cache_length=cache_length, max_queue=len(prompts),
                     steps_per_call=1 if on_token is not None else cache_length,
-                    max_stop_tokens=_bucket(len(stop_tokens) + 1, 4), mesh=mesh)
+                    max_stop_tokens=_bucket(len(stop_tokens) + 1, 4), quantize=quantize, mesh=mesh)
     knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  repetition_penalty=repetition_penalty, seed=seed, stop_tokens=tuple(stop_tokens),
                  stop_strings=tuple(stop_strings))

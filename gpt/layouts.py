@@ -1,8 +1,9 @@
 """Weight layouts: how a matrix of the forward is stored, and the one matmul every layout goes through.
 
 The model's parameters are plain arrays whose leading axes are a map's inputs ([D, ...]); training uses
-them as they are. A decoder may store the same weights differently (`gpt.decoding`), and the forward runs
-either unchanged because every matmul is `dense(x, kernel)`.
+them as they are. A decoder may store the same weights differently (`gpt.decoding`): output-major in
+float32, int8 with a scale per output, or bfloat16; the forward runs any of them unchanged because every
+matmul is `dense(x, kernel)`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["OutputMajor", "dense"]
+__all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "QUANTIZED_LAYOUTS", "dense"]
 
 
 @jax.tree_util.register_dataclass
@@ -45,3 +46,85 @@ def dense(x_BTD: jax.Array, kernel) -> jax.Array:
     x_MD = x_BTD.reshape(B * T, D)
     y_MK = kernel.matmul(x_MD) if hasattr(kernel, "matmul") else x_MD @ kernel.reshape(D, -1).astype(x_MD.dtype)
     return y_MK.reshape(B, T, -1)
+
+
+def _at_least_two_rows(x_MD: jax.Array) -> jax.Array:
+    """XLA's CPU dot for int8 or bfloat16 operands falls off its fast path for a single row (~7x slower
+    than float32; from two rows it beats float32), so one row runs as two (the second all zeros)."""
+    return jnp.concatenate([x_MD, jnp.zeros_like(x_MD)]) if x_MD.shape[0] == 1 else x_MD
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Matrix:
+    """An output-major matrix [K, D] stored as int8 with one float32 scale per output (symmetric):
+    matrix ~= values * scale[:, None]. A quarter of float32's bytes, which is what a decode step streams.
+
+    `matmul` quantizes each row of x to int8 with its own scale (max |x| / 127) and runs an
+    int8 x int8 -> int32 dot (VNNI on x86), rescaled by both scales: the float matrix is never made. Its
+    `astype` keeps it int8 (the block casts kernels to the compute dtype; this one stays as stored).
+    """
+
+    values_KD: jax.Array
+    scale_K: jax.Array
+
+    @classmethod
+    def quantize(cls, matrix_KD: jax.Array) -> Int8Matrix:
+        matrix_KD = matrix_KD.astype(jnp.float32)
+        scale_K = jnp.abs(matrix_KD).max(axis=1) / 127.0
+        scale_K = jnp.where(scale_K > 0, scale_K, 1.0)  # an all-zero output stays exactly zero
+        values_KD = jnp.clip(jnp.round(matrix_KD / scale_K[:, None]), -127, 127).astype(jnp.int8)
+        return cls(values_KD, scale_K)
+
+    def dequantize(self) -> jax.Array:
+        """The float32 matrix [K, D] this one stands for (for tests and quality checks)."""
+        return self.values_KD.astype(jnp.float32) * self.scale_K[:, None]
+
+    def astype(self, dtype) -> Int8Matrix:
+        return self
+
+    def matmul(self, x_MD: jax.Array) -> jax.Array:
+        M = x_MD.shape[0]
+        x_MD32 = _at_least_two_rows(x_MD).astype(jnp.float32)
+        x_scale_M = jnp.abs(x_MD32).max(axis=1) / 127.0
+        x_scale_M = jnp.where(x_scale_M > 0, x_scale_M, 1.0)
+        x_int8 = jnp.round(x_MD32 / x_scale_M[:, None]).astype(jnp.int8)
+        y_MK = jax.lax.dot_general(x_int8, self.values_KD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+        y_MK = y_MK.astype(jnp.float32) * x_scale_M[:, None] * self.scale_K[None, :]
+        return y_MK[:M].astype(x_MD.dtype)
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Rows `ids` of the matrix as float32 (an embedding lookup of a tied table): [..., D]."""
+        return self.values_KD[ids].astype(jnp.float32) * self.scale_K[ids][..., None]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Bf16Matrix:
+    """An output-major matrix [K, D] stored in bfloat16: half of float32's bytes. `matmul` runs a bfloat16
+    dot accumulating in float32; `astype` keeps it bfloat16."""
+
+    values_KD: jax.Array
+
+    @classmethod
+    def quantize(cls, matrix_KD: jax.Array) -> Bf16Matrix:
+        return cls(matrix_KD.astype(jnp.bfloat16))
+
+    def dequantize(self) -> jax.Array:
+        return self.values_KD.astype(jnp.float32)
+
+    def astype(self, dtype) -> Bf16Matrix:
+        return self
+
+    def matmul(self, x_MD: jax.Array) -> jax.Array:
+        M = x_MD.shape[0]
+        y_MK = jax.lax.dot_general(_at_least_two_rows(x_MD).astype(jnp.bfloat16), self.values_KD,
+                                   (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return y_MK[:M].astype(x_MD.dtype)
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        return self.values_KD[ids].astype(jnp.float32)
+
+
+# --quantize: how a decoder stores its matrices (`gpt.decoding.decoding_weights`).
+QUANTIZED_LAYOUTS = {"int8": Int8Matrix, "bf16": Bf16Matrix}

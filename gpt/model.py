@@ -164,7 +164,7 @@ class Weights:
     kernels are `gpt.layouts` objects). The forward runs either.
 
     Attributes:
-      embedding: the token table [V, D], read by lookup.
+      embedding: the token table [V, D], read by lookup (an array, or a quantized layout with `rows`).
       positional: the learned position table [block_size, D], or None.
       layers: the blocks' weights: a dict of stacked [L, ...] arrays, or a tuple of L per-layer dicts.
       final_scale, final_bias: the last LayerNorm's [D] (bias None without biases).
@@ -184,7 +184,9 @@ def embed(config: GPTConfig, weights: Weights, tokens_BT: jax.Array, positions_B
     """Token (+ learned or sinusoidal position) embeddings, [B, T, D] in the compute dtype."""
     # Gather the table's width (split over fsdp) first, as FSDP does for every weight before use: the
     # lookup's output is split over the batch, which would otherwise claim the same mesh axis.
-    x_BTD = constrain(weights.embedding, ("vocab", None))[tokens_BT].astype(jnp.float32)
+    table = weights.embedding
+    x_BTD = (table.rows(tokens_BT) if hasattr(table, "rows")  # a quantized table (`gpt.layouts`)
+             else constrain(table, ("vocab", None))[tokens_BT].astype(jnp.float32))
     # Rows that hold no request (free engine slots) may run past the table; clip them into it (their
     # output is never read).
     positions_BT = jnp.clip(positions_BT, 0, config.block_size - 1)

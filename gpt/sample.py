@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Literal
 from pathlib import Path
 
 from gpt import gpt2
@@ -39,6 +40,8 @@ class SampleConfig:
     """Print each sample's text as it is produced (samples are then generated one after another)."""
     dtype: str = "float32"
     """Compute dtype (bfloat16 on GPUs)."""
+    quantize: Literal["none", "int8", "bf16"] = "none"
+    """Store the weights for decoding as int8 (a float scale per output channel) or bfloat16."""
     compile_cache: bool = True
     """Keep compiled programs in the user's cache directory, so that the next run skips most compiles."""
     mesh: str = ""
@@ -79,7 +82,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
         if config.stream:
             out.write(start)
         batch = generate_text(model, [start] * rows, config.max_new_tokens, seed=config.seed + i,
-                              on_text=on_text, mesh=mesh, **knobs)
+                              on_text=on_text, quantize=config.quantize, mesh=mesh, **knobs)
         texts.extend(batch)
         if config.stream:
             out.write("\n---------------\n")

@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import prometheus_client
 from fastapi import FastAPI, Request as HTTPRequest
@@ -61,6 +62,8 @@ class ServeConfig:
     """The name clients pass as `model`; default: the last part of init_from."""
     dtype: str = "float32"
     """Compute dtype (bfloat16 on GPUs)."""
+    quantize: Literal["none", "int8", "bf16"] = "none"
+    """Store the weights for decoding as int8 (a float scale per output channel) or bfloat16."""
     shutdown_deadline_s: float = 10.0
     """On SIGTERM, how long running requests may take to finish before they are cancelled."""
     compile_cache: bool = True
@@ -401,7 +404,7 @@ def serve(config: ServeConfig) -> None:
     enable_compilation_cache(config.compile_cache)
     model = load(config.init_from, config.dtype)
     engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
-                    steps_per_call=config.steps_per_call)
+                    steps_per_call=config.steps_per_call, quantize=config.quantize)
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, shutdown_deadline_s=config.shutdown_deadline_s,
                      log=lambda line: print(line, flush=True))
