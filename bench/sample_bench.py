@@ -1,6 +1,8 @@
-"""Sampling speed: gpt.generate against transformers' GPT2LMHeadModel.generate on the same weights.
+"""Sampling speed: gpt.generate against transformers' GPT2LMHeadModel.generate on the same weights, and
+(with --ctranslate2) CTranslate2's Generator in float32 and int8.
 
     python bench/sample_bench.py                     # GPT-2 124M shapes, float32, CPU
+    python bench/sample_bench.py --quantize none int8 bf16 --ctranslate2     # quantized decoding
     python bench/sample_bench.py --dtype bfloat16 --batches 1 64 --skip-torch   # on a GPU
 
 Random weights at the real gpt2 shapes, a 64-token prompt, 128 new tokens, greedy. For each batch size:
@@ -23,15 +25,60 @@ from gpt import gpt2
 from gpt.generate import generate
 
 
-def bench_ours(directory, prompts, new_tokens, dtype, repeats):
+def bench_ours(directory, prompts, new_tokens, dtype, repeats, quantize="none"):
     model = gpt2.load(directory, dtype=dtype)
     start, first = time.perf_counter(), []
-    generate(model, prompts, new_tokens, temperature=0,
+    generate(model, prompts, new_tokens, temperature=0, quantize=quantize,
              on_token=lambda row, token: first or first.append(time.perf_counter()))
     ttft = first[0] - start
-    generate(model, prompts, new_tokens, temperature=0)  # compile the non-streaming loop
-    best = min(_timed(lambda: generate(model, prompts, new_tokens, temperature=0)) for _ in range(repeats))
-    return ttft, len(prompts) * new_tokens / best
+    run = lambda: generate(model, prompts, new_tokens, temperature=0, quantize=quantize)  # noqa: E731
+    tokens = run()  # compile the non-streaming loop
+    best = min(_timed(run) for _ in range(repeats))
+    return ttft, len(prompts) * new_tokens / best, tokens
+
+
+def write_gpt2_vocab(directory: Path) -> None:
+    """vocab.json and merges.txt (what CTranslate2's converter reads) rebuilt from the vendored BPE ranks:
+    each token's merge is the last one byte-pair encoding with the lower ranks makes of its bytes."""
+    import json
+
+    from gpt.tokenizer import get_tokenizer
+
+    ranks = get_tokenizer().encoding._mergeable_ranks
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's bytes -> unicode table
+    extra = iter(range(256, 512))
+    byte_char = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+    text = lambda token: "".join(byte_char[b] for b in token)  # noqa: E731
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            pairs = [(ranks.get(a + b, 1 << 30), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            _, i = min(pairs)
+            parts[i: i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) == 2:
+            merges.append(f"{text(parts[0])} {text(parts[1])}")
+    vocab = {text(token): rank for token, rank in ranks.items()} | {"<|endoftext|>": 50256}
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+
+
+def bench_ctranslate2(directory, prompts, new_tokens, repeats, compute_type):
+    import ctranslate2
+    from ctranslate2.converters import TransformersConverter
+
+    out = Path(directory) / f"ct2-{compute_type}"
+    if not out.exists():
+        TransformersConverter(str(directory)).convert(str(out), quantization=compute_type)
+    generator = ctranslate2.Generator(str(out), device="cpu", compute_type=compute_type, intra_threads=2)
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(str(directory))
+    start_tokens = [tokenizer.convert_ids_to_tokens(p) for p in prompts]
+    run = lambda n: generator.generate_batch(start_tokens, max_length=n, min_length=n, sampling_topk=1,  # noqa: E731
+                                             include_prompt_in_result=False)
+    ttft = _timed(lambda: run(1))
+    results = run(new_tokens)
+    best = min(_timed(lambda: run(new_tokens)) for _ in range(repeats))
+    return ttft, len(prompts) * new_tokens / best, [r.sequences_ids[0] for r in results]
 
 
 def bench_torch(directory, prompts, new_tokens, repeats):
@@ -63,6 +110,8 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "bf16"])
+    parser.add_argument("--ctranslate2", action="store_true", help="also CTranslate2 float32 and int8")
     args = parser.parse_args()
 
     import torch
@@ -72,20 +121,33 @@ def main():
     reference = transformers.GPT2LMHeadModel(transformers.GPT2Config())
     print(f"# {platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), {time.strftime('%Y-%m-%d')}")
-    print("| batch | impl | first token (s, compile incl.) | tokens/s | vs torch |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| batch | impl | first token (s, compile incl.) | tokens/s | vs torch | greedy tokens = ours float32 |")
+    print("| --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         reference.save_pretrained(Path(tmp))
         del reference
+        if args.ctranslate2:
+            write_gpt2_vocab(Path(tmp))
         for batch in args.batches:
-            prompts = np.random.default_rng(batch).integers(0, 50257, (batch, args.prompt_tokens)).tolist()
-            jax.clear_caches()  # each batch's first call pays its own compile
-            ours = bench_ours(tmp, prompts, args.new_tokens, args.dtype, args.repeats)
+            prompts = np.random.default_rng(batch).integers(0, 50256, (batch, args.prompt_tokens)).tolist()
             theirs = None if args.skip_torch else bench_torch(tmp, prompts, args.new_tokens, args.repeats)
-            ratio = f"{ours[1] / theirs[1]:.2f}x" if theirs else "-"
-            print(f"| {batch} | gpt (jax, {args.dtype}) | {ours[0]:.2f} | {ours[1]:.1f} | {ratio} |", flush=True)
+            rows, reference_tokens = [], None
+            for quantize in args.quantize:
+                jax.clear_caches()  # each configuration's first call pays its own compile
+                ttft, speed, tokens = bench_ours(tmp, prompts, args.new_tokens, args.dtype, args.repeats, quantize)
+                reference_tokens = reference_tokens or (tokens if quantize == "none" else None)
+                rows.append((f"gpt (jax, {args.dtype}, weights {quantize})", ttft, speed, tokens))
+            if args.ctranslate2:
+                for compute_type in ("float32", "int8"):
+                    rows.append((f"CTranslate2 ({compute_type})",
+                                 *bench_ctranslate2(tmp, prompts, args.new_tokens, args.repeats, compute_type)))
             if theirs:
-                print(f"| {batch} | transformers (torch) | {theirs[0]:.2f} | {theirs[1]:.1f} | 1.00x |", flush=True)
+                rows.append(("transformers (torch)", *theirs, None))
+            for name, ttft, speed, tokens in rows:
+                ratio = f"{speed / theirs[1]:.2f}x" if theirs else "-"
+                same = ("-" if tokens is None or reference_tokens is None else
+                        f"{sum(a == b for a, b in zip(tokens, reference_tokens))}/{len(tokens)} rows")
+                print(f"| {batch} | {name} | {ttft:.2f} | {speed:.1f} | {ratio} | {same} |", flush=True)
 
 
 if __name__ == "__main__":
