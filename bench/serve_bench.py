@@ -73,14 +73,14 @@ def gaps_of(times: list[float], counts: list[int]) -> list[float]:
     return gaps
 
 
-def bench_server(directory, load, clients, dtype, slots, steps_per_call):
+def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantize="none"):
     import openai
     import uvicorn
 
     from gpt.serve import create_app
 
     engine = Engine(gpt2.load(directory, dtype=dtype), slots=slots, steps_per_call=steps_per_call,
-                    max_queue=len(load))
+                    max_queue=len(load), quantize=quantize)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(engine, "gpt2", log=lambda line: None), log_level="warning"))
@@ -152,6 +152,8 @@ def main():
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1])
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "bf16"],
+                        help="our server's weights (the peers stay float32)")
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--skip-generate", action="store_true")
     args = parser.parse_args()
@@ -176,9 +178,11 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         reference.save_pretrained(Path(tmp))
         del reference
-        for steps in args.steps_per_call:
-            row(f"ours, serve.py ({args.slots} slots, {steps} step/call, {args.dtype})",
-                bench_server(tmp, load, args.clients, args.dtype, args.slots, steps))
+        for quantize in args.quantize:
+            for steps in args.steps_per_call:
+                weights = "" if quantize == "none" else f", {quantize} weights"
+                row(f"ours, serve.py ({args.slots} slots, {steps} step/call, {args.dtype}{weights})",
+                    bench_server(tmp, load, args.clients, args.dtype, args.slots, steps, quantize))
         if not args.skip_generate:
             row(f"ours, generate per request ({args.dtype})", bench_generate(tmp, load, args.clients, args.dtype))
         if not args.skip_torch:
