@@ -23,7 +23,7 @@ from gpt.layouts import QUANTIZED_LAYOUTS, OutputMajor
 from gpt.model import GPT, Weights, forward, lm_head, unstack
 from gpt.sampling import SamplingParams, choose
 
-__all__ = ["decoding_weights", "Slots", "Admission", "Emitted", "init_slots", "prefill", "decode",
+__all__ = ["decoding_weights", "Settings", "Slots", "Admission", "Emitted", "init_slots", "prefill", "decode",
            "TOP_LOGPROBS", "NO_TOKEN"]
 
 TOP_LOGPROBS = 5  # J: the most alternatives a request may ask logprobs for (the OpenAI API's own bound)
@@ -72,6 +72,30 @@ def _lay_out(graphdef: nnx.GraphDef, state: nnx.State, quantize: str) -> Weights
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a request asked for, one row per request ([R, ...] each: R slots, or a prefill's rows).
+
+    params: the sampling knobs. seed, stream: uint32; a request's draws use key(seed) folded with stream,
+    then with the number of tokens chosen so far (`generate` gives row i of one call stream i).
+    stop_tokens: int32 [R, K], ids that end the request (-2 pads). top_logprobs: bool, the request wants
+    the top-J alternatives of each token.
+    """
+
+    params: SamplingParams
+    seed: jax.Array
+    stream: jax.Array
+    stop_tokens: jax.Array
+    top_logprobs: jax.Array
+
+    @classmethod
+    def empty(cls, rows: int, max_stop_tokens: int) -> Settings:
+        return cls(params=SamplingParams.rows(rows), seed=jnp.zeros((rows,), jnp.uint32),
+                   stream=jnp.zeros((rows,), jnp.uint32), stop_tokens=jnp.full((rows, max_stop_tokens), -2, jnp.int32),
+                   top_logprobs=jnp.zeros((rows,), jnp.bool_))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Slots:
     """Everything the device keeps per slot between engine steps.
 
@@ -82,11 +106,7 @@ class Slots:
       remaining: int32 [S], how many more tokens the request may emit.
       generated: int32 [S], tokens chosen so far (the position in the request's PRNG stream).
       seen: bool [S, V], tokens in the prompt or output (for the repetition penalty).
-      params: the sampling knobs, [S] each.
-      seed, stream: uint32 [S]: a request's draws use key(seed) folded with stream, then with `generated`;
-        `generate` gives row i of one call stream i.
-      stop_tokens: int32 [S, K], ids that end the request (-2 pads).
-      top_logprobs: bool [S], the request wants the top-J alternatives of each token.
+      settings: each slot's request's knobs.
     """
 
     cache: KVCache
@@ -95,11 +115,7 @@ class Slots:
     remaining: jax.Array
     generated: jax.Array
     seen: jax.Array
-    params: SamplingParams
-    seed: jax.Array
-    stream: jax.Array
-    stop_tokens: jax.Array
-    top_logprobs: jax.Array
+    settings: Settings
 
 
 @jax.tree_util.register_dataclass
@@ -108,19 +124,15 @@ class Admission:
     """b requests entering slots: the host's side of one `prefill` call ([b, ...] each).
 
     tokens: int32 [b, P], prompts right-padded; lengths: int32 [b], their real lengths (>= 1); slots:
-    int32 [b], where each goes (S or more for a padding row). max_tokens: int32 [b]. Other fields as in
-    `Slots`.
+    int32 [b], where each goes (S or more for a padding row). max_tokens: int32 [b]. settings: what
+    each asked for.
     """
 
     tokens: jax.Array
     lengths: jax.Array
     slots: jax.Array
     max_tokens: jax.Array
-    params: SamplingParams
-    seed: jax.Array
-    stream: jax.Array
-    stop_tokens: jax.Array
-    top_logprobs: jax.Array
+    settings: Settings
 
 
 @jax.tree_util.register_dataclass
@@ -149,17 +161,15 @@ def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_to
         cache=KVCache.init(config, S, cache_length),
         last_token=jnp.zeros((S,), jnp.int32), live=jnp.zeros((S,), jnp.bool_),
         remaining=jnp.zeros((S,), jnp.int32), generated=jnp.zeros((S,), jnp.int32),
-        seen=jnp.zeros((S, config.vocab_size), jnp.bool_), params=SamplingParams.rows(S),
-        seed=jnp.zeros((S,), jnp.uint32), stream=jnp.zeros((S,), jnp.uint32),
-        stop_tokens=jnp.full((S, max_stop_tokens), -2, jnp.int32), top_logprobs=jnp.zeros((S,), jnp.bool_),
+        seen=jnp.zeros((S, config.vocab_size), jnp.bool_), settings=Settings.empty(S, max_stop_tokens),
     )
 
 
-def _keys(seed_R: jax.Array, stream_R: jax.Array, generated_R: jax.Array) -> jax.Array:
+def _keys(settings: Settings, generated_R: jax.Array) -> jax.Array:
     """Each row's PRNG key for its next draw: a pure function of (seed, stream, position)."""
     def key(seed, stream, generated):
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), generated)
-    return jax.vmap(key)(seed_R, stream_R, generated_R)
+    return jax.vmap(key)(settings.seed, settings.stream, generated_R)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,21 +184,20 @@ class _Choice:
 
 
 def _choose_next(weights: Weights, x_RD: jax.Array, live_R: jax.Array, remaining_R: jax.Array,
-                 seen_RV: jax.Array, params: SamplingParams, keys_R: jax.Array, stop_tokens_RK: jax.Array,
-                 top_logprobs_R: jax.Array) -> _Choice:
+                 seen_RV: jax.Array, settings: Settings, generated_R: jax.Array) -> _Choice:
     """The LM head, a choice per row, and the bookkeeping of what it ends: a stop token ends a row
     without being emitted; a row that emits its last allowed token ends after it."""
     logits_RV = lm_head(weights, x_RD[:, None])[:, 0]
-    token_R = choose(logits_RV, seen_RV, params, keys_R)
+    token_R = choose(logits_RV, seen_RV, settings.params, _keys(settings, generated_R))
     logprobs_RV = jax.nn.log_softmax(logits_RV, axis=-1)
     logprob_R = jnp.take_along_axis(logprobs_RV, token_R[:, None], axis=-1)[:, 0]
     R = token_R.shape[0]
     top_logprobs_RJ, top_ids_RJ = jax.lax.cond(
-        jnp.any(top_logprobs_R & live_R),
+        jnp.any(settings.top_logprobs & live_R),
         lambda: tuple(jax.lax.top_k(logprobs_RV, TOP_LOGPROBS)),
         lambda: (jnp.zeros((R, TOP_LOGPROBS), jnp.float32), jnp.zeros((R, TOP_LOGPROBS), jnp.int32)),
     )
-    is_stop_R = jnp.any(token_R[:, None] == stop_tokens_RK, axis=-1)
+    is_stop_R = jnp.any(token_R[:, None] == settings.stop_tokens, axis=-1)
     emitted_R = live_R & ~is_stop_R
     remaining_R = remaining_R - emitted_R
     seen_RV = seen_RV.at[jnp.arange(R), token_R].max(emitted_R)
@@ -211,9 +220,8 @@ def prefill(config: GPTConfig, weights: Weights, slots: Slots, admission: Admiss
     real_bP = jnp.arange(P)[None, :] < admission.lengths[:, None]
     seen_bV = jnp.zeros((b, config.vocab_size), jnp.bool_).at[rows_b[:, None], admission.tokens].max(real_bP)
     admitted_b = admission.slots < slots.live.shape[0]
-    keys_b = _keys(admission.seed, admission.stream, jnp.zeros((b,), jnp.int32))
-    c = _choose_next(weights, x_bD, admitted_b, admission.max_tokens, seen_bV, admission.params, keys_b,
-                     admission.stop_tokens, admission.top_logprobs)
+    c = _choose_next(weights, x_bD, admitted_b, admission.max_tokens, seen_bV, admission.settings,
+                     jnp.zeros((b,), jnp.int32))
 
     at = admission.slots
     put = lambda mine, theirs: mine.at[at].set(theirs.astype(mine.dtype), mode="drop")  # noqa: E731
@@ -221,10 +229,7 @@ def prefill(config: GPTConfig, weights: Weights, slots: Slots, admission: Admiss
         cache=slots.cache.insert(fresh, at, admission.lengths),
         last_token=put(slots.last_token, jnp.maximum(c.token, 0)), live=put(slots.live, c.live),
         remaining=put(slots.remaining, c.remaining), generated=put(slots.generated, jnp.ones((b,), jnp.int32)),
-        seen=put(slots.seen, c.seen), params=slots.params.set_rows(at, admission.params),
-        seed=put(slots.seed, admission.seed), stream=put(slots.stream, admission.stream),
-        stop_tokens=put(slots.stop_tokens, admission.stop_tokens),
-        top_logprobs=put(slots.top_logprobs, admission.top_logprobs),
+        seen=put(slots.seen, c.seen), settings=jax.tree.map(put, slots.settings, admission.settings),
     )
     emitted = Emitted(token=c.token[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
                       top_logprobs=c.top_logprobs[None], live=c.live, steps=jnp.int32(1))
@@ -260,9 +265,8 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, cancel_S: jax.Arra
         x_S1D, new_cache = forward(config, weights, slots.last_token[:, None], positions_S1, cache)
         # Free slots run too (one shape for every step) but their lengths stay put.
         new_cache = dataclasses.replace(new_cache, lengths=jnp.where(slots.live, new_cache.lengths, cache.lengths))
-        keys_S = _keys(slots.seed, slots.stream, slots.generated)
-        c = _choose_next(weights, x_S1D[:, 0], slots.live, slots.remaining, slots.seen, slots.params, keys_S,
-                         slots.stop_tokens, slots.top_logprobs)
+        c = _choose_next(weights, x_S1D[:, 0], slots.live, slots.remaining, slots.seen, slots.settings,
+                         slots.generated)
         slots = dataclasses.replace(
             slots, cache=new_cache, last_token=jnp.where(slots.live, jnp.maximum(c.token, 0), slots.last_token),
             live=c.live, remaining=c.remaining, generated=slots.generated + slots.live, seen=c.seen)

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from gpt.decoding import (NO_TOKEN, TOP_LOGPROBS, Admission, compiled_decode, compiled_init_slots,
+from gpt.decoding import (NO_TOKEN, TOP_LOGPROBS, Admission, Settings, compiled_decode, compiled_init_slots,
                           compiled_prefill, decoding_weights)
 from gpt.errors import ConfigError
 from gpt.model import GPT
@@ -38,7 +38,7 @@ from gpt.sampling import SamplingParams
 from gpt.sharding import data_parallel_size, shard_state
 from gpt.text_stream import TextStream
 
-__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "prompt_buckets"]
+__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "prompt_buckets"]
 
 _MIN_PROMPT_BUCKET = 16
 
@@ -114,6 +114,20 @@ class Completion:
         self.done.set()
 
 
+def check_prompt(prompt, vocab_size: int, name: str = "prompt") -> np.ndarray:
+    """The prompt as int32 token ids [T]; ConfigError naming `name` when it is empty, not integer ids,
+    or holds an id outside [0, vocab_size)."""
+    ids = np.asarray([] if isinstance(prompt, (str, bytes)) else prompt)
+    if ids.size == 0:
+        raise ConfigError(f"{name} is empty: it needs at least one token")
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ConfigError(f"{name} must be a list of integer token ids, got {ids.ndim}-D {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise ConfigError(f"{name} has token id {bad} outside the vocabulary [0, {vocab_size})")
+    return ids.astype(np.int32)
+
+
 def prompt_buckets(cache_length: int) -> list[int]:
     """The prompt lengths a prefill is compiled for: powers of two from 16, and the cache length."""
     buckets, n = [], _MIN_PROMPT_BUCKET
@@ -172,15 +186,8 @@ class Engine:
 
     def check(self, request: Request) -> None:
         """Raise ConfigError naming the first field of `request` outside its bound (nothing compiles)."""
-        config, prompt = self.config, request.prompt
-        if isinstance(prompt, (str, bytes)) or len(prompt) == 0:
-            raise ConfigError("prompt is empty: a request needs at least one token")
-        ids = np.asarray(prompt)
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ConfigError(f"prompt must be a list of integer token ids, got dtype {ids.dtype}")
-        if ids.min() < 0 or ids.max() >= config.vocab_size:
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-            raise ConfigError(f"prompt has token id {bad} outside the vocabulary [0, {config.vocab_size})")
+        config = self.config
+        ids = check_prompt(request.prompt, config.vocab_size)
         if not isinstance(request.max_tokens, (int, np.integer)) or request.max_tokens < 1:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
         if ids.size + request.max_tokens > self.cache_length:
@@ -337,36 +344,29 @@ class Engine:
 
     def _prefill(self, entries: list[tuple[int, Completion]], length: int):
         """One prefill of `rows_per_prefill` rows (entries, then padding rows that go nowhere)."""
-        b, K = self.rows_per_prefill, self.max_stop_tokens
+        b = self.rows_per_prefill
+        padding = Request([0], 1, temperature=0.0)
+        requests = [c.request for _, c in entries] + [padding] * (b - len(entries))
         tokens = np.zeros((b, length), np.int32)
-        lengths, slots = np.ones((b,), np.int32), np.full((b,), self.num_slots, np.int32)
-        max_tokens, seed, stream = np.ones((b,), np.int32), np.zeros((b,), np.uint32), np.zeros((b,), np.uint32)
-        stop_tokens, top = np.full((b, K), -2, np.int32), np.zeros((b,), np.bool_)
-        knobs = {name: [] for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
-        for row in range(b):
-            request = entries[row][1].request if row < len(entries) else Request([0], 1, temperature=0.0)
-            if row < len(entries):
-                slots[row] = entries[row][0]
-                prompt = request.prompt
-                tokens[row, : len(prompt)], lengths[row] = prompt, len(prompt)
-                max_tokens[row] = request.max_tokens
-                seed[row], stream[row] = request.seed % 2**32, request.stream % 2**32
-                stop_tokens[row, : len(request.stop_tokens)] = request.stop_tokens
-                top[row] = request.logprobs > 0
-            knobs["temperature"].append(request.temperature)
-            knobs["top_k"].append(request.top_k or 0)
-            knobs["top_p"].append(1.0 if request.top_p is None else request.top_p)
-            knobs["min_p"].append(request.min_p or 0.0)
-            knobs["repetition_penalty"].append(request.repetition_penalty)
-        params = SamplingParams(
-            temperature=np.asarray(knobs["temperature"], np.float32), top_k=np.asarray(knobs["top_k"], np.int32),
-            top_p=np.asarray(knobs["top_p"], np.float32), min_p=np.asarray(knobs["min_p"], np.float32),
-            repetition_penalty=np.asarray(knobs["repetition_penalty"], np.float32))
-        admission = Admission(tokens=tokens, lengths=lengths, slots=slots, max_tokens=max_tokens, params=params,
-                              seed=seed, stream=stream, stop_tokens=stop_tokens, top_logprobs=top)
+        for row, request in enumerate(requests):
+            tokens[row, : len(request.prompt)] = request.prompt
+        slots = [slot for slot, _ in entries] + [self.num_slots] * (b - len(entries))  # past the end: dropped
+        admission = Admission(
+            tokens=tokens, lengths=np.asarray([len(r.prompt) for r in requests], np.int32),
+            slots=np.asarray(slots, np.int32), max_tokens=np.asarray([r.max_tokens for r in requests], np.int32),
+            settings=jax.tree.map(lambda *rows: np.stack(rows), *map(self._settings, requests)))
         with self._on_mesh():
             self._slots, emitted = compiled_prefill(self.config, self.weights, self._slots, admission)
         return emitted
+
+    def _settings(self, request: Request) -> Settings:
+        """A request's knobs as host scalars (one row of an Admission's settings)."""
+        stop_tokens = np.full((self.max_stop_tokens,), -2, np.int32)
+        stop_tokens[: len(request.stop_tokens)] = request.stop_tokens
+        params = SamplingParams.create(request.temperature, request.top_k, request.top_p, request.min_p,
+                                       request.repetition_penalty)
+        return Settings(params=params, seed=np.uint32(request.seed % 2**32), stream=np.uint32(request.stream % 2**32),
+                        stop_tokens=stop_tokens, top_logprobs=np.bool_(request.logprobs > 0))
 
     def _deliver(self, slots: list[int], emitted, rows: Sequence[int] | None = None) -> None:
         """Hand each slot's new tokens to its request; free the slots whose request ended."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jax.sharding import Mesh
 
-from gpt.engine import Engine, Request, prompt_buckets
+from gpt.engine import Engine, Request, check_prompt, prompt_buckets
 from gpt.errors import ConfigError
 from gpt.model import GPT
 from gpt.sampling import SamplingParams
@@ -37,20 +37,13 @@ def _validate_prompts(prompts, max_new_tokens: int, config) -> list[list[int]]:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     checked = []
     for row, prompt in enumerate(prompts):
-        ids = np.asarray(prompt)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ConfigError(f"prompt {row} is empty: every prompt needs at least one token")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ConfigError(f"prompt {row} must hold integer token ids, got dtype {ids.dtype}")
-        if ids.min() < 0 or ids.max() >= config.vocab_size:
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-            raise ConfigError(f"prompt {row} has token id {bad} outside the vocabulary [0, {config.vocab_size})")
+        ids = check_prompt(prompt, config.vocab_size, f"prompt {row}")
         if ids.size + max_new_tokens > config.block_size:
             raise ConfigError(
                 f"prompt {row} has {ids.size} tokens; with max_new_tokens={max_new_tokens} that is "
                 f"{ids.size + max_new_tokens}, beyond the model's context of {config.block_size} tokens"
             )
-        checked.append(ids.astype(np.int32).tolist())
+        checked.append(ids.tolist())
     return checked
 
 

@@ -49,8 +49,9 @@ def dense(x_BTD: jax.Array, kernel) -> jax.Array:
 
 
 def _at_least_two_rows(x_MD: jax.Array) -> jax.Array:
-    """XLA's CPU dot for int8 or bfloat16 operands falls off its fast path for a single row (~7x slower
-    than float32; from two rows it beats float32), so one row runs as two (the second all zeros)."""
+    """XLA's CPU dot for int8 or bfloat16 operands falls off its fast path for a single row (a chain of
+    GPT-2's block matrices: 113 ms against float32's 10.6 ms; at two rows, 7.2 ms), so one row runs as
+    two (the second all zeros)."""
     return jnp.concatenate([x_MD, jnp.zeros_like(x_MD)]) if x_MD.shape[0] == 1 else x_MD
 
 

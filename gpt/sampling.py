@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gpt.errors import ConfigError
 
@@ -40,12 +41,13 @@ class SamplingParams:
     @classmethod
     def create(cls, temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> SamplingParams:
         cls.check(temperature, top_k, top_p, min_p, repetition_penalty)
+        # Host (numpy) scalars: an engine stacks them into per-row arrays without a device round trip.
         return cls(
-            temperature=jnp.float32(temperature),
-            top_k=jnp.int32(top_k or 0),
-            top_p=jnp.float32(1.0 if top_p is None else top_p),
-            min_p=jnp.float32(min_p or 0.0),
-            repetition_penalty=jnp.float32(repetition_penalty),
+            temperature=np.float32(temperature),
+            top_k=np.int32(top_k or 0),
+            top_p=np.float32(1.0 if top_p is None else top_p),
+            min_p=np.float32(min_p or 0.0),
+            repetition_penalty=np.float32(repetition_penalty),
         )
 
     @classmethod
@@ -54,11 +56,6 @@ class SamplingParams:
         return cls(temperature=jnp.zeros((batch,), jnp.float32), top_k=jnp.zeros((batch,), jnp.int32),
                    top_p=jnp.ones((batch,), jnp.float32), min_p=jnp.zeros((batch,), jnp.float32),
                    repetition_penalty=jnp.ones((batch,), jnp.float32))
-
-    def set_rows(self, rows_b: jax.Array, other: SamplingParams) -> SamplingParams:
-        """These per-row knobs with rows `rows_b` set to `other`'s ([b] each); rows out of range are dropped."""
-        return jax.tree.map(lambda mine, theirs: mine.at[rows_b].set(theirs.astype(mine.dtype), mode="drop"),
-                            self, other)
 
     @staticmethod
     def check(temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
