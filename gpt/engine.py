@@ -25,17 +25,15 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
-from gpt.decoding import (NO_TOKEN, TOP_LOGPROBS, Admission, Settings, compiled_decode, compiled_init_slots,
-                          compiled_prefill, decoding_weights)
+from gpt.decoding import (NO_TOKEN, TOP_LOGPROBS, Admission, Decoder, Settings, compiled_decode,
+                          compiled_init_slots, compiled_prefill)
 from gpt.errors import ConfigError
 from gpt.model import GPT
 from gpt.sampling import SamplingParams
-from gpt.sharding import data_parallel_size, shard_state
+from gpt.sharding import data_parallel_size
 from gpt.text_stream import TextStream
 
 __all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "prompt_buckets"]
@@ -141,20 +139,21 @@ class Engine:
     """Slots over one KV cache and a bounded queue; see the module docstring.
 
     Args:
-      model: the GPT to decode with (its weights are laid out for decoding once, here).
+      model: the GPT to decode with (its weights are laid out for decoding here), or a `Decoder` made once
+        for many engines.
       slots: how many requests decode together (rounded up to a multiple of the mesh's data-parallel size).
       cache_length: positions per slot, prompt + output (default and bound: the model's context).
       max_queue: the most requests waiting for a slot; `submit` raises QueueFull beyond it.
       steps_per_call: decode steps per device call; more amortize dispatch, fewer admit sooner.
       max_stop_tokens: the most stop tokens a request may give.
-      quantize: how the weights are stored for decoding: "none" (float32), "int8" or "bf16"
-        (`gpt.decoding.decoding_weights`).
-      mesh: run sharded over this mesh (`gpt.sharding.make_mesh`).
+      quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
+        (`gpt.decoding.decoding_weights`); a Decoder's own.
+      mesh: run sharded over this mesh (`gpt.sharding.make_mesh`); a Decoder's own.
     """
 
-    def __init__(self, model: GPT, *, slots: int = 8, cache_length: int | None = None, max_queue: int = 64,
-                 steps_per_call: int = 1, max_stop_tokens: int = 8, quantize: str = "none",
-                 mesh: Mesh | None = None):
+    def __init__(self, model: GPT | Decoder, *, slots: int = 8, cache_length: int | None = None,
+                 max_queue: int = 64, steps_per_call: int = 1, max_stop_tokens: int = 8,
+                 quantize: str | None = None, mesh: Mesh | None = None):
         config = model.config
         cache_length = config.block_size if cache_length is None else cache_length
         if not 1 <= cache_length <= config.block_size:
@@ -163,16 +162,14 @@ class Engine:
                                 max_stop_tokens=max_stop_tokens).items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"Engine {name} must be an integer >= 1, got {value!r}")
+        decoder = Decoder.of(model, quantize, mesh)
+        mesh = decoder.mesh
         self.rows_per_prefill = data_parallel_size(mesh) if mesh is not None else 1
         slots = -(-slots // self.rows_per_prefill) * self.rows_per_prefill
         self.config, self.num_slots, self.cache_length = config, slots, cache_length
         self.max_queue, self.steps_per_call, self.max_stop_tokens = max_queue, steps_per_call, max_stop_tokens
-        self.mesh = mesh
+        self.mesh, self.weights = mesh, decoder.weights
         with self._on_mesh():
-            if mesh is not None:
-                graphdef, state = nnx.split(model)
-                model = nnx.merge(graphdef, shard_state(model, state, mesh))
-            self.weights = decoding_weights(model, quantize)
             self._slots = compiled_init_slots(config, slots, cache_length, max_stop_tokens)
         self._owners: list[Completion | None] = [None] * slots
         self._queue: collections.deque[Completion] = collections.deque()

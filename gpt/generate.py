@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jax.sharding import Mesh
 
+from gpt.decoding import Decoder
 from gpt.engine import Engine, Request, check_prompt, prompt_buckets
 from gpt.errors import ConfigError
 from gpt.model import GPT
@@ -48,7 +49,7 @@ def _validate_prompts(prompts, max_new_tokens: int, config) -> list[list[int]]:
 
 
 def generate(
-    model: GPT,
+    model: GPT | Decoder,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     *,
@@ -61,13 +62,14 @@ def generate(
     stop_strings: Sequence[str] = (),
     seed: int = 0,
     on_token: Callable[[int, int], None] | None = None,
-    quantize: str = "none",
+    quantize: str | None = None,
     mesh: Mesh | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens.
 
     Args:
-      model: a GPT.
+      model: a GPT, or a `gpt.decoding.Decoder` of one (its weights laid out for decoding once, for
+        every call; a GPT is laid out at each call).
       prompts: token-id lists, of any lengths (rows are independent: a row gives what it gives alone).
       max_new_tokens: the most tokens to add to each prompt.
       temperature, top_k, top_p, min_p, repetition_penalty: see `gpt.sampling.SamplingParams`;
@@ -77,10 +79,11 @@ def generate(
         and including the one that completed the string are returned (`generate_text` cuts the text).
       seed: the PRNG seed; the same seed, prompts and settings give the same tokens.
       on_token: called as on_token(row, token) on the host for each new token while the loop runs.
-      quantize: decode with the weights stored as "int8" or "bf16" (`gpt.decoding.decoding_weights`),
-        made from the float weights at each call; "none" keeps float32.
+      quantize: decode with the weights stored as "int8" or "bf16" (`gpt.decoding.decoding_weights`);
+        "none" (the default) keeps float32. A Decoder's own.
       mesh: run sharded over this mesh (`gpt.sharding.make_mesh`): rows over data and fsdp, heads and MLP
-        over tensor, the cache like the attention. The batch is padded to a multiple of data x fsdp.
+        over tensor, the cache like the attention. The batch is padded to a multiple of data x fsdp. A
+        Decoder's own.
     Returns:
       One list of new token ids per prompt.
     """
@@ -118,7 +121,7 @@ def generate(
 
 
 def generate_text(
-    model: GPT,
+    model: GPT | Decoder,
     prompts: Sequence[str],
     max_new_tokens: int,
     *,

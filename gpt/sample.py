@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gpt import gpt2
 from gpt.checkpoint import has_checkpoint, load_model
+from gpt.decoding import Decoder
 from gpt.errors import ConfigError, MissingInput
 from gpt.generate import generate_text
 from gpt.model import GPT
@@ -74,15 +75,16 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
         raise MissingInput(f"--start {config.start!r}: no such file")
     start = Path(config.start[5:]).read_text() if config.start.startswith("FILE:") else config.start
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
-    model = load(config.init_from, config.dtype)
+    # Laid out for decoding (and quantized) once, for every sample.
+    decoder = Decoder.of(load(config.init_from, config.dtype), config.quantize, mesh)
     texts = []
     for i in range(config.num_samples if config.stream else 1):
         rows = 1 if config.stream else config.num_samples
         on_text = (lambda row, piece: (out.write(piece), out.flush())) if config.stream else None
         if config.stream:
             out.write(start)
-        batch = generate_text(model, [start] * rows, config.max_new_tokens, seed=config.seed + i,
-                              on_text=on_text, quantize=config.quantize, mesh=mesh, **knobs)
+        batch = generate_text(decoder, [start] * rows, config.max_new_tokens, seed=config.seed + i,
+                              on_text=on_text, **knobs)
         texts.extend(batch)
         if config.stream:
             out.write("\n---------------\n")

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig
-from gpt.decoding import compiled_decode, decoding_weights
+from gpt import decoding
+from gpt.decoding import Decoder, compiled_decode, decoding_weights
 from gpt.engine import Engine, Request
 from gpt.errors import ConfigError
 from gpt.generate import generate
@@ -118,3 +119,18 @@ def test_an_unknown_quantization_is_refused():
     model = GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))
     with pytest.raises(ConfigError, match="quantize must be one of none, int8, bf16; got 'int4'"):
         generate(model, [[1, 2]], 4, quantize="int4")
+
+
+def test_a_decoder_is_laid_out_once_for_every_call(monkeypatch):
+    model = GPT(GPTConfig.preset("tiny", block_size=128), rngs=nnx.Rngs(0))
+    prompts = [[5, 17, 99], list(range(30, 51))]
+    expected = generate(model, prompts, 10, temperature=0, quantize="int8")
+    decoder = Decoder.of(model, "int8")
+    calls = []
+    monkeypatch.setattr(decoding, "decoding_weights", lambda *args: calls.append(args))
+    assert generate(decoder, prompts, 10, temperature=0) == expected
+    assert generate(decoder, prompts[:1], 10, temperature=0, quantize="int8") == expected[:1]
+    Engine(decoder, slots=2, cache_length=32)
+    assert calls == []  # neither generate nor the engine laid the weights out again
+    with pytest.raises(ConfigError, match="quantize='bf16' differs from the Decoder's 'int8'"):
+        generate(decoder, prompts, 10, quantize="bf16")
