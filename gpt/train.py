@@ -9,7 +9,6 @@ can be trusted), `gpt.metrics` (what is logged), `gpt.data` (corpus and loader).
 from __future__ import annotations
 
 import dataclasses
-import json
 import signal
 import time
 from pathlib import Path

@@ -176,7 +176,7 @@ def test_bad_records_are_counted_and_reported_and_a_corpus_of_only_bad_records_i
     assert meta["bad_records"]["counts"] == {"lines that are not JSON": 1, "records without a 'text' field": 2,
                                              "records whose 'text' is not a string": 1}
     assert meta["bad_records"]["first"]["lines that are not JSON"] == f"{path}:2"
-    assert f"skipped 4 bad records" in capsys.readouterr().err and f"{path}:3" in json.dumps(meta["bad_records"])
+    assert "skipped 4 bad records" in capsys.readouterr().err and f"{path}:3" in json.dumps(meta["bad_records"])
 
     only_bad = tmp_path / "bad.jsonl"
     only_bad.write_text(json.dumps({"content": "wrong field"}) + "\n{oops\n")
