@@ -3,11 +3,12 @@
 
     python bench/sample_bench.py                     # GPT-2 124M shapes, float32, CPU
     python bench/sample_bench.py --quantize none int8 bf16 --ctranslate2     # quantized decoding
-    python bench/sample_bench.py --dtype bfloat16 --batches 1 64 --skip-torch   # on a GPU
+    python bench/sample_bench.py --dtype bfloat16 --batches 1 8 64   # on a GPU (the torch peer too)
 
 Random weights at the real gpt2 shapes, a 64-token prompt, 128 new tokens, greedy. For each batch size:
-time to the first token in a fresh process state (compile included, measured through streaming), and
-decode throughput after warm-up (best of --repeats). Prints a Markdown table for bench/RESULTS.md.
+time to the first token in a fresh process state (compile and our weight layout included, measured
+through streaming), and decode throughput after warm-up (best of --repeats). Ours decodes through a
+`gpt.decoding.Decoder` made once per configuration, as the peers load (and CTranslate2 converts) once. Prints a Markdown table for bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ import jax
 import numpy as np
 
 from gpt import gpt2
+from gpt.decoding import Decoder
 from gpt.generate import generate
 
 
 def bench_ours(directory, prompts, new_tokens, dtype, repeats, quantize="none"):
     model = gpt2.load(directory, dtype=dtype)
     start, first = time.perf_counter(), []
-    generate(model, prompts, new_tokens, temperature=0, quantize=quantize,
+    # Laid out (and quantized) once, as the peers load and convert once; the first token's time includes it.
+    decoder = Decoder.of(model, quantize)
+    generate(decoder, prompts, new_tokens, temperature=0,
              on_token=lambda row, token: first or first.append(time.perf_counter()))
     ttft = first[0] - start
-    run = lambda: generate(model, prompts, new_tokens, temperature=0, quantize=quantize)  # noqa: E731
+    run = lambda: generate(decoder, prompts, new_tokens, temperature=0)  # noqa: E731
     tokens = run()  # compile the non-streaming loop
     best = min(_timed(run) for _ in range(repeats))
     return ttft, len(prompts) * new_tokens / best, tokens
@@ -81,12 +85,13 @@ def bench_ctranslate2(directory, prompts, new_tokens, repeats, compute_type):
     return ttft, len(prompts) * new_tokens / best, [r.sequences_ids[0] for r in results]
 
 
-def bench_torch(directory, prompts, new_tokens, repeats):
+def bench_torch(directory, prompts, new_tokens, repeats, dtype):
     import torch
     import transformers
 
-    model = transformers.GPT2LMHeadModel.from_pretrained(directory).eval()
-    ids = torch.as_tensor(np.asarray(prompts))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=getattr(torch, dtype)).to(device).eval()
+    ids = torch.as_tensor(np.asarray(prompts), device=device)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=50256)
     with torch.inference_mode():
         ttft = _timed(lambda: model.generate(ids, max_new_tokens=1, **kwargs))
@@ -130,7 +135,7 @@ def main():
             write_gpt2_vocab(Path(tmp))
         for batch in args.batches:
             prompts = np.random.default_rng(batch).integers(0, 50256, (batch, args.prompt_tokens)).tolist()
-            theirs = None if args.skip_torch else bench_torch(tmp, prompts, args.new_tokens, args.repeats)
+            theirs = None if args.skip_torch else bench_torch(tmp, prompts, args.new_tokens, args.repeats, args.dtype)
             rows, reference_tokens = [], None
             for quantize in args.quantize:
                 jax.clear_caches()  # each configuration's first call pays its own compile
@@ -142,7 +147,7 @@ def main():
                     rows.append((f"CTranslate2 ({compute_type})",
                                  *bench_ctranslate2(tmp, prompts, args.new_tokens, args.repeats, compute_type)))
             if theirs:
-                rows.append(("transformers (torch)", *theirs, None))
+                rows.append((f"transformers (torch, {args.dtype})", *theirs, None))
             for name, ttft, speed, tokens in rows:
                 ratio = f"{speed / theirs[1]:.2f}x" if theirs else "-"
                 same = ("-" if tokens is None or reference_tokens is None else

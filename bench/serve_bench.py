@@ -2,7 +2,7 @@
 continuous batching, on the same requests and the same weights.
 
     python bench/serve_bench.py                 # GPT-2 124M shapes, random weights, float32, CPU
-    python bench/serve_bench.py --dtype bfloat16 --skip-torch   # on a GPU
+    python bench/serve_bench.py --dtype bfloat16    # on a GPU (the torch peer too)
 
 The load: --requests requests (default 64), prompt lengths uniform in [16, 256] and output lengths
 uniform in [16, 128], random token ids, all drawn from a fixed seed, greedy; --clients closed-loop clients
@@ -122,11 +122,12 @@ def bench_generate(directory, load, clients, dtype):
     return run_load(load, clients, send)
 
 
-def bench_transformers(directory, load, clients):
+def bench_transformers(directory, load, clients, dtype):
     import torch
     import transformers
 
-    model = transformers.GPT2LMHeadModel.from_pretrained(directory).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=getattr(torch, dtype)).to(device).eval()
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=128, eos_token_id=-1, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=config)
     manager.start()
@@ -186,7 +187,8 @@ def main():
         if not args.skip_generate:
             row(f"ours, generate per request ({args.dtype})", bench_generate(tmp, load, args.clients, args.dtype))
         if not args.skip_torch:
-            row("transformers continuous batching (torch, float32)", bench_transformers(tmp, load, args.clients))
+            row(f"transformers continuous batching (torch, {args.dtype})",
+                bench_transformers(tmp, load, args.clients, args.dtype))
 
 
 if __name__ == "__main__":
