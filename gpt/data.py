@@ -133,7 +133,7 @@ class _ShardWriter:
             if self.file is None:
                 self.file = open(self._path(len(self.shards)).with_suffix(".bin.tmp"), "wb")
             part = tokens[: self.shard_tokens - self.filled]
-            self.file.write(part.tobytes())
+            self.file.write(memoryview(part))  # no copy: a 1-D slice is contiguous
             self.filled += part.size
             consumed += part.size
             tokens = tokens[part.size:]
