@@ -52,6 +52,7 @@ SPLIT_RULE = "section is val when blake2b-64(text) / 2**64 < val_fraction"
 _FORMAT_VERSION = 2
 _BATCH_CHARS = 1 << 20
 _BINARY_PROBE = 8192
+_WRITE_BUFFER = 4 << 20
 
 
 def default_corpus() -> list[Path]:
@@ -131,7 +132,9 @@ class _ShardWriter:
         tokens = tokens[consumed:]
         while tokens.size:
             if self.file is None:
-                self.file = open(self._path(len(self.shards)).with_suffix(".bin.tmp"), "wb")
+                # A large buffer: a section's tokens are a few KiB, and a system call per section cost
+                # more than the copy.
+                self.file = open(self._path(len(self.shards)).with_suffix(".bin.tmp"), "wb", buffering=_WRITE_BUFFER)
             part = tokens[: self.shard_tokens - self.filled]
             self.file.write(memoryview(part))  # no copy: a 1-D slice is contiguous
             self.filled += part.size
