@@ -232,12 +232,17 @@ def _choose_next(weights: Weights, x_RD: jax.Array, live_R: jax.Array, remaining
     without being emitted; a row that emits its last allowed token ends after it."""
     logits_RV = lm_head(weights, x_RD[:, None])[:, 0]
     token_R = choose(logits_RV, seen_RV, settings.params, _keys(settings, generated_R))
-    logprobs_RV = jax.nn.log_softmax(logits_RV, axis=-1)
-    logprob_R = jnp.take_along_axis(logprobs_RV, token_R[:, None], axis=-1)[:, 0]
+    # log p = logit - logsumexp(logits): one reduction over the vocabulary, never a [R, V] log_softmax.
+    logsumexp_R1 = jax.nn.logsumexp(logits_RV, axis=-1, keepdims=True)
+    logprob_R = (jnp.take_along_axis(logits_RV, token_R[:, None], axis=-1) - logsumexp_R1)[:, 0]
     R = token_R.shape[0]
+
+    def top_logprobs():
+        top_logits_RJ, top_ids_RJ = jax.lax.top_k(logits_RV, TOP_LOGPROBS)
+        return top_logits_RJ - logsumexp_R1, top_ids_RJ
+
     top_logprobs_RJ, top_ids_RJ = jax.lax.cond(
-        jnp.any(settings.top_logprobs & live_R),
-        lambda: tuple(jax.lax.top_k(logprobs_RV, TOP_LOGPROBS)),
+        jnp.any(settings.top_logprobs & live_R), top_logprobs,
         lambda: (jnp.zeros((R, TOP_LOGPROBS), jnp.float32), jnp.zeros((R, TOP_LOGPROBS), jnp.int32)),
     )
     is_stop_R = jnp.any(token_R[:, None] == settings.stop_tokens, axis=-1)

@@ -2,6 +2,7 @@
 the queue bound, no compile after warm-up; and incremental detokenization with stop strings."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -86,6 +87,25 @@ def test_stop_tokens_and_lengths_end_requests(model):
     one = engine.submit(Request([1, 2, 3], 1, temperature=0))
     engine.run([one])
     assert one.tokens == free[:1] and one.finish_reason == "length"
+
+
+def test_logprobs_are_the_plain_forwards(model):
+    """Each token's logprob and its top alternatives equal log_softmax of the plain forward's logits at
+    that position, with a sampled (not greedy) request sharing the batch."""
+    prompt = [5, 9, 2, 7]
+    engine = Engine(model, slots=2, cache_length=64)
+    greedy = engine.submit(Request(prompt, 12, temperature=0, logprobs=5))
+    sampled = engine.submit(Request([3, 3], 12, temperature=1.0, seed=4, logprobs=2))
+    engine.run([greedy, sampled])
+    for completion, request_prompt in ((greedy, prompt), (sampled, [3, 3])):
+        tokens = request_prompt + completion.tokens
+        logprobs_TV = jax.nn.log_softmax(model(jnp.asarray([tokens]))[0], axis=-1)
+        for i, token in enumerate(completion.tokens):
+            row = logprobs_TV[len(request_prompt) - 1 + i]
+            assert completion.logprobs[i] == pytest.approx(float(row[token]), abs=1e-4)
+            top = jax.lax.top_k(row, completion.request.logprobs)
+            assert [t for t, _ in completion.top_logprobs[i]] == [int(t) for t in top[1]]
+            assert [lp for _, lp in completion.top_logprobs[i]] == pytest.approx([float(v) for v in top[0]], abs=1e-4)
 
 
 def test_no_compile_after_warmup(model):
