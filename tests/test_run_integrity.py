@@ -313,6 +313,28 @@ def test_two_processes_one_device_each_stop_together_when_only_one_gets_sigterm(
     assert is_finite(jax.tree.leaves(load_model(out)))
 
 
+def test_a_process_that_waits_too_long_for_the_corpus_stops_with_a_clear_error(tmp_path, corpus_text):
+    """Process 0 prepares the corpus while the others wait at a barrier; past --prepare_timeout_s they
+    stop with a one-line error naming the directory and the bound, and no checkpoint is written."""
+    out, big = tmp_path / "run", tmp_path / "big.txt"
+    big.write_text(corpus_text * 40)  # ~48 MB: seconds of tokenizing for process 0, far past the 1 ms bound
+    flags = [*cli_flags(data=(str(big),), out_dir=str(out), max_steps=3), "--prepare_timeout_s=0.001",
+             "--coordinator_address", f"127.0.0.1:{free_port()}", "--num_processes", "2"]
+    workers = [train_process(*flags, "--process_id", str(i), env={**ENV, "JAX_PLATFORMS": "cpu"}) for i in range(2)]
+    try:
+        outputs = [w.communicate(timeout=180) for w in workers]
+    finally:
+        for worker in workers:
+            stop(worker)
+    _, err = outputs[1]
+    assert workers[1].returncode == 1, err[-3000:]
+    last_line = err.strip().splitlines()[-1]
+    assert last_line.startswith("error: process 0 did not finish preparing the corpus in") and \
+        "within --prepare_timeout_s=0.001" in last_line, last_line
+    assert workers[0].returncode != 0  # the barrier failed for it too: it does not train alone
+    assert saved_steps(out) == []
+
+
 # ------------------------------------------------------------------------------------------ RunFailed is one line
 
 def test_run_failures_are_one_line_exit_1():
