@@ -30,8 +30,28 @@ class OutputMajor:
 
     def matmul(self, x_MD: jax.Array) -> jax.Array:
         """x [M, D] -> [M, K]. Contracting D of both operands directly: spelled `x @ matrix.T`, XLA on CPU
-        would copy the transposed matrix first."""
-        return jax.lax.dot_general(x_MD, self.matrix_KD.astype(x_MD.dtype), (((1,), (1,)), ((), ())))
+        would copy the transposed matrix first. A decode step's few rows take `_few_rows_matmul`."""
+        matrix_KD = self.matrix_KD.astype(x_MD.dtype)
+        if _runs_as_few_rows(x_MD):
+            return _few_rows_matmul(x_MD, matrix_KD)
+        return jax.lax.dot_general(x_MD, matrix_KD, (((1,), (1,)), ((), ())))
+
+
+# XLA's CPU dot runs 1 row as a matrix-vector product at the memory's speed, but 2 to 16 rows as a GEMM
+# far from it: a chain of GPT-2's block matrices (453 MB in float32) takes 12.3 ms for 1 row and 34.1 ms
+# for 8, where the same products written as a multiply and a sum over D take 21.3 ms (the LM head at 8
+# rows: 15.5 -> 10.1 ms; bench/RESULTS.md "Serving"). From 64 rows the GEMM wins again.
+_FEW_ROWS = range(2, 17)
+
+
+def _runs_as_few_rows(x_MD: jax.Array) -> bool:
+    return x_MD.shape[0] in _FEW_ROWS and x_MD.dtype == jnp.float32 and jax.default_backend() == "cpu"
+
+
+def _few_rows_matmul(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:
+    """x [M, D] times matrix [K, D] contracting D, for small M: one elementwise multiply and a sum over D,
+    which XLA fuses into one loop that reads each output's weights once for all M rows: [M, K]."""
+    return (matrix_KD[:, None, :] * x_MD[None, :, :]).sum(axis=-1).T
 
 
 def dense(x_BTD: jax.Array, kernel) -> jax.Array:
