@@ -225,3 +225,28 @@ def test_bad_input_fails_before_compiling(prompts, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         generate(model, prompts, **kwargs)
     assert compiled_programs() == size
+
+
+def _reference_threshold(logits_V, k, p):
+    """top-k then top-p as defined by a descending sort (numpy, float64): the smallest kept logit."""
+    order = np.sort(logits_V)[::-1]
+    kept = order[:k]
+    probs = np.exp(kept - kept.max())
+    probs /= probs.sum()
+    mass_before = np.cumsum(probs) - probs
+    return kept[mass_before < p].min() if p < 1 else kept.min()
+
+
+def test_top_k_and_top_p_keep_what_a_sort_would_keep():
+    # Rows of GPT-2's vocabulary size with their own knobs; the ranking must agree with a full sort.
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((8, 50257)) * 3).astype(np.float32)
+    top_k = np.array([0, 1, 40, 50257, 0, 7, 1000, 0], np.int32)
+    top_p = np.array([0.9, 1.0, 0.5, 0.95, 1.0, 0.99, 0.2, 0.001], np.float32)
+    params = SamplingParams(temperature=np.ones(8, np.float32), top_k=top_k, top_p=top_p,
+                            min_p=np.zeros(8, np.float32), repetition_penalty=np.ones(8, np.float32))
+    kept = np.isfinite(np.asarray(jax.jit(filter_logits)(jnp.asarray(logits), params)))
+    for row in range(8):
+        k = top_k[row] or 50257
+        threshold = _reference_threshold(logits[row].astype(np.float64), k, float(top_p[row]))
+        np.testing.assert_array_equal(kept[row], logits[row] >= threshold, err_msg=f"row {row}")
