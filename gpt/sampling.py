@@ -97,11 +97,12 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
         # always. Both are found by bisection over the logits' order (`_bisect`), not a sort: XLA's CPU
         # sort of [8, 50257] took ~110 ms, longer than the rest of a GPT-2 decode step.
         key_BV = _order_key(logits_BV)
-        kth_key_B1 = _bisect(lambda m_B1: jnp.sum(key_BV >= m_B1, -1, keepdims=True) >= k_B1, B, want="largest")
+        # The k-th largest key is the smallest m with fewer than k keys above it.
+        kth_key_B1 = _bisect(lambda m_B1: jnp.sum(key_BV > m_B1, -1, keepdims=True) < k_B1, B)
         in_top_k_BV = key_BV >= kth_key_B1
         probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, logits_BV, -jnp.inf), axis=-1)
         mass_above = lambda m_B1: jnp.sum(jnp.where(key_BV > m_B1, probs_BV, 0.0), -1, keepdims=True)  # noqa: E731
-        top_p_key_B1 = _bisect(lambda m_B1: mass_above(m_B1) < top_p_B1, B, want="smallest")
+        top_p_key_B1 = _bisect(lambda m_B1: mass_above(m_B1) < top_p_B1, B)
         top_p_key_B1 = jnp.where(top_p_B1 < 1, top_p_key_B1, 0)  # p = 1 keeps all, whatever the rounding
         return _from_order_key(jnp.maximum(kth_key_B1, top_p_key_B1))
 
@@ -124,24 +125,19 @@ def _from_order_key(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _bisect(holds, rows: int, want: str) -> jax.Array:
-    """The largest (or smallest) order key m [B, 1] for which the monotone predicate `holds(m)` is True,
-    per row: 32 halvings of the uint32 range, each one pass over [B, V]. `holds` must be True at key 0
-    for "largest" and at the top key for "smallest"; the answer is then exact."""
+def _bisect(holds, rows: int) -> jax.Array:
+    """The smallest order key m [B, 1] for which the monotone predicate `holds(m)` (False, then True as m
+    grows; True at the top key) is True, per row: 32 halvings of the uint32 range, each one pass over
+    [B, V]. Exact: the predicates here change value only at the logits' own keys."""
 
     def halve(_, bounds):
         lo, hi = bounds  # the answer lies in [lo, hi]
-        if want == "largest":
-            mid = lo + (hi - lo) // 2 + (hi - lo) % 2  # rounds up, so that lo = mid makes progress
-            ok = holds(mid)
-            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
         mid = lo + (hi - lo) // 2
         ok = holds(mid)
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
     lo, hi = jnp.zeros((rows, 1), jnp.uint32), jnp.full((rows, 1), 0xFFFFFFFF, jnp.uint32)
-    lo, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
-    return lo
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[0]
 
 
 def choose(logits_BV: jax.Array, seen_BV: jax.Array, params: SamplingParams, keys_B: jax.Array) -> jax.Array:
