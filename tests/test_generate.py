@@ -61,14 +61,16 @@ def test_cached_decoding_equals_plain_forward(model):
 
 
 @pytest.mark.parametrize("chunk", [16, 13, 8])
-def test_chunked_decode_attention_equals_masked_attention(chunk):
-    # attend_cached reads the cache in chunks up to the furthest row (a last chunk past S starts earlier);
-    # it must equal plain attention under the mask "slots 0..position".
+@pytest.mark.parametrize("furthest", [39, 150])
+def test_cached_decode_attention_equals_masked_attention(chunk, furthest):
+    # attend_cached reads the cache in chunks up to the furthest row while that is at most a quarter of it
+    # (furthest 39: 3-5 chunks of a 320-slot cache), else whole (furthest 150); either way it must equal
+    # plain attention under the mask "slots 0..position".
     rng = np.random.default_rng(0)
-    B, N, S, H = 4, 3, 40, 8  # S > 2 chunks: read in chunks
+    B, N, S, H = 4, 3, 320, 8
     q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(B * N, S, H)), jnp.float32) for _ in range(2))
-    positions = jnp.asarray([[0], [17], [39], [31]], jnp.int32)
+    positions = jnp.asarray([[0], [17], [furthest], [31]], jnp.int32)
     mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
     np.testing.assert_allclose(np.asarray(attend_cached(q, k, v, positions, chunk)),
                                np.asarray(attend(q, k, v, mask)), atol=1e-5, rtol=0)
