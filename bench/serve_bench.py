@@ -12,6 +12,8 @@ together share their gap). Output tokens/s is all tokens over the wall time of t
 
   ours, serve.py       the HTTP server (in this process, on 127.0.0.1), the official openai client
                        streaming; compiled at start-up (warm-up not timed)
+  ours, engine         the same engine without HTTP: requests submitted in process (`Engine.submit`),
+                       like the transformers peer's (--engine-only runs only this and the peer)
   ours, generate       gpt.generate.generate per request, one at a time in arrival order (every
                        shape compiled before timing)
   transformers CB      transformers' in-process continuous batching (`init_continuous_batching`),
@@ -35,7 +37,7 @@ import jax
 import numpy as np
 
 from gpt import gpt2
-from gpt.engine import Engine
+from gpt.engine import Engine, Request
 from gpt.generate import generate
 
 
@@ -107,6 +109,29 @@ def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantiz
         thread.join()
 
 
+def bench_engine(directory, load, clients, dtype, slots, steps_per_call, quantize="none"):
+    engine = Engine(gpt2.load(directory, dtype=dtype), slots=slots, steps_per_call=steps_per_call,
+                    max_queue=len(load), quantize=quantize)
+    engine.warmup(log=lambda line: None)
+    engine.start()
+
+    def send(prompt, max_tokens):
+        sent, times, counts = time.perf_counter(), [], []
+
+        def on_update(completion):  # on the engine's thread, after each batch of new tokens
+            if len(completion.tokens) > sum(counts):
+                times.append(time.perf_counter())
+                counts.append(len(completion.tokens) - sum(counts))
+
+        engine.submit(Request(prompt, max_tokens, temperature=0.0), on_update).done.wait()
+        return times[0] - sent, gaps_of(times, counts)
+
+    try:
+        return run_load(load, clients, send)
+    finally:
+        engine.stop()
+
+
 def bench_generate(directory, load, clients, dtype):
     model = gpt2.load(directory, dtype=dtype)
     for prompt, max_tokens in {(len(p) - 1).bit_length() * 100 + (m - 1).bit_length(): (p, m) for p, m in load}.values():
@@ -155,6 +180,8 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "bf16"],
                         help="our server's weights (the peers stay float32)")
+    parser.add_argument("--engine-only", action="store_true",
+                        help="ours without HTTP (the engine in process), then the peer; not serve.py or generate")
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--skip-generate", action="store_true")
     args = parser.parse_args()
@@ -182,9 +209,10 @@ def main():
         for quantize in args.quantize:
             for steps in args.steps_per_call:
                 weights = "" if quantize == "none" else f", {quantize} weights"
-                row(f"ours, serve.py ({args.slots} slots, {steps} step/call, {args.dtype}{weights})",
-                    bench_server(tmp, load, args.clients, args.dtype, args.slots, steps, quantize))
-        if not args.skip_generate:
+                how, bench = ("engine in process", bench_engine) if args.engine_only else ("serve.py", bench_server)
+                row(f"ours, {how} ({args.slots} slots, {steps} step/call, {args.dtype}{weights})",
+                    bench(tmp, load, args.clients, args.dtype, args.slots, steps, quantize))
+        if not (args.skip_generate or args.engine_only):
             row(f"ours, generate per request ({args.dtype})", bench_generate(tmp, load, args.clients, args.dtype))
         if not args.skip_torch:
             row(f"transformers continuous batching (torch, {args.dtype})",
