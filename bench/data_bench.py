@@ -22,7 +22,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -33,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import tyro
+
+from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,8 +125,7 @@ def measure(script: str, *args: str) -> tuple[float, int, int]:
 
 
 def main(config: Config) -> None:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    cpu = cpu_name()
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.jsonl"
         generate(corpus, config.megabytes)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
 import jax
@@ -25,15 +24,7 @@ import numpy as np
 
 from gpt.attention import _attend_in_chunks, attend, attend_cached
 from gpt.layouts import _few_rows_matmul
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+from machine import cpu_name
 
 
 def _median_ms(call, repeats: int) -> float:

@@ -12,7 +12,6 @@ that agree position by position (4 prompts), and the validation loss of each (tr
 from __future__ import annotations
 
 import argparse
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 from gpt.decoding import decoding_weights
 from gpt.generate import generate
 from gpt.model import forward, lm_head
+from machine import cpu_name
 
 
 @jax.jit
@@ -60,7 +60,7 @@ def main():
     parser.add_argument("--batches", type=int, default=4, help="validation windows of 256 tokens, 8 each")
     args = parser.parse_args()
 
-    print(f"# {platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+    print(f"# {cpu_name()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"{time.strftime('%Y-%m-%d')}")
     print("| model | weights | max abs logit diff | mean KL(f32 || q) | greedy tokens that agree | validation loss f32 -> q |")
     print("| --- | --- | --- | --- | --- | --- |")

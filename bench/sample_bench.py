@@ -14,7 +14,6 @@ through streaming), and decode throughput after warm-up (best of --repeats). Our
 from __future__ import annotations
 
 import argparse
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 from gpt import gpt2
 from gpt.decoding import Decoder
 from gpt.generate import generate
+from machine import cpu_name
 
 
 def bench_ours(directory, prompts, new_tokens, dtype, repeats, quantize="none"):
@@ -124,7 +124,7 @@ def main():
 
     torch.manual_seed(0)
     reference = transformers.GPT2LMHeadModel(transformers.GPT2Config())
-    print(f"# {platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+    print(f"# {cpu_name()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), {time.strftime('%Y-%m-%d')}")
     print("| batch | impl | first token (s, compile incl.) | tokens/s | vs torch | greedy tokens = ours float32 |")
     print("| --- | --- | --- | --- | --- | --- |")

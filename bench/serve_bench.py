@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import platform
 import socket
 import tempfile
 import threading
@@ -39,6 +38,7 @@ import numpy as np
 from gpt import gpt2
 from gpt.engine import Engine, Request
 from gpt.generate import generate
+from machine import cpu_name
 
 
 def make_load(requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -75,14 +75,19 @@ def gaps_of(times: list[float], counts: list[int]) -> list[float]:
     return gaps
 
 
+def make_engine(directory, load, dtype, slots, steps_per_call, quantize) -> Engine:
+    """Our engine as serve.py builds it, with a queue that holds the whole load."""
+    return Engine(gpt2.load(directory, dtype=dtype), slots=slots, steps_per_call=steps_per_call,
+                  max_queue=len(load), quantize=quantize)
+
+
 def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantize="none"):
     import openai
     import uvicorn
 
     from gpt.serve import create_app
 
-    engine = Engine(gpt2.load(directory, dtype=dtype), slots=slots, steps_per_call=steps_per_call,
-                    max_queue=len(load), quantize=quantize)
+    engine = make_engine(directory, load, dtype, slots, steps_per_call, quantize)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(engine, "gpt2", log=lambda line: None), log_level="warning"))
@@ -110,8 +115,7 @@ def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantiz
 
 
 def bench_engine(directory, load, clients, dtype, slots, steps_per_call, quantize="none"):
-    engine = Engine(gpt2.load(directory, dtype=dtype), slots=slots, steps_per_call=steps_per_call,
-                    max_queue=len(load), quantize=quantize)
+    engine = make_engine(directory, load, dtype, slots, steps_per_call, quantize)
     engine.warmup(log=lambda line: None)
     engine.start()
 
@@ -119,9 +123,9 @@ def bench_engine(directory, load, clients, dtype, slots, steps_per_call, quantiz
         sent, times, counts = time.perf_counter(), [], []
 
         def on_update(completion):  # on the engine's thread, after each batch of new tokens
-            if len(completion.tokens) > sum(counts):
+            if new := len(completion.tokens) - sum(counts):
                 times.append(time.perf_counter())
-                counts.append(len(completion.tokens) - sum(counts))
+                counts.append(new)
 
         engine.submit(Request(prompt, max_tokens, temperature=0.0), on_update).done.wait()
         return times[0] - sent, gaps_of(times, counts)
@@ -192,7 +196,7 @@ def main():
     torch.manual_seed(0)
     reference = transformers.GPT2LMHeadModel(transformers.GPT2Config())
     load = make_load(args.requests)
-    print(f"# {platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+    print(f"# {cpu_name()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; {args.requests} requests, {args.clients} clients, "
           f"{sum(m for _, m in load)} output tokens asked")

@@ -14,7 +14,6 @@ that a busy machine slows both alike; the best round is reported.
 from __future__ import annotations
 
 import dataclasses
-import platform
 import time
 
 import jax
@@ -27,6 +26,7 @@ from gpt.model import GPT
 from gpt.sharding import make_mesh
 from gpt.step import PEAK_BF16_FLOPS, flops_per_token, init_train_state, make_optimizer, make_train_step
 from gpt.train import TrainConfig
+from machine import cpu_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,7 @@ def main(bench: BenchConfig) -> None:
     tokens = bench.batch_size * bench.block_size
     device = jax.devices()[0]
     peak = next((f for name, f in PEAK_BF16_FLOPS.items() if name in device.device_kind), None)
-    print(f"# {platform.processor() or platform.machine()} / {device.device_kind}; jax {jax.__version__}; "
+    print(f"# {cpu_name()} / {device.device_kind}; jax {jax.__version__}; "
           f"{config.num_params():,} params; batch {bench.batch_size} x block {bench.block_size}; {bench.dtype}")
     print("| impl | ms/step | tokens/s | vs torch | MFU |")
     print("| --- | --- | --- | --- | --- |")

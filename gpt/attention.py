@@ -108,7 +108,7 @@ def attend_cached(q_B1NH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, positio
     def whole():
         return attend(q_B1NH, k_MSH, v_MSH, jnp.arange(S)[None, None, :] <= positions_B1[:, :, None])
 
-    if S < 4 * chunk:  # a short cache: chunks would never be the cheaper way
+    if S < 4 * chunk:  # the condition below can never hold: do not compile the chunked read at all
         return whole()
     num_chunks = jnp.max(positions_B1) // chunk + 1
     return jax.lax.cond(4 * chunk * num_chunks <= S, lambda: _attend_in_chunks(q_B1NH, k_MSH, v_MSH, positions_B1,

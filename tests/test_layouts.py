@@ -22,7 +22,7 @@ def test_output_major_matmul_equals_the_float64_product(rows):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the few-rows product is XLA's CPU path")
 def test_a_decode_steps_few_rows_run_without_a_gemm():
     # The reason the few-rows path exists: 2 to 16 rows run as a fused multiply and sum, not a dot
-    # (XLA's CPU GEMM is ~1.6x slower at 8 rows); 1 row and many rows stay dots.
+    # (XLA's CPU GEMM was ~1.6x slower at 8 rows on an AMD EPYC); 1 row and many rows stay dots.
     matrix = OutputMajor(jnp.ones((300, 96), jnp.float32))
 
     def has_dot(rows):
