@@ -2,7 +2,7 @@
 
     python bench/decode_parts.py
 
-1. Matmuls: a chain of GPT-2 124M's 48 block matrices (453 MB, output-major [K, D]) in one jit, for a
+1. Matmuls: a chain of GPT-2 124M's 48 block matrices (340 MB, output-major [K, D]) in one jit, for a
    few rows: XLA's dot, the few-row multiply-and-sum (`gpt.layouts._few_rows_matmul`), and torch's
    `x @ W.T` on the same matrices. A step streams every weight once, so these set its floor.
 2. Attention over an 8-row x 12-head cache of 1024 slots (one layer): the chunked read

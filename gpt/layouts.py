@@ -38,7 +38,7 @@ class OutputMajor:
 
 
 # XLA's CPU dot runs 1 row as a matrix-vector product at the memory's speed, but 2 to 16 rows as a GEMM
-# far from it. On a 2-core AMD EPYC (Zen 4) a chain of GPT-2's block matrices (453 MB in float32) took
+# far from it. On a 2-core AMD EPYC (Zen 4) a chain of GPT-2's block matrices (340 MB in float32) took
 # 12.3 ms for 1 row and 34.1 ms for 8, where the same products written as a multiply and a sum over D
 # took 21.3 ms (the LM head at 8 rows: 15.5 -> 10.1 ms); on an Intel Xeon with AMX the two forms are
 # within -1..+16% of each other (`bench/decode_parts.py`; bench/RESULTS.md "Serving"). From 64 rows the
