@@ -5,9 +5,9 @@
 1. Matmuls: a chain of GPT-2 124M's 48 block matrices (340 MB, output-major [K, D]) in one jit, for a
    few rows: XLA's dot, the few-row multiply-and-sum (`gpt.layouts._few_rows_matmul`), and torch's
    `x @ W.T` on the same matrices. A step streams every weight once, so these set its floor.
-2. Attention over an 8-row x 12-head cache of 1024 slots (one layer): the chunked read
-   (`_attend_in_chunks`, chunks of 128), the whole-cache read (`attend` under the mask), and
-   `attend_cached`, which picks between them.
+2. Attention over an 8-row x 12-head cache of 1024 slots, all 12 layers (600 MB, more than the cache
+   of a CPU, as in a real step): the paged read (`attend_paged`, pages of `PAGE_LENGTH` slots, each its
+   own buffer) against the whole-cache read (`attend` under the mask).
 
 Milliseconds, median of --repeats calls after one warm-up call.
 """
@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt.attention import _attend_in_chunks, attend, attend_cached
+from gpt.attention import attend, attend_paged
+from gpt.kv_cache import PAGE_LENGTH
 from gpt.layouts import _few_rows_matmul
 from machine import cpu_name
 
@@ -74,19 +75,23 @@ def matmul_chain(rows_list, repeats: int) -> None:
         print(f"| {rows} | {times[0]:.1f} | {times[1]:.1f} | {_median_ms(torch_chain, repeats):.1f} |", flush=True)
 
 
-def attention(positions_list, repeats: int, chunk: int = 128) -> None:
+def attention(positions_list, repeats: int, layers: int = 12) -> None:
     B, N, S, H = 8, 12, 1024, 64
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((B, 1, N, H), dtype=np.float32))
-    k, v = (jnp.asarray(rng.standard_normal((B * N, S, H), dtype=np.float32)) for _ in range(2))
-    chunked = jax.jit(lambda q, k, v, p: _attend_in_chunks(q, k, v, p, jnp.max(p) // chunk + 1, chunk))
-    whole = jax.jit(lambda q, k, v, p: attend(q, k, v, jnp.arange(S)[None, None, :] <= p[:, :, None]))
-    chosen = jax.jit(lambda q, k, v, p: attend_cached(q, k, v, p, chunk))
-    print("| furthest position | chunked | whole | attend_cached |")
-    print("| --- | --- | --- | --- |")
+    ks, vs = ([jnp.asarray(rng.standard_normal((B * N, S, H), dtype=np.float32)) for _ in range(layers)]
+              for _ in range(2))
+    paged = lambda x: tuple(x[:, start:start + PAGE_LENGTH] for start in range(0, S, PAGE_LENGTH))  # noqa: E731
+    k_pages, v_pages = [paged(k) for k in ks], [paged(v) for v in vs]
+    read_paged = jax.jit(lambda q, kp, vp, p: sum(attend_paged(q, k, v, p) for k, v in zip(kp, vp)))
+    read_whole = jax.jit(lambda q, ks, vs, p: sum(attend(q, k, v, jnp.arange(S)[None, None, :] <= p[:, :, None])
+                                                   for k, v in zip(ks, vs)))
+    print("| furthest position | paged (ours) | whole |")
+    print("| --- | --- | --- |")
     for position in positions_list:
         p = jnp.full((B, 1), position, jnp.int32)
-        times = [_median_ms(lambda f=f: f(q, k, v, p).block_until_ready(), repeats) for f in (chunked, whole, chosen)]
+        times = [_median_ms(lambda: read_paged(q, k_pages, v_pages, p).block_until_ready(), repeats),
+                 _median_ms(lambda: read_whole(q, ks, vs, p).block_until_ready(), repeats)]
         print(f"| {position} | " + " | ".join(f"{t:.2f}" for t in times) + " |", flush=True)
 
 
@@ -100,7 +105,7 @@ def main():
     print(f"# {cpu_name()}, {cores} cores, jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
     print("\nMatmul chain (48 GPT-2 block matrices, float32), ms:\n")
     matmul_chain(args.rows, args.repeats)
-    print("\nDecode attention, one layer, 8 rows x 12 heads over 1024 slots, ms:\n")
+    print(f"\nDecode attention, 12 layers, 8 rows x 12 heads over 1024 slots (pages of {PAGE_LENGTH}), ms:\n")
     attention(args.positions, args.repeats)
 
 

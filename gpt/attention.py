@@ -5,10 +5,12 @@ Shape letters: B batch, T query positions, S key positions, N heads, H head dim,
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["attend", "sinusoidal_embedding", "apply_rope"]
+__all__ = ["attend", "attend_paged", "sinusoidal_embedding", "apply_rope"]
 
 
 def sinusoidal_embedding(positions_BT: jax.Array, width: int) -> jax.Array:
@@ -81,64 +83,57 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
     return jnp.einsum("MTS,MSH->MTH", weights_MTS, v_MSH).reshape(B, N, T, H).transpose(0, 2, 1, 3)
 
 
-def attend_cached(q_B1NH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, positions_B1: jax.Array,
-                  chunk: int = 128) -> jax.Array:
-    """One query per row over a KV cache, reading only as far as the rows have got.
+def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
+                 positions_B1: jax.Array) -> jax.Array:
+    """One query per row over a paged KV cache (`gpt.kv_cache`), reading only the pages the rows have
+    reached.
 
     A decode step's cost is streaming the weights and the cache; a cache sized for the model's whole
-    context but holding short sequences would be read in full by plain attention. While the rows hold at
-    most a quarter of it, this reads it in chunks of `chunk` positions up to the furthest row's position
-    (a traced bound: one compiled program for any lengths), with the online softmax of flash attention,
-    so a step costs what the sequences hold. Beyond that it reads the whole cache at once: XLA on CPU
-    copies each chunk out before its dot, so a position read in chunks costs about three read whole
-    (8 rows of GPT-2 over 1024 slots, one layer: 1 chunk 0.8 ms, 3 chunks 2.5 ms, 8 chunks 7.1 ms;
-    the whole cache 1.3-1.8 ms).
+    context but holding short sequences would be read in full by plain attention. Page 0 is always read;
+    each later page only when the furthest row has reached it (a traced condition: one compiled program
+    for any lengths), folded in with the online softmax of flash attention. Each page is its own buffer,
+    read in place: XLA on CPU would copy a slice of one larger buffer before the dot.
 
     Args:
       q_B1NH: queries [B, 1, N, H].
-      k_MSH, v_MSH: the cache's keys and values [B * N, S, H].
+      k_pages, v_pages: the cache's keys and values, pages of [B * N, P, H] covering slots 0, 1, ...
       positions_B1: int32 [B, 1], each row's query position; it sees cache slots 0..position.
-      chunk: positions per chunk; a cache of fewer than four chunks is always read whole.
     Returns:
       [B, 1, N, H] in q's dtype; the softmax is computed in float32.
     """
     B, _, N, H = q_B1NH.shape
-    M, S, _ = k_MSH.shape
+    if len(k_pages) == 1:
+        S = k_pages[0].shape[1]
+        return attend(q_B1NH, k_pages[0], v_pages[0], jnp.arange(S)[None, None, :] <= positions_B1[:, :, None])
+    q_MH = (q_B1NH[:, 0] * jnp.asarray(H ** -0.5, q_B1NH.dtype)).reshape(B * N, H)
+    position_M1 = jnp.repeat(positions_B1, N, axis=0)  # row b's position for each of its N heads
+    furthest = jnp.max(positions_B1)
+    M = B * N
 
-    def whole():
-        return attend(q_B1NH, k_MSH, v_MSH, jnp.arange(S)[None, None, :] <= positions_B1[:, :, None])
+    def page_partial(start, k_MPH, v_MPH):
+        """This page's part of the softmax: its max score, the sum of exp(score - max), and the
+        exp-weighted sum of its values (all zero where a row sees none of the page)."""
+        seen_MP = start + jnp.arange(k_MPH.shape[1])[None, :] <= position_M1
+        scores_MP = jnp.einsum("MH,MPH->MP", q_MH, k_MPH, preferred_element_type=jnp.float32)
+        scores_MP = jnp.where(seen_MP, scores_MP, -jnp.inf)
+        max_M = scores_MP.max(-1)
+        weights_MP = jnp.exp(scores_MP - jnp.where(jnp.isfinite(max_M), max_M, 0.0)[:, None])
+        acc_MH = jnp.einsum("MP,MPH->MH", weights_MP.astype(v_MPH.dtype), v_MPH, preferred_element_type=jnp.float32)
+        return max_M, weights_MP.sum(-1), acc_MH
 
-    if S < 4 * chunk:  # the condition below can never hold: do not compile the chunked read at all
-        return whole()
-    num_chunks = jnp.max(positions_B1) // chunk + 1
-    return jax.lax.cond(4 * chunk * num_chunks <= S, lambda: _attend_in_chunks(q_B1NH, k_MSH, v_MSH, positions_B1,
-                                                                                 num_chunks, chunk), whole)
+    def unseen(k_MPH, v_MPH):
+        return jnp.full((M,), -jnp.inf), jnp.zeros((M,)), jnp.zeros((M, H))
 
-
-def _attend_in_chunks(q_B1NH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, positions_B1: jax.Array,
-                      num_chunks: jax.Array, chunk: int) -> jax.Array:
-    """`attend_cached`'s chunked read: the first `num_chunks` chunks, each with the online softmax."""
-    B, _, N, H = q_B1NH.shape
-    M, S, _ = k_MSH.shape
-    q_MH = (q_B1NH[:, 0] * jnp.asarray(H ** -0.5, q_B1NH.dtype)).reshape(M, H)
-    position_M = jnp.repeat(positions_B1[:, 0], N)
-
-    def one_chunk(c, carry):
-        max_M, sum_M, acc_MH = carry
-        start = c * chunk  # num_chunks * chunk <= S: a chunk never runs past the cache
-        k_MCH = jax.lax.dynamic_slice_in_dim(k_MSH, start, chunk, axis=1)
-        v_MCH = jax.lax.dynamic_slice_in_dim(v_MSH, start, chunk, axis=1)
-        seen_MC = start + jnp.arange(chunk)[None, :] <= position_M[:, None]
-        scores_MC = jnp.einsum("MH,MCH->MC", q_MH, k_MCH, preferred_element_type=jnp.float32)
-        scores_MC = jnp.where(seen_MC, scores_MC, -jnp.inf)
-        new_max_M = jnp.maximum(max_M, scores_MC.max(-1))
-        weights_MC = jnp.exp(scores_MC - new_max_M[:, None])
-        rescale_M = jnp.exp(max_M - new_max_M)
-        acc_MH = acc_MH * rescale_M[:, None] + jnp.einsum("MC,MCH->MH", weights_MC.astype(v_MCH.dtype), v_MCH,
-                                                           preferred_element_type=jnp.float32)
-        return new_max_M, sum_M * rescale_M + weights_MC.sum(-1), acc_MH
-
-    # Slot 0 is always seen, so the first chunk makes every row's max finite.
-    init = (jnp.full((M,), -jnp.inf), jnp.zeros((M,)), jnp.zeros((M, H)))
-    _, sum_M, acc_MH = jax.lax.fori_loop(0, num_chunks, one_chunk, init)
+    # The pages' parts are independent of one another, so XLA may run them at once on different cores;
+    # they are combined as flash-decoding does. Page 0 is always read (slot 0 is always seen).
+    parts, start = [], 0
+    for page, (k_MPH, v_MPH) in enumerate(zip(k_pages, v_pages)):
+        read = functools.partial(page_partial, start)
+        parts.append(read(k_MPH, v_MPH) if page == 0 else jax.lax.cond(start <= furthest, read, unseen, k_MPH, v_MPH))
+        start += k_MPH.shape[1]
+    max_PM = jnp.stack([p[0] for p in parts])
+    max_M = max_PM.max(0)
+    rescale_PM = jnp.exp(max_PM - max_M)  # exp(-inf) = 0 for pages no row has reached
+    sum_M = (rescale_PM * jnp.stack([p[1] for p in parts])).sum(0)
+    acc_MH = (rescale_PM[:, :, None] * jnp.stack([p[2] for p in parts])).sum(0)
     return (acc_MH / sum_M[:, None]).astype(q_B1NH.dtype).reshape(B, N, 1, H).transpose(0, 2, 1, 3)

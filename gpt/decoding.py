@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gpt.config import GPTConfig
-from gpt.kv_cache import KVCache
+from gpt.kv_cache import PAGE_LENGTH, KVCache
 from gpt.errors import ConfigError
 from gpt.layouts import QUANTIZED_LAYOUTS, OutputMajor
 from gpt.model import GPT, Weights, forward, lm_head, unstack
@@ -198,10 +198,13 @@ class Emitted:
 
 
 def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_tokens: int) -> Slots:
-    """Empty slots (all free) over a zeroed cache of `cache_length` positions per slot."""
+    """Empty slots (all free) over a zeroed cache of `cache_length` positions per slot, paged on CPU so
+    that a decode step reads only the pages its rows have reached (on a GPU, one page that cuDNN's
+    attention reads under the mask)."""
     S = num_slots
+    page_length = PAGE_LENGTH if jax.default_backend() == "cpu" else None
     return Slots(
-        cache=KVCache.init(config, S, cache_length),
+        cache=KVCache.init(config, S, cache_length, page_length),
         last_token=jnp.zeros((S,), jnp.int32), live=jnp.zeros((S,), jnp.bool_),
         remaining=jnp.zeros((S,), jnp.int32), generated=jnp.zeros((S,), jnp.int32),
         seen=jnp.zeros((S, config.vocab_size), jnp.bool_), settings=Settings.empty(S, max_stop_tokens),

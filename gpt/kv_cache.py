@@ -9,6 +9,12 @@ one row while the others are mid-sequence, and no row is ever padded on the left
     row 1:     p   q   .   .   .   .   .   .     length 2
     row 2:     x   y   z   ~   ~   .   .   .     length 3: slots 3-4 hold a prefill's right padding,
                                                  overwritten before any query can see them
+             |--- page 0 ---|--- page 1 ---|
+
+Each layer's slots may be split into pages, each its own buffer, so that a decode step reads only the
+pages its rows have reached (`gpt.attention.attend_paged`): XLA on CPU copies any slice of a buffer
+before a dot reads it, so a read of part of one buffer costs about three reads of that part, while a
+whole page is read in place.
 """
 
 from __future__ import annotations
@@ -21,7 +27,11 @@ import jax.numpy as jnp
 from gpt.config import GPTConfig
 from gpt.sharding import constrain
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "PAGE_LENGTH"]
+
+# Slots per page of an engine's cache on CPU. A decode step reads whole pages: shorter pages read less
+# past the rows' ends but cost more small ops per step (bench/RESULTS.md, "paged cache").
+PAGE_LENGTH = 128
 
 
 @jax.tree_util.register_dataclass
@@ -30,36 +40,47 @@ class KVCache:
     """Keys and values of every layer for a batch of sequences.
 
     Attributes:
-      k, v: one array per layer, each [B * N, S, H] (rows major, then heads) in the compute dtype; S is
-        the preallocated length. Each (row, head) is one contiguous [S, H] block for a decode step's
-        attention; each layer is its own buffer, so a step neither copies a layer out of a stacked
-        array nor rewrites more than its own slots; and the buffer is 3-D, so that for a batch of one XLA
-        has no size-1 axis to reshape it around (which had it copy the buffer every step).
+      k, v: per layer, a tuple of pages, each [B * N, P, H] (rows major, then heads) in the compute
+        dtype; the pages hold slots 0..P-1, P..2P-1, ... of the preallocated length S (the last page may
+        be shorter). Each (row, head) is one contiguous [P, H] block for a decode step's attention; each
+        page is its own buffer, so a step neither copies a page out of a larger array nor rewrites more
+        than its own slots; and the buffer is 3-D, so that for a batch of one XLA has no size-1 axis to
+        reshape it around (which had it copy the buffer every step).
       lengths: int32 [B], how many slots of each row hold its tokens (where its next token goes).
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[tuple[jax.Array, ...], ...]
+    v: tuple[tuple[jax.Array, ...], ...]
     lengths: jax.Array
 
     @classmethod
-    def init(cls, config: GPTConfig, batch: int, length: int) -> KVCache:
-        """An empty cache of `length` slots for `batch` rows."""
-        shape = (batch * config.n_head, length, config.head_dim)
+    def init(cls, config: GPTConfig, batch: int, length: int, page_length: int | None = None) -> KVCache:
+        """An empty cache of `length` slots for `batch` rows, in pages of `page_length` slots (None: one
+        page of all `length`)."""
+        page_length = length if page_length is None else page_length
+        sizes = [min(page_length, length - start) for start in range(0, length, page_length)]
 
-        def zeros():  # under a mesh: rows over data, heads over tensor, like the attention it serves
-            return constrain(jnp.zeros(shape, config.compute_dtype), ("batch_heads", None, None))
+        def pages():  # under a mesh: rows over data, heads over tensor, like the attention it serves
+            return tuple(constrain(jnp.zeros((batch * config.n_head, size, config.head_dim), config.compute_dtype),
+                                   ("batch_heads", None, None)) for size in sizes)
 
-        return cls(k=tuple(zeros() for _ in range(config.n_layer)), v=tuple(zeros() for _ in range(config.n_layer)),
+        return cls(k=tuple(pages() for _ in range(config.n_layer)), v=tuple(pages() for _ in range(config.n_layer)),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def length(self) -> int:
-        return self.k[0].shape[1]
+        return sum(page.shape[1] for page in self.k[0])
 
     @property
     def heads(self) -> int:
-        return self.k[0].shape[0] // self.lengths.shape[0]
+        return self.k[0][0].shape[0] // self.lengths.shape[0]
+
+    def page_starts(self) -> list[int]:
+        """The first slot of each page."""
+        starts = [0]
+        for page in self.k[0][:-1]:
+            starts.append(starts[-1] + page.shape[1])
+        return starts
 
     def next_positions(self, num_tokens: int) -> jax.Array:
         """int32 [B, T]: each row's next T positions."""
@@ -78,14 +99,24 @@ class KVCache:
         slots_MT = jnp.repeat(positions_BT, N, axis=0)  # row b's positions for each of its N heads
 
         def put(buffers, new_BTNH):
-            new_MTH = new_BTNH.transpose(0, 2, 1, 3).reshape(B * N, T, H).astype(buffers[layer].dtype)
-            updated = buffers[layer].at[rows_MT, slots_MT].set(new_MTH, mode="drop", unique_indices=True)
-            return buffers[:layer] + (updated,) + buffers[layer + 1:]
+            new_MTH = new_BTNH.transpose(0, 2, 1, 3).reshape(B * N, T, H)
+            pages = []
+            for start, page in zip(self.page_starts(), buffers[layer]):
+                # Slots outside this page become an index past its end, which "drop" skips.
+                in_page_MT = jnp.where(slots_MT >= start, slots_MT - start, page.shape[1])
+                pages.append(page.at[rows_MT, in_page_MT].set(new_MTH.astype(page.dtype), mode="drop",
+                                                              unique_indices=True))
+            return buffers[:layer] + (tuple(pages),) + buffers[layer + 1:]
 
         return dataclasses.replace(self, k=put(self.k, k_BTNH), v=put(self.v, v_BTNH))
 
     def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
-        """One layer's keys and values, each [B * N, S, H]."""
+        """One layer's keys and values, each [B * N, S, H] (a copy when the cache has several pages)."""
+        return tuple(pages[0] if len(pages) == 1 else jnp.concatenate(pages, axis=1)
+                     for pages in (self.k[layer], self.v[layer]))
+
+    def pages(self, layer: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """One layer's key pages and value pages, each [B * N, P, H]."""
         return self.k[layer], self.v[layer]
 
     def advance(self, positions_BT: jax.Array) -> KVCache:
@@ -97,10 +128,15 @@ class KVCache:
         slots 0..S'-1, and those rows' lengths set to `lengths_b`. Rows >= B are dropped (padding)."""
         N, S2 = self.heads, other.length
         rows_M = (rows_b[:, None] * N + jnp.arange(N, dtype=jnp.int32)).reshape(-1)  # each row's N heads
-        rows_M = jnp.where(jnp.repeat(rows_b, N) < self.lengths.shape[0], rows_M, self.k[0].shape[0])
+        rows_M = jnp.where(jnp.repeat(rows_b, N) < self.lengths.shape[0], rows_M, self.k[0][0].shape[0])
+        starts = self.page_starts()
 
-        def put(buffers, news):
-            return tuple(buf.at[rows_M, :S2].set(new.astype(buf.dtype), mode="drop") for buf, new in zip(buffers, news))
+        def put(pages, new_MSH):
+            return tuple(page.at[rows_M, :S2 - start].set(new_MSH[:, start:start + page.shape[1]].astype(page.dtype),
+                                                          mode="drop") if start < S2 else page
+                         for start, page in zip(starts, pages))
 
-        return KVCache(k=put(self.k, other.k), v=put(self.v, other.v),
+        news = [other.layer(layer) for layer in range(len(self.k))]
+        return KVCache(k=tuple(put(pages, new[0]) for pages, new in zip(self.k, news)),
+                       v=tuple(put(pages, new[1]) for pages, new in zip(self.v, news)),
                        lengths=self.lengths.at[rows_b].set(lengths_b, mode="drop"))

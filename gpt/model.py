@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gpt.attention import apply_rope, attend, attend_cached, sinusoidal_embedding
+from gpt.attention import apply_rope, attend, attend_paged, sinusoidal_embedding
 from gpt.config import GPTConfig
 from gpt.kv_cache import KVCache
 from gpt.layouts import OutputMajor, dense
@@ -132,8 +132,8 @@ def block(
         attn_BTNH = attend(q_BTNH, k_MTH, v_MTH, None)
     else:
         cache = cache.write(layer, k_BTNH, v_BTNH, positions_BT)
-        if T == 1 and jax.default_backend() != "gpu":  # a decode step: read only as far as the rows have got
-            attn_BTNH = attend_cached(q_BTNH, *cache.layer(layer), positions_BT)
+        if T == 1 and jax.default_backend() != "gpu":  # a decode step: read only the pages the rows have reached
+            attn_BTNH = attend_paged(q_BTNH, *cache.pages(layer), positions_BT)
         else:
             attn_BTNH = attend(q_BTNH, *cache.layer(layer), mask_BTS)
 

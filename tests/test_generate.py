@@ -10,7 +10,7 @@ from flax import nnx
 
 from gpt import GPT, GPTConfig, KVCache
 from gpt.errors import ConfigError
-from gpt.attention import attend, attend_cached
+from gpt.attention import attend, attend_paged
 from gpt.decoding import compiled_decode, compiled_prefill
 from gpt.generate import generate, generate_text
 from gpt.sampling import SamplingParams, choose, filter_logits, penalize_repetition
@@ -60,20 +60,47 @@ def test_cached_decoding_equals_plain_forward(model):
         np.testing.assert_allclose(np.concatenate(cached[row]), plain, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("chunk", [16, 13, 8])
-@pytest.mark.parametrize("furthest", [39, 150])
-def test_cached_decode_attention_equals_masked_attention(chunk, furthest):
-    # attend_cached reads the cache in chunks up to the furthest row while that is at most a quarter of it
-    # (furthest 39: 3-5 chunks of a 320-slot cache), else whole (furthest 150); either way it must equal
-    # plain attention under the mask "slots 0..position".
+@pytest.mark.parametrize("page_length", [320, 128, 48, 13])
+@pytest.mark.parametrize("furthest", [39, 150, 319])
+def test_paged_decode_attention_equals_masked_attention(page_length, furthest):
+    # attend_paged reads page 0 and every page that the furthest row has reached (one page: the whole
+    # cache under the mask; 13: 25 pages, the last 8 slots long); either way it must equal plain attention
+    # under the mask "slots 0..position", whatever the cache holds beyond each row's position.
     rng = np.random.default_rng(0)
     B, N, S, H = 4, 3, 320, 8
     q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(B * N, S, H)), jnp.float32) for _ in range(2))
     positions = jnp.asarray([[0], [17], [furthest], [31]], jnp.int32)
     mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
-    np.testing.assert_allclose(np.asarray(attend_cached(q, k, v, positions, chunk)),
+    starts = range(0, S, page_length)
+    k_pages, v_pages = (tuple(x[:, start:start + page_length] for start in starts) for x in (k, v))
+    np.testing.assert_allclose(np.asarray(jax.jit(attend_paged)(q, k_pages, v_pages, positions)),
                                np.asarray(attend(q, k, v, mask)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("page_length", [None, 8, 5])
+def test_paged_cache_writes_and_inserts_like_one_buffer(page_length):
+    # A prefill's cache inserted into some rows, then a decode write at each row's own position: every
+    # page holds exactly the slots that one buffer would, and `layer` joins them back.
+    config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=8)
+    rng = np.random.default_rng(1)
+    B, N, H, S = 3, config.n_head, config.head_dim, 21
+    fresh = KVCache.init(config, 2, 7)
+    k_new, v_new = (jnp.asarray(rng.normal(size=(2, 7, N, H)), jnp.float32) for _ in range(2))
+    fresh = fresh.write(1, k_new, v_new, jnp.broadcast_to(jnp.arange(7), (2, 7)))
+    cache = KVCache.init(config, B, S, page_length).insert(fresh, jnp.asarray([2, 0]), jnp.asarray([7, 4]))
+    k_step, v_step = (jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32) for _ in range(2))
+    positions = jnp.asarray([[4], [19], [7]], jnp.int32)
+    cache = cache.write(1, k_step, v_step, positions)
+
+    want_k = np.zeros((B, N, S, H), np.float32)
+    want_k[[2, 0], :, :7] = np.asarray(k_new).transpose(0, 2, 1, 3)
+    want_k[np.arange(B), :, positions[:, 0]] = np.asarray(k_step)[:, 0]
+    np.testing.assert_array_equal(np.asarray(cache.layer(1)[0]), want_k.reshape(B * N, S, H))
+    np.testing.assert_array_equal(np.asarray(cache.layer(0)[0]), 0)
+    assert [page.shape[1] for page in cache.pages(1)[0]] == (
+        [S] if page_length is None else [page_length] * (S // page_length) + [S % page_length] * (S % page_length > 0))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [4, 0, 7])
 
 
 def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
