@@ -106,11 +106,13 @@ def test_the_validation_split_is_stable_when_the_corpus_grows(tmp_path, document
     assert after[: len(before)] == before and grown["val_tokens"] > small["val_tokens"]
 
 
+# The peak is this process's own high-water mark (VmHWM), not ru_maxrss: Linux carries ru_maxrss over
+# from the forked parent, so after a large pytest process it reads the parent's size.
 _PREPARE = """
-import resource, sys
+import re, sys
 from gpt.data import prepare
 prepare([sys.argv[1]], sys.argv[2], val_fraction=0.05, shard_tokens=int(sys.argv[3]), workers=2, progress=False)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024)
 """
 
 
