@@ -41,8 +41,7 @@ class RunLock:
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self.file.seek(0)
-            holder = self.file.read().strip() or "an unknown process"
+            holder = self._holder()
             self.file.close()
             raise RunLocked(
                 f"{self.path.parent} is in use by another training run ({holder}); wait for it to finish, "
@@ -54,6 +53,17 @@ class RunLock:
                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         self.file.flush()
         return self
+
+    def _holder(self, wait_s: float = 1.0) -> str:
+        """Who holds the lock, as its file says. A holder that took the lock a moment ago may not have
+        written its name yet (two runs started together): wait up to `wait_s` for it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.file.seek(0)
+            holder = self.file.read().strip()
+            if holder or time.monotonic() > deadline:
+                return holder or "an unknown process"
+            time.sleep(0.02)
 
     def __exit__(self, *exc) -> None:
         if self.file is not None:
