@@ -91,8 +91,10 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
     A decode step's cost is streaming the weights and the cache; a cache sized for the model's whole
     context but holding short sequences would be read in full by plain attention. Page 0 is always read;
     each later page only when the furthest row has reached it (a traced condition: one compiled program
-    for any lengths), folded in with the online softmax of flash attention. Each page is its own buffer,
-    read in place: XLA on CPU would copy a slice of one larger buffer before the dot.
+    for any lengths). Each page gives its own part of the softmax (max, sum, weighted values), and the
+    parts are combined at the end, as flash-decoding does. Each page is its own buffer, read in place:
+    XLA on CPU would copy a slice of one larger buffer before the dot. A cache of one page is read whole
+    under the mask (`attend`: cuDNN's kernel on a GPU).
 
     Args:
       q_B1NH: queries [B, 1, N, H].

@@ -30,7 +30,7 @@ from gpt.sharding import constrain
 __all__ = ["KVCache", "PAGE_LENGTH"]
 
 # Slots per page of an engine's cache on CPU. A decode step reads whole pages: shorter pages read less
-# past the rows' ends but cost more small ops per step (bench/RESULTS.md, "paged cache").
+# past the rows' ends but cost more small ops per step (bench/RESULTS.md, "Paged KV cache").
 PAGE_LENGTH = 128
 
 

@@ -132,7 +132,7 @@ def block(
         attn_BTNH = attend(q_BTNH, k_MTH, v_MTH, None)
     else:
         cache = cache.write(layer, k_BTNH, v_BTNH, positions_BT)
-        if T == 1 and jax.default_backend() != "gpu":  # a decode step: read only the pages the rows have reached
+        if T == 1:  # a decode step: read only the pages the rows have reached (one page: all, under the mask)
             attn_BTNH = attend_paged(q_BTNH, *cache.pages(layer), positions_BT)
         else:
             attn_BTNH = attend(q_BTNH, *cache.layer(layer), mask_BTS)
