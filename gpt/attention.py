@@ -84,7 +84,7 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
 
 
 def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
-                 positions_B1: jax.Array) -> jax.Array:
+                 positions_B1: jax.Array, rows_M: jax.Array | None = None) -> jax.Array:
     """One query per row over a paged KV cache (`gpt.kv_cache`), reading only the pages the rows have
     reached.
 
@@ -99,14 +99,19 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
     Args:
       q_B1NH: queries [B, 1, N, H].
       k_pages, v_pages: the cache's keys and values, pages of [B * N, P, H] covering slots 0, 1, ...
+        (of [R * N, P, H], R >= B, with rows_M).
       positions_B1: int32 [B, 1], each row's query position; it sees cache slots 0..position.
+      rows_M: int32 [B * N], the page row of each query row's heads (a view of some of the cache's rows,
+        `KVCache.select`); None when they are rows 0..B*N-1. Only the pages read are gathered.
     Returns:
       [B, 1, N, H] in q's dtype; the softmax is computed in float32.
     """
     B, _, N, H = q_B1NH.shape
+    take = (lambda page: page) if rows_M is None else (lambda page: page[rows_M])  # noqa: E731
     if len(k_pages) == 1:
         S = k_pages[0].shape[1]
-        return attend(q_B1NH, k_pages[0], v_pages[0], jnp.arange(S)[None, None, :] <= positions_B1[:, :, None])
+        return attend(q_B1NH, take(k_pages[0]), take(v_pages[0]),
+                      jnp.arange(S)[None, None, :] <= positions_B1[:, :, None])
     q_MH = (q_B1NH[:, 0] * jnp.asarray(H ** -0.5, q_B1NH.dtype)).reshape(B * N, H)
     position_M1 = jnp.repeat(positions_B1, N, axis=0)  # row b's position for each of its N heads
     furthest = jnp.max(positions_B1)
@@ -115,6 +120,7 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
     def page_partial(start, k_MPH, v_MPH):
         """This page's part of the softmax: its max score, the sum of exp(score - max), and the
         exp-weighted sum of its values (all zero where a row sees none of the page)."""
+        k_MPH, v_MPH = take(k_MPH), take(v_MPH)
         seen_MP = start + jnp.arange(k_MPH.shape[1])[None, :] <= position_M1
         scores_MP = jnp.einsum("MH,MPH->MP", q_MH, k_MPH, preferred_element_type=jnp.float32)
         scores_MP = jnp.where(seen_MP, scores_MP, -jnp.inf)

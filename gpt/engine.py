@@ -4,7 +4,8 @@ Each round (`step`), on the thread that owns the engine:
   1. cancelled requests give up their slots;
   2. waiting requests enter free slots: their prompts run (`gpt.decoding.prefill`, prompt lengths in
      power-of-two buckets) and each gets its first token;
-  3. one call of `gpt.decoding.decode` runs up to `steps_per_call` steps for every live slot;
+  3. one call of `gpt.decoding.decode` runs up to `steps_per_call` steps for every live slot (over the
+     fewest compiled rows that hold them: `decode_widths`);
   4. new tokens go to their requests; finished slots become free.
 Requests come and go between rounds, so a short request never waits for a long one to end (continuous
 batching). Every sampling knob is a per-slot array, so no request's settings compile anything; `warmup`
@@ -36,7 +37,8 @@ from gpt.sampling import SamplingParams
 from gpt.sharding import data_parallel_size
 from gpt.text_stream import TextStream
 
-__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "prompt_buckets"]
+__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "prompt_buckets",
+           "decode_widths"]
 
 _MIN_PROMPT_BUCKET = 16
 
@@ -126,6 +128,16 @@ def check_prompt(prompt, vocab_size: int, name: str = "prompt") -> np.ndarray:
     return ids.astype(np.int32)
 
 
+def decode_widths(num_slots: int, mesh: Mesh | None) -> list[int]:
+    """The numbers of rows a decode call is compiled for: on a CPU, powers of two below the slot count
+    and the slot count (a call runs the fewest that hold every live slot: a step over 8 rows costs about
+    twice one over 1 there); elsewhere, or over a mesh, the slot count alone (a GPU's step costs about
+    the same for 1 row as for 8)."""
+    if mesh is not None or jax.default_backend() != "cpu":
+        return [num_slots]
+    return [w for w in (1, 2, 4, 8, 16, 32) if w < num_slots] + [num_slots]
+
+
 def prompt_buckets(cache_length: int) -> list[int]:
     """The prompt lengths a prefill is compiled for: powers of two from 16, and the cache length."""
     buckets, n = [], _MIN_PROMPT_BUCKET
@@ -171,6 +183,7 @@ class Engine:
         self.mesh, self.weights = mesh, decoder.weights
         with self._on_mesh():
             self._slots = compiled_init_slots(config, slots, cache_length, max_stop_tokens)
+        self.decode_widths = decode_widths(slots, mesh)
         self._owners: list[Completion | None] = [None] * slots
         self._queue: collections.deque[Completion] = collections.deque()
         self._lock = threading.Condition()
@@ -246,15 +259,18 @@ class Engine:
                 raise RuntimeError("the engine is idle but some completions never ended")
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
-        """Compile every shape the engine runs (each prompt bucket's prefill, and the decode), with a
-        progress line. Padding-only prefills and a zero-step decode change nothing."""
+        """Compile every shape the engine runs (each prompt bucket's prefill, and the decode over each of
+        `decode_widths` rows), with a progress line. Padding-only prefills and zero-step decodes change
+        nothing."""
         buckets = prompt_buckets(self.cache_length)
+        total = len(buckets) + len(self.decode_widths)
         start = time.perf_counter()
         for i, length in enumerate(buckets):
-            log(f"warm-up: compiling prefill {i + 1}/{len(buckets) + 1} (prompts up to {length} tokens)")
+            log(f"warm-up: compiling prefill {i + 1}/{total} (prompts up to {length} tokens)")
             self._prefill([], length)
-        log(f"warm-up: compiling decode {len(buckets) + 1}/{len(buckets) + 1}")
-        jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 0, False))
+        for i, width in enumerate(self.decode_widths):
+            log(f"warm-up: compiling decode {len(buckets) + i + 1}/{total} ({width} of {self.num_slots} slots)")
+            jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 0, False, width))
         log(f"warm-up: done in {time.perf_counter() - start:.1f} s")
 
     def compiled_shapes(self) -> int:
@@ -332,11 +348,18 @@ class Engine:
             self._deliver(free[: len(batch)], emitted, rows=range(len(batch)))
             admitted = True
 
-    def _decode(self, cancel_S: np.ndarray, num_steps: int, stop_at_finish: bool):
+    def _decode(self, cancel_S: np.ndarray, num_steps: int, stop_at_finish: bool, width: int | None = None):
+        """One decode call over the fewest compiled rows (`decode_widths`) that hold every owned slot, or
+        over `width` rows (warm-up)."""
+        owned = [slot for slot, owner in enumerate(self._owners) if owner is not None]
+        width = width or next(w for w in self.decode_widths if w >= len(owned))
+        rows_R = None
+        if width < self.num_slots:  # the owned slots, then free ones: distinct rows
+            rows_R = np.asarray((owned + [s for s in range(self.num_slots) if s not in owned])[:width], np.int32)
         with self._on_mesh():
             self._slots, emitted = compiled_decode(
                 self.config, self.weights, self._slots, cancel_S, np.int32(num_steps), np.bool_(stop_at_finish),
-                max_steps=self.steps_per_call)
+                max_steps=self.steps_per_call, rows_R=rows_R)
         return emitted
 
     def _prefill(self, entries: list[tuple[int, Completion]], length: int):

@@ -15,6 +15,10 @@ Each layer's slots may be split into pages, each its own buffer, so that a decod
 pages its rows have reached (`gpt.attention.attend_paged`): XLA on CPU copies any slice of a buffer
 before a dot reads it, so a read of part of one buffer costs about three reads of that part, while a
 whole page is read in place.
+
+A cache may also be a view of some of another's rows (`select`): it shares the buffers, and its batch
+row b reads and writes buffer row `rows[b]`. A decode step over a few live slots of many runs so, on
+those rows alone (`gpt.decoding.decode`), and `merge` puts its lengths back.
 """
 
 from __future__ import annotations
@@ -47,11 +51,14 @@ class KVCache:
         than its own slots; and the buffer is 3-D, so that for a batch of one XLA has no size-1 axis to
         reshape it around (which had it copy the buffer every step).
       lengths: int32 [B], how many slots of each row hold its tokens (where its next token goes).
+      rows: int32 [B], the buffer row that each batch row is, in a view (`select`); None when batch row b
+        is buffer row b.
     """
 
     k: tuple[tuple[jax.Array, ...], ...]
     v: tuple[tuple[jax.Array, ...], ...]
     lengths: jax.Array
+    rows: jax.Array | None = None
 
     @classmethod
     def init(cls, config: GPTConfig, batch: int, length: int, page_length: int | None = None) -> KVCache:
@@ -73,7 +80,23 @@ class KVCache:
 
     @property
     def heads(self) -> int:
+        assert self.rows is None, "a view's buffers hold more rows than its batch"
         return self.k[0][0].shape[0] // self.lengths.shape[0]
+
+    def select(self, rows_R: jax.Array) -> KVCache:
+        """A view of rows `rows_R` (int32 [R], distinct) of this cache: the same buffers, R rows."""
+        assert self.rows is None, "select from the whole cache"
+        return KVCache(self.k, self.v, self.lengths[rows_R], rows_R)
+
+    def merge(self, view: KVCache) -> KVCache:
+        """This cache after `view` (from `select`) has run: its buffers, and its rows' lengths."""
+        return KVCache(view.k, view.v, self.lengths.at[view.rows].set(view.lengths, unique_indices=True))
+
+    def head_rows(self, heads: int) -> jax.Array | None:
+        """int32 [B * N]: the buffer row of each batch row's heads, or None when they are rows 0..B*N-1."""
+        if self.rows is None:
+            return None
+        return (self.rows[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
 
     def page_starts(self) -> list[int]:
         """The first slot of each page."""
@@ -95,7 +118,9 @@ class KVCache:
         """This cache with layer `layer`'s new keys and values written at each row's `positions_BT`
         (positions past the end are dropped)."""
         B, T, N, H = k_BTNH.shape
-        rows_MT = jnp.broadcast_to(jnp.arange(B * N, dtype=jnp.int32)[:, None], (B * N, T))
+        rows_M = self.head_rows(N)
+        rows_M = jnp.arange(B * N, dtype=jnp.int32) if rows_M is None else rows_M
+        rows_MT = jnp.broadcast_to(rows_M[:, None], (B * N, T))
         slots_MT = jnp.repeat(positions_BT, N, axis=0)  # row b's positions for each of its N heads
 
         def put(buffers, new_BTNH):
@@ -112,11 +137,13 @@ class KVCache:
 
     def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
         """One layer's keys and values, each [B * N, S, H] (a copy when the cache has several pages)."""
+        assert self.rows is None, "a view is read by pages"
         return tuple(pages[0] if len(pages) == 1 else jnp.concatenate(pages, axis=1)
                      for pages in (self.k[layer], self.v[layer]))
 
     def pages(self, layer: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-        """One layer's key pages and value pages, each [B * N, P, H]."""
+        """One layer's key pages and value pages, each [rows * N, P, H]: all the buffers' rows, in a view
+        too (`head_rows` says which are the view's)."""
         return self.k[layer], self.v[layer]
 
     def advance(self, positions_BT: jax.Array) -> KVCache:

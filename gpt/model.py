@@ -133,7 +133,7 @@ def block(
     else:
         cache = cache.write(layer, k_BTNH, v_BTNH, positions_BT)
         if T == 1:  # a decode step: read only the pages the rows have reached (one page: all, under the mask)
-            attn_BTNH = attend_paged(q_BTNH, *cache.pages(layer), positions_BT)
+            attn_BTNH = attend_paged(q_BTNH, *cache.pages(layer), positions_BT, cache.head_rows(N))
         else:
             attn_BTNH = attend(q_BTNH, *cache.layer(layer), mask_BTS)
 

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig
+from gpt.decoding import Admission, Decoder, Settings, decode, init_slots, prefill
 from gpt.engine import Engine, QueueFull, Request
 from gpt.errors import ConfigError
 from gpt.generate import generate
@@ -44,6 +45,39 @@ def test_a_short_request_overtakes_a_long_one(model):
     # Both equal what each gives alone: the slots share a cache but not positions.
     assert long.tokens == generate(model, [[1, 2, 3]], 60, temperature=0)[0]
     assert short.tokens == generate(model, [[9, 8, 7, 6, 5]], 4, temperature=0)[0]
+
+
+def test_a_decode_over_some_slots_equals_one_over_all():
+    """`decode` over rows [3, 0, 1] of 4 slots (slot 0 cancelled: a padding row) gives slots 1 and 3 the
+    tokens, logprobs and cache that a decode over all 4 gives them, and leaves slot 2 untouched, over a
+    cache of 3 pages that the rows have crossed into."""
+    model = GPT(GPTConfig.preset("tiny", block_size=320), rngs=nnx.Rngs(1))
+    nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, nnx.state(model, nnx.Param)))
+    config, weights = model.config, Decoder.of(model).weights
+    lengths = [150, 5, 200, 131]
+    tokens = jnp.asarray([[(7 * i + 3 * row) % 256 for i in range(256)] for row in range(4)], jnp.int32)
+    admission = Admission(tokens=tokens, lengths=jnp.asarray(lengths, jnp.int32), slots=jnp.arange(4, dtype=jnp.int32),
+                          max_tokens=jnp.full((4,), 50, jnp.int32), settings=Settings.empty(4, 2))
+    slots, _ = jax.jit(prefill, static_argnames="config")(config, weights, init_slots(config, 4, 320, 2), admission)
+    assert len(slots.cache.k[0]) == 3  # pages of 128, 128 and 64 slots
+    run = jax.jit(decode, static_argnames=("config", "max_steps"))
+    cancel = jnp.asarray([True, False, True, False])
+    full, full_out = run(config, weights, slots, cancel, 5, False, max_steps=5)
+    rows = jnp.asarray([3, 0, 1], jnp.int32)
+    some, some_out = run(config, weights, slots, cancel, 5, False, max_steps=5, rows_R=rows)
+
+    assert int(some_out.steps) == 5 and some_out.token.shape == full_out.token.shape
+    assert (some_out.token == full_out.token).all() and (full_out.token[:, 1] >= 0).all()
+    assert jnp.allclose(some_out.logprob[:, [1, 3]], full_out.logprob[:, [1, 3]], atol=1e-5)
+    assert (some.cache.lengths == full.cache.lengths).all() and list(some.cache.lengths) == [150, 10, 200, 136]
+    assert (some.last_token == full.last_token).all() and (some.seen == full.seen).all()
+    N = config.n_head
+    for layer in range(config.n_layer):
+        for new, old, want in zip(some.cache.k[layer] + some.cache.v[layer], slots.cache.k[layer] + slots.cache.v[layer],
+                                  full.cache.k[layer] + full.cache.v[layer]):
+            for slot in (1, 3):
+                assert jnp.allclose(new[slot * N:(slot + 1) * N], want[slot * N:(slot + 1) * N], atol=1e-5)
+            assert (new[2 * N:3 * N] == old[2 * N:3 * N]).all()
 
 
 def test_seeds_reproduce_whatever_else_runs(model):
