@@ -139,12 +139,14 @@ def generate_text(
     if on_text is not None:
         streams: dict[int, TextStream] = {}
 
-        def on_token(row: int, token: int) -> None:
+        def stream_text(row: int, token: int) -> None:
             stream = streams.setdefault(row, TextStream(stop_strings))
             if not stream.stopped:
                 stream.push(token)
                 if piece := stream.take():
                     on_text(row, piece)
+
+        on_token = stream_text
 
     outputs = generate(model, tokenizer.encode_batch(prompts), max_new_tokens, stop_strings=stop_strings,
                        on_token=on_token, **sampling)
