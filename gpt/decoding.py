@@ -207,6 +207,14 @@ class Emitted:
     live: jax.Array
     steps: jax.Array
 
+    @classmethod
+    def empty(cls, max_steps: int, live_R: jax.Array) -> Emitted:
+        """Nothing emitted yet by `max_steps` steps over rows whose liveness is `live_R` [R]."""
+        M, R, J = max_steps, live_R.shape[0], TOP_LOGPROBS
+        return cls(token=jnp.full((M, R), NO_TOKEN, jnp.int32), logprob=jnp.zeros((M, R)),
+                   top_ids=jnp.zeros((M, R, J), jnp.int32), top_logprobs=jnp.zeros((M, R, J)), live=live_R,
+                   steps=jnp.int32(0))
+
 
 def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_tokens: int) -> Slots:
     """Empty slots (all free) over a zeroed cache of `cache_length` positions per slot, paged on CPU so
@@ -314,24 +322,17 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, cancel_S: jax.Arra
         return _decode_rows(config, weights, slots, num_steps, stop_at_finish, max_steps)
     view, out_R = _decode_rows(config, weights, slots.select(rows_R), num_steps, stop_at_finish, max_steps)
     slots = slots.merge(rows_R, view)
+    # The view's [M, R, ...] outputs into [M, S, ...]; the other slots emitted nothing.
+    per_row = lambda out: dataclasses.replace(out, live=None, steps=None)  # noqa: E731
     widen = lambda full, narrow: full.at[:, rows_R].set(narrow, unique_indices=True)  # noqa: E731
-    S, J = slots.live.shape[0], TOP_LOGPROBS
-    M = max_steps
-    out = Emitted(token=widen(jnp.full((M, S), NO_TOKEN, jnp.int32), out_R.token),
-                  logprob=widen(jnp.zeros((M, S)), out_R.logprob),
-                  top_ids=widen(jnp.zeros((M, S, J), jnp.int32), out_R.top_ids),
-                  top_logprobs=widen(jnp.zeros((M, S, J)), out_R.top_logprobs), live=slots.live, steps=out_R.steps)
-    return slots, out
+    out = jax.tree.map(widen, per_row(Emitted.empty(max_steps, slots.live)), per_row(out_R))
+    return slots, dataclasses.replace(out, live=slots.live, steps=out_R.steps)
 
 
 def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Array, stop_at_finish: jax.Array,
                  max_steps: int) -> tuple[Slots, Emitted]:
     """`decode`'s loop over every row of `slots` (all of them, or a selection's)."""
-    S = slots.live.shape[0]
-    J = TOP_LOGPROBS
-    out = Emitted(token=jnp.full((max_steps, S), NO_TOKEN, jnp.int32), logprob=jnp.zeros((max_steps, S)),
-                  top_ids=jnp.zeros((max_steps, S, J), jnp.int32), top_logprobs=jnp.zeros((max_steps, S, J)),
-                  live=slots.live, steps=jnp.int32(0))
+    out = Emitted.empty(max_steps, slots.live)
     live_at_start = slots.live
 
     def keep_going(carry):

@@ -135,7 +135,7 @@ def decode_widths(num_slots: int, mesh: Mesh | None) -> list[int]:
     the same for 1 row as for 8)."""
     if mesh is not None or jax.default_backend() != "cpu":
         return [num_slots]
-    return [w for w in (1, 2, 4, 8, 16, 32) if w < num_slots] + [num_slots]
+    return [1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots] + [num_slots]
 
 
 def prompt_buckets(cache_length: int) -> list[int]:
