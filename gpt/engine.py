@@ -36,6 +36,7 @@ from gpt.model import GPT
 from gpt.sampling import SamplingParams
 from gpt.sharding import data_parallel_size
 from gpt.text_stream import TextStream
+from gpt.tokenizer import get_tokenizer
 
 __all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "prompt_buckets",
            "decode_widths"]
@@ -190,6 +191,7 @@ class Engine:
         self._stopping = self._exit = False
         self._thread: threading.Thread | None = None
         self._cancel_S = np.zeros((slots,), np.bool_)  # slots to stop at the next decode call
+        get_tokenizer()  # each Completion's text stream needs it: load it now, not on a request's clock
         self.tokens_emitted = 0  # a running total, for tokens/s
 
     # ------------------------------------------------------------------------------ clients (any thread)
@@ -259,18 +261,27 @@ class Engine:
                 raise RuntimeError("the engine is idle but some completions never ended")
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
-        """Compile every shape the engine runs (each prompt bucket's prefill, and the decode over each of
-        `decode_widths` rows), with a progress line. Padding-only prefills and zero-step decodes change
-        nothing."""
+        """Compile and run once every shape the engine runs (each prompt bucket's prefill, and the decode
+        over each of `decode_widths` rows), with a progress line.
+
+        Each shape runs for real, not only compiles: XLA's CPU runtime readies an op on its first run
+        (~0.2 s over a GPT-2 124M decode step), and decode's loop runs no step while every slot is free.
+        So a placeholder request (asking for logprobs, which take a branch of their own) enters slot 0
+        at every bucket, steps once at every width, and is cancelled: the slots end as they began, free.
+        """
+        if self._thread is not None or any(self._owners):
+            raise RuntimeError("warmup runs before the engine serves: its placeholder borrows slot 0")
         buckets = prompt_buckets(self.cache_length)
         total = len(buckets) + len(self.decode_widths)
         start = time.perf_counter()
+        placeholder = Completion(Request([0], len(self.decode_widths) + 1, temperature=0.0, logprobs=1))
         for i, length in enumerate(buckets):
             log(f"warm-up: compiling prefill {i + 1}/{total} (prompts up to {length} tokens)")
-            self._prefill([], length)
+            self._prefill([(0, placeholder)], length)
         for i, width in enumerate(self.decode_widths):
             log(f"warm-up: compiling decode {len(buckets) + i + 1}/{total} ({width} of {self.num_slots} slots)")
-            jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 0, False, width))
+            jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 1, False, width))
+        self._cancel_S[0] = True  # the next decode call ends the placeholder, unless a request takes slot 0 first
         log(f"warm-up: done in {time.perf_counter() - start:.1f} s")
 
     def compiled_shapes(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -61,7 +61,15 @@ class Tokenizer:
         return {"allowed_special": set(), "disallowed_special": ()}
 
 
-@functools.cache
+_shared: Tokenizer | None = None
+_shared_lock = threading.Lock()
+
+
 def get_tokenizer() -> Tokenizer:
-    """The shared GPT-2 tokenizer (built once per process)."""
-    return Tokenizer()
+    """The shared GPT-2 tokenizer, built once per process even when many threads ask at once (building
+    it takes ~0.1 s of the GIL; `functools.cache` would let each of them build its own)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = Tokenizer()
+        return _shared

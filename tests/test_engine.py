@@ -154,10 +154,14 @@ def test_no_compile_after_warmup(model):
                     (3, 61, 1.5, None, 0.5, 0.05, 1.0, 1, (), ())]]
     completions = [engine.submit(r) for r in requests]
     engine.step()
+    with pytest.raises(RuntimeError, match="warmup runs before the engine serves"):
+        engine.warmup(log=lambda line: None)  # its placeholder would take a live request's slot
     completions[1].cancel()
     engine.run(completions)
     assert engine.compiled_shapes() == compiled
     assert all(c.finish_reason in ("stop", "length", "cancelled") for c in completions)
+    # The warm-up's placeholder request (prefilled and stepped for real) left nothing behind.
+    assert completions[0].tokens == generate(model, [requests[0].prompt], 5, temperature=0)[0]
     assert len(completions[2].top_logprobs[0]) == 5 and len(completions[4].top_logprobs[0]) == 1
 
 

@@ -1,8 +1,11 @@
 """The vendored tokenizer against tiktoken's own `gpt2` encoding."""
 
+import threading
+
 import pytest
 import tiktoken
 
+from gpt import tokenizer as tokenizer_module
 from gpt.tokenizer import get_tokenizer
 
 EDGE_CASES = [
@@ -58,3 +61,24 @@ def test_batch_encode_equals_one_by_one():
 
 def test_vocabulary_size():
     assert get_tokenizer().vocab_size == 50257
+
+
+def test_many_threads_asking_at_once_build_one_tokenizer(monkeypatch):
+    """The first requests of a server arrive together: one builds the tokenizer, the rest wait for it
+    (each building its own held the GIL for a third of a second)."""
+    built = []
+    build = tokenizer_module.Tokenizer.__init__
+
+    def counted(self):
+        built.append(self)
+        build(self)
+
+    monkeypatch.setattr(tokenizer_module, "_shared", None)
+    monkeypatch.setattr(tokenizer_module.Tokenizer, "__init__", counted)
+    barrier, got = threading.Barrier(8), []
+    threads = [threading.Thread(target=lambda: (barrier.wait(), got.append(get_tokenizer()))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(built) == 1 and all(t is built[0] for t in got)
