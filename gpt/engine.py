@@ -335,28 +335,35 @@ class Engine:
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _admit(self) -> bool:
-        """Move waiting requests into free slots, `rows_per_prefill` at a time."""
+        """Move waiting requests into free slots, first come first served, and run their prompts shortest
+        first, `rows_per_prefill` at a time. The round's last first token comes when it would in any
+        order, and every other one sooner: a short prompt never waits behind a long one that came with
+        it."""
         admitted = False
         while True:
             free = [slot for slot, owner in enumerate(self._owners) if owner is None]
             with self._lock:
-                batch = []
-                while self._queue and len(batch) < min(len(free), self.rows_per_prefill):
+                entering = []
+                while self._queue and len(entering) < len(free):
                     completion = self._queue.popleft()
                     if completion.cancel_requested:
                         completion._finish("cancelled")
                         self._notify(completion)
                     else:
-                        batch.append(completion)
-            if not batch:
+                        entering.append(completion)
+            if not entering:
                 return admitted
-            for slot, completion in zip(free, batch):
+            entering.sort(key=lambda c: len(c.request.prompt))
+            for slot, completion in zip(free, entering):
                 self._owners[slot] = completion
                 self._cancel_S[slot] = False  # the prefill makes the slot's device state new
-            longest = max(len(c.request.prompt) for c in batch)
-            length = next(b for b in prompt_buckets(self.cache_length) if b >= longest)
-            emitted = self._prefill(list(zip(free, batch)), length)
-            self._deliver(free[: len(batch)], emitted, rows=range(len(batch)))
+            entries = list(zip(free, entering))
+            for i in range(0, len(entries), self.rows_per_prefill):
+                group = entries[i: i + self.rows_per_prefill]
+                longest = max(len(c.request.prompt) for _, c in group)
+                length = next(b for b in prompt_buckets(self.cache_length) if b >= longest)
+                emitted = self._prefill(group, length)
+                self._deliver([slot for slot, _ in group], emitted)
             admitted = True
 
     def _decode(self, cancel_S: np.ndarray, num_steps: int, stop_at_finish: bool, width: int | None = None):
@@ -399,15 +406,15 @@ class Engine:
         return Settings(params=params, seed=np.uint32(request.seed % 2**32), stream=np.uint32(request.stream % 2**32),
                         stop_tokens=stop_tokens, top_logprobs=np.bool_(request.logprobs > 0))
 
-    def _deliver(self, slots: list[int], emitted, rows: Sequence[int] | None = None) -> None:
-        """Hand each slot's new tokens to its request; free the slots whose request ended."""
+    def _deliver(self, slots: list[int], emitted) -> None:
+        """Hand each slot's new tokens to its request (row i of `emitted` is slot slots[i]); free the slots
+        whose request ended."""
         token = np.asarray(emitted.token)
         steps = int(emitted.steps)
         logprob, live = np.asarray(emitted.logprob), np.asarray(emitted.live)
         wants_top = any(self._owners[s] is not None and self._owners[s].request.logprobs for s in slots)
         top_ids, top_lps = (np.asarray(emitted.top_ids), np.asarray(emitted.top_logprobs)) if wants_top else (None, None)
-        rows = range(len(slots)) if rows is None else rows
-        for slot, row in zip(slots, rows):
+        for row, slot in enumerate(slots):
             owner = self._owners[slot]
             if owner is None:
                 continue

@@ -47,6 +47,23 @@ def test_a_short_request_overtakes_a_long_one(model):
     assert short.tokens == generate(model, [[9, 8, 7, 6, 5]], 4, temperature=0)[0]
 
 
+def test_a_round_admits_first_come_and_prefills_shortest_first(model):
+    """Free slots go to the earliest requests; among those, the shortest prompt gets its first token first
+    (the round's last first token comes no later, and the others sooner)."""
+    engine = Engine(model, slots=2, cache_length=128)
+    firsts = []
+
+    def submit(name, prompt):
+        return engine.submit(Request(prompt, 3, temperature=0),
+                             lambda c: firsts.append(name) if len(c.tokens) == 1 and name not in firsts else None)
+
+    long, short, shortest = submit("long", [5] * 12), submit("short", [1, 2, 3]), submit("shortest", [4])
+    engine.step()
+    assert firsts == ["short", "long"] and shortest.tokens == []  # it came last: it waits for a slot
+    engine.run([long, short, shortest])
+    assert long.tokens == generate(model, [[5] * 12], 3, temperature=0)[0]
+
+
 def test_a_decode_over_some_slots_equals_one_over_all():
     """`decode` over rows [3, 0, 1] of 4 slots (slot 0 cancelled: a padding row) gives slots 1 and 3 the
     tokens, logprobs and cache that a decode over all 4 gives them, and leaves slot 2 untouched, over a
