@@ -3,7 +3,7 @@
     python bench/decode_parts.py
 
 1. Matmuls: a chain of GPT-2 124M's 48 block matrices (340 MB, output-major [K, D]) in one jit, for a
-   few rows: XLA's dot, the few-row multiply-and-sum (`gpt.layouts._few_rows_matmul`), and torch's
+   few rows: XLA's dot, the few-row multiply-and-sum (`gpt.layouts.few_rows_matmul`), and torch's
    `x @ W.T` on the same matrices. A step streams every weight once, so these set its floor.
 2. Attention over an 8-row x 12-head cache of 1024 slots, all 12 layers (600 MB, more than the cache
    of a CPU, as in a real step): the paged read (`attend_paged`, pages of `PAGE_LENGTH` slots, each its
@@ -24,7 +24,7 @@ import numpy as np
 
 from gpt.attention import attend, attend_paged
 from gpt.kv_cache import PAGE_LENGTH
-from gpt.layouts import _few_rows_matmul
+from gpt.layouts import few_rows_matmul
 from machine import cpu_name
 
 
@@ -58,7 +58,7 @@ def matmul_chain(rows_list, repeats: int) -> None:
         return run
 
     dot = chain(lambda x, m: jax.lax.dot_general(x, m, (((1,), (1,)), ((), ()))))
-    few_rows = chain(_few_rows_matmul)
+    few_rows = chain(few_rows_matmul)
     print("| rows | XLA dot | few-row multiply-and-sum | torch |")
     print("| --- | --- | --- | --- |")
     for rows in rows_list:

@@ -2,8 +2,8 @@
 
 Each round (`step`), on the thread that owns the engine:
   1. cancelled requests give up their slots;
-  2. waiting requests enter free slots: their prompts run (`gpt.decoding.prefill`, prompt lengths in
-     power-of-two buckets) and each gets its first token;
+  2. waiting requests enter free slots, first come first served: their prompts run shortest first
+     (`gpt.decoding.prefill`, prompt lengths in power-of-two buckets) and each gets its first token;
   3. one call of `gpt.decoding.decode` runs up to `steps_per_call` steps for every live slot (over the
      fewest compiled rows that hold them: `decode_widths`);
   4. new tokens go to their requests; finished slots become free.

@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "QUANTIZED_LAYOUTS", "dense"]
+__all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "QUANTIZED_LAYOUTS", "dense", "few_rows_matmul"]
 
 
 @jax.tree_util.register_dataclass
@@ -30,10 +30,10 @@ class OutputMajor:
 
     def matmul(self, x_MD: jax.Array) -> jax.Array:
         """x [M, D] -> [M, K]. Contracting D of both operands directly: spelled `x @ matrix.T`, XLA on CPU
-        would copy the transposed matrix first. A decode step's few rows take `_few_rows_matmul`."""
+        would copy the transposed matrix first. A decode step's few rows take `few_rows_matmul`."""
         matrix_KD = self.matrix_KD.astype(x_MD.dtype)
         if _runs_as_few_rows(x_MD):
-            return _few_rows_matmul(x_MD, matrix_KD)
+            return few_rows_matmul(x_MD, matrix_KD)
         return jax.lax.dot_general(x_MD, matrix_KD, (((1,), (1,)), ((), ())))
 
 
@@ -50,7 +50,7 @@ def _runs_as_few_rows(x_MD: jax.Array) -> bool:
     return x_MD.shape[0] in _FEW_ROWS and x_MD.dtype == jnp.float32 and jax.default_backend() == "cpu"
 
 
-def _few_rows_matmul(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:
+def few_rows_matmul(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:
     """x [M, D] times matrix [K, D] contracting D, for small M: one elementwise multiply and a sum over D,
     which XLA fuses into one loop that reads each output's weights once for all M rows: [M, K]."""
     return (matrix_KD[:, None, :] * x_MD[None, :, :]).sum(axis=-1).T
