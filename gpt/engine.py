@@ -274,7 +274,8 @@ class Engine:
         buckets = prompt_buckets(self.cache_length)
         total = len(buckets) + len(self.decode_widths)
         start = time.perf_counter()
-        placeholder = Completion(Request([0], len(self.decode_widths) + 1, temperature=0.0, logprobs=1))
+        steps = max(1, min(len(self.decode_widths) + 1, self.cache_length - 1))  # never past the cache's end
+        placeholder = Completion(Request([0], steps, temperature=0.0, logprobs=1))
         for i, length in enumerate(buckets):
             log(f"warm-up: compiling prefill {i + 1}/{total} (prompts up to {length} tokens)")
             self._prefill([(0, placeholder)], length)
