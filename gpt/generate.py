@@ -135,29 +135,23 @@ def generate_text(
     if isinstance(prompts, str):
         raise ConfigError("prompts must be a list of strings, got one string")
     tokenizer = get_tokenizer()
-    on_token = None
-    if on_text is not None:
-        streams: dict[int, TextStream] = {}
+    streams = [TextStream(stop_strings) for _ in prompts]  # each row's text, decoded once
 
-        def stream_text(row: int, token: int) -> None:
-            stream = streams.setdefault(row, TextStream(stop_strings))
-            if not stream.stopped:
-                stream.push(token)
-                if piece := stream.take():
-                    on_text(row, piece)
-
-        on_token = stream_text
+    def stream_text(row: int, token: int) -> None:
+        stream = streams[row]
+        if not stream.stopped:
+            stream.push(token)
+            if piece := stream.take():  # the text before a stop string comes out as it appears
+                on_text(row, piece)
 
     outputs = generate(model, tokenizer.encode_batch(prompts), max_new_tokens, stop_strings=stop_strings,
-                       on_token=on_token, **sampling)
+                       on_token=stream_text if on_text is not None else None, **sampling)
     texts = []
-    for tokens in outputs:
-        stream = TextStream(stop_strings)
-        for token in tokens:
-            stream.push(token)
-        texts.append(stream.finish())
-    if on_text is not None:
-        for row, stream in streams.items():
-            if piece := stream.finish():
-                on_text(row, piece)
+    for row, (stream, tokens) in enumerate(zip(streams, outputs)):
+        if on_text is None:
+            for token in tokens:
+                stream.push(token)
+        if (piece := stream.finish()) and on_text is not None:
+            on_text(row, piece)
+        texts.append(stream.text)
     return texts

@@ -211,6 +211,12 @@ def test_stop_strings_end_each_row_on_its_own():
         assert stopped[row] == free[row][:cut]
     texts = generate_text(model, [tokenizer.decode(p) for p in prompts], 20, temperature=0, stop_strings=[stop])
     assert stop not in texts[0] and tokenizer.decode(free[0]).startswith(texts[0])
+    # Streamed, each row's pieces arrive as it decodes and add up to its text.
+    pieces = {0: [], 1: []}
+    streamed = generate_text(model, [tokenizer.decode(p) for p in prompts], 20, temperature=0, stop_strings=[stop],
+                             on_text=lambda row, piece: pieces[row].append(piece))
+    assert streamed == texts and all("".join(pieces[row]) == texts[row] for row in range(2))
+    assert len(pieces[1]) > 1
 
 
 def test_generate_is_reentrant_and_thread_safe(model):
