@@ -88,8 +88,10 @@ class Completion:
     when given, is called on the engine's thread after each batch of new tokens and at the end.
     """
 
-    def __init__(self, request: Request, on_update: Callable[[Completion], None] | None = None):
+    def __init__(self, request: Request, on_update: Callable[[Completion], None] | None = None,
+                 settings: Settings | None = None):
         self.request, self.on_update = request, on_update
+        self.settings = settings  # the request's knobs as host values (`Engine.check`)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
@@ -196,8 +198,10 @@ class Engine:
 
     # ------------------------------------------------------------------------------ clients (any thread)
 
-    def check(self, request: Request) -> None:
-        """Raise ConfigError naming the first field of `request` outside its bound (nothing compiles)."""
+    def check(self, request: Request) -> Settings:
+        """Raise ConfigError naming the first field of `request` outside its bound (nothing compiles);
+        else return its knobs as host values (a row of an admission's settings). Whatever a client sends
+        fails here, on its own thread, never in a round, where it would end every running request."""
         config = self.config
         ids = check_prompt(request.prompt, config.vocab_size)
         if not isinstance(request.max_tokens, (int, np.integer)) or request.max_tokens < 1:
@@ -215,12 +219,12 @@ class Engine:
             raise ConfigError(f"stop_tokens {stops} must be ids in [0, {config.vocab_size})")
         if not 0 <= request.logprobs <= TOP_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {TOP_LOGPROBS}], got {request.logprobs}")
+        return self._settings(request)
 
     def submit(self, request: Request, on_update: Callable[[Completion], None] | None = None) -> Completion:
         """Queue a request (checked first); returns its Completion. Raises ConfigError, QueueFull or
         EngineStopped."""
-        self.check(request)
-        completion = Completion(request, on_update)
+        completion = Completion(request, on_update, self.check(request))
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
@@ -275,7 +279,8 @@ class Engine:
         total = len(buckets) + len(self.decode_widths)
         start = time.perf_counter()
         steps = max(1, min(len(self.decode_widths) + 1, self.cache_length - 1))  # never past the cache's end
-        placeholder = Completion(Request([0], steps, temperature=0.0, logprobs=1))
+        placeholder = Request([0], steps, temperature=0.0, logprobs=1)
+        placeholder = Completion(placeholder, settings=self.check(placeholder))
         for i, length in enumerate(buckets):
             log(f"warm-up: compiling prefill {i + 1}/{total} (prompts up to {length} tokens)")
             self._prefill([(0, placeholder)], length)
@@ -386,6 +391,7 @@ class Engine:
         b = self.rows_per_prefill
         padding = Request([0], 1, temperature=0.0)
         requests = [c.request for _, c in entries] + [padding] * (b - len(entries))
+        settings = [c.settings for _, c in entries] + [self._settings(padding)] * (b - len(entries))
         tokens = np.zeros((b, length), np.int32)
         for row, request in enumerate(requests):
             tokens[row, : len(request.prompt)] = request.prompt
@@ -393,7 +399,7 @@ class Engine:
         admission = Admission(
             tokens=tokens, lengths=np.asarray([len(r.prompt) for r in requests], np.int32),
             slots=np.asarray(slots, np.int32), max_tokens=np.asarray([r.max_tokens for r in requests], np.int32),
-            settings=jax.tree.map(lambda *rows: np.stack(rows), *map(self._settings, requests)))
+            settings=jax.tree.map(lambda *rows: np.stack(rows), *settings))
         with self._on_mesh():
             self._slots, emitted = compiled_prefill(self.config, self.weights, self._slots, admission)
         return emitted

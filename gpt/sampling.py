@@ -42,10 +42,12 @@ class SamplingParams:
     def create(cls, temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> SamplingParams:
         cls.check(temperature, top_k, top_p, min_p, repetition_penalty)
         # Host (numpy) scalars: an engine stacks them into per-row arrays without a device round trip.
+        # A top-k past int32 keeps every token, as any k >= the vocabulary does; a top-p that float32
+        # rounds to 0 keeps the most likely token only, as any p below its probability does.
         return cls(
             temperature=np.float32(temperature),
-            top_k=np.int32(top_k or 0),
-            top_p=np.float32(1.0 if top_p is None else top_p),
+            top_k=np.int32(min(int(top_k or 0), np.iinfo(np.int32).max)),
+            top_p=np.float32(1.0 if top_p is None else max(top_p, np.finfo(np.float32).tiny)),
             min_p=np.float32(min_p or 0.0),
             repetition_penalty=np.float32(repetition_penalty),
         )
@@ -60,16 +62,16 @@ class SamplingParams:
     @staticmethod
     def check(temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
         """Raise ConfigError naming the first knob outside its bound (plain Python: nothing compiles)."""
-        if temperature is None or not temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        if temperature is None or not 0 <= temperature < float("inf"):
+            raise ConfigError(f"temperature must be >= 0 (0 is greedy) and finite, got {temperature}")
         if top_k is not None and (int(top_k) != top_k or top_k < 1):
             raise ConfigError(f"top_k must be an integer >= 1 (or None for no limit), got {top_k}")
         if top_p is not None and not 0 < top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1] (or None), got {top_p}")
         if min_p is not None and not 0 <= min_p <= 1:
             raise ConfigError(f"min_p must be in [0, 1] (or None), got {min_p}")
-        if not repetition_penalty > 0:
-            raise ConfigError(f"repetition_penalty must be > 0 (1 is off), got {repetition_penalty}")
+        if not 0 < repetition_penalty < float("inf"):
+            raise ConfigError(f"repetition_penalty must be > 0 (1 is off) and finite, got {repetition_penalty}")
 
 
 def penalize_repetition(logits_BV: jax.Array, seen_BV: jax.Array, penalty_B: jax.Array) -> jax.Array:

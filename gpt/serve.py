@@ -82,6 +82,10 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
 
 _FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "n",
            "stop", "seed", "stream", "logprobs", "stop_tokens")
+# OpenAI's fields this server does not implement, with the values that ask for nothing: any other value is
+# refused (a 400 naming the field), not silently ignored.
+_UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0),
+                "frequency_penalty": (None, 0), "logit_bias": (None, {})}
 
 
 def _field_of(message: str) -> str | None:
@@ -230,10 +234,16 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             raise _BadRequest(None, "the request body must be a JSON object")
         if body.get("model") != model_name:
             raise _BadRequest("model", f"model {body.get('model')!r} is not served here; the model is {model_name!r}")
+        for name, inert in _UNSUPPORTED.items():
+            if body.get(name) not in inert:
+                raise _BadRequest(name, f"{name} is not supported by this server (got {json.dumps(body[name])[:80]})")
         prompts = _prompts(body)
         n = _number(body, "n", 1, int)
         if not 1 <= n <= engine.max_queue:
             raise _BadRequest("n", f"n must be in [1, {engine.max_queue}], got {n}")
+        if len(prompts) * n > engine.max_queue:  # more than the queue holds could never be admitted
+            raise _BadRequest("n", f"{len(prompts)} prompts x n={n} is {len(prompts) * n} completions; at most "
+                                   f"{engine.max_queue} (the server's max_queue) fit in one request")
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop or []
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
@@ -249,8 +259,13 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             seed=seed, stop_strings=tuple(stop), logprobs=logprobs or 0, stop_tokens=(eot,) if eot is not None else ())
         if knobs["top_k"] == 0:
             knobs["top_k"] = None  # a common way to say "no top-k"
-        if not isinstance(body.get("stream", False), bool):
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
             raise _BadRequest("stream", f"stream must be true or false, got {body.get('stream')!r}")
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream_options, dict) or not isinstance(stream_options.get("include_usage", False), bool):
+            raise _BadRequest("stream_options", "stream_options must be an object like {\"include_usage\": true}, "
+                                                f"got {json.dumps(body.get('stream_options'))[:80]}")
         requests, choices = [], []
         for i, prompt in enumerate(prompts):
             for j in range(n):
@@ -258,8 +273,8 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
                 choices.append(_Choice(i * n + j, prompt))
         for request in requests:
             engine.check(request)
-        options = {"stream": body.get("stream", False), "logprobs": logprobs,
-                   "prompt_tokens": sum(map(len, prompts))}
+        options = {"stream": stream, "logprobs": logprobs, "prompt_tokens": sum(map(len, prompts)),
+                   "include_usage": stream_options.get("include_usage", False)}
         return requests, choices, options
 
     @app.post("/v1/completions")
@@ -315,8 +330,7 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         header = {"id": ident, "object": "text_completion", "created": created, "model": model_name}
         if options["stream"]:
-            return StreamingResponse(_stream(http, header, choices, updates, options["logprobs"]),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_stream(http, header, choices, updates, options), media_type="text/event-stream")
         try:
             while not all(c.completion.done.is_set() for c in choices):
                 if await _next_update(http, updates) is None:
@@ -332,12 +346,15 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             out.append({"text": text, "index": choice.index, "finish_reason": c.finish_reason,
                         "logprobs": _logprobs(choice, 0, len(c.tokens), 0, options["logprobs"])
                         if options["logprobs"] is not None else None})
-        completion_tokens = sum(len(c.completion.tokens) for c in choices)
-        prompt_tokens = options["prompt_tokens"]
-        return {**header, "choices": out, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                                    "total_tokens": prompt_tokens + completion_tokens}}
+        return {**header, "choices": out, "usage": _usage(choices, options["prompt_tokens"])}
 
     return app
+
+
+def _usage(choices: list[_Choice], prompt_tokens: int) -> dict:
+    completion_tokens = sum(len(c.completion.tokens) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def _next_update(http: HTTPRequest, updates: asyncio.Queue) -> _Choice | None:
@@ -353,10 +370,11 @@ async def _next_update(http: HTTPRequest, updates: asyncio.Queue) -> _Choice | N
             pass
 
 
-async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updates: asyncio.Queue,
-                  logprobs: int | None):
+async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updates: asyncio.Queue, options: dict):
     """Server-sent events: a chunk per choice per batch of new text, a last chunk per choice with its
-    finish_reason, then [DONE]. Leaving early (the client went away) cancels every choice."""
+    finish_reason, a chunk with the usage and no choices if the client asked for it, then [DONE]. Leaving
+    early (the client went away) cancels every choice."""
+    logprobs = options["logprobs"]
     finished: set[int] = set()
     offsets = {c.index: 0 for c in choices}
     try:
@@ -379,6 +397,8 @@ async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updat
                 yield f"data: {json.dumps({**header, 'choices': [chunk]})}\n\n"
             if done:
                 finished.add(choice.index)
+        if options["include_usage"]:
+            yield f"data: {json.dumps({**header, 'choices': [], 'usage': _usage(choices, options['prompt_tokens'])})}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         for choice in choices:

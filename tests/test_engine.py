@@ -199,6 +199,21 @@ def test_bad_requests_are_refused_before_anything_runs(model, request_changes, m
     assert engine.compiled_shapes() == compiled and engine.queue_depth == 0
 
 
+def test_extreme_knobs_run_beside_other_requests(model):
+    """Knobs past what the device's int32/float32 hold keep their meaning, and never fail a round (which
+    would end every running request): a top-k past int32 keeps every token, a top-p that float32 rounds
+    to 0 keeps the most likely one, so that request decodes greedily."""
+    engine = Engine(model, slots=2, cache_length=128)
+    running = engine.submit(Request([3, 4, 5], 12, temperature=0))
+    engine.step()
+    extreme = engine.submit(Request([1, 2], 8, temperature=1.0, top_k=10**13, top_p=1e-300, seed=2**70))
+    run_until(engine, running)
+    run_until(engine, extreme)
+    assert running.finish_reason == extreme.finish_reason == "length"
+    assert running.tokens == generate(model, [[3, 4, 5]], 12, temperature=0)[0]
+    assert extreme.tokens == generate(model, [[1, 2]], 8, temperature=0)[0]
+
+
 def test_text_stream_releases_whole_characters_and_holds_back_stop_strings():
     tokenizer = get_tokenizer()
     text = "naïve café — 東京 and more"

@@ -163,6 +163,16 @@ def test_filters_never_emit_excluded_tokens(knobs, allowed):
     assert set(draws.tolist()) == allowed  # every allowed token appears, no other one does
 
 
+@pytest.mark.parametrize("extreme, meaning", [
+    (dict(top_k=10**13), dict()),  # past int32: every token kept, as with any k >= the vocabulary
+    (dict(top_p=1e-300), dict(top_k=1)),  # float32 rounds it to 0: the most likely token only
+])
+def test_extreme_knobs_keep_their_meaning(extreme, meaning):
+    logits = LOGITS[::-1]  # the most likely token last: an all-excluded row would draw token 0
+    draws = lambda knobs: _draws(logits, SamplingParams.create(temperature=1.0, **knobs), n=500)  # noqa: E731
+    np.testing.assert_array_equal(draws(extreme), draws(meaning))
+
+
 def test_filter_threshold_matches_definition():
     params = SamplingParams.create(temperature=1.0, top_p=0.6)
     kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(LOGITS)[None], params))[0])
@@ -245,6 +255,8 @@ def test_streaming_hands_out_each_token_in_order(model):
         ([], {}, "non-empty list"),
         ([[1] * 60], dict(max_new_tokens=10), "that is 70, beyond the model's context of 64 tokens"),
         ([[1, 2]], dict(temperature=-0.5), "temperature must be >= 0"),
+        ([[1, 2]], dict(temperature=float("inf")), r"temperature must be >= 0 \(0 is greedy\) and finite, got inf"),
+        ([[1, 2]], dict(repetition_penalty=float("inf")), "repetition_penalty must be > 0 .* and finite, got inf"),
         ([[1, 2]], dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         ([[1, 2]], dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
         ([[1, 2]], dict(top_k=0), "top_k must be an integer >= 1"),

@@ -240,7 +240,7 @@ def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path,
     ("train.py", ["--mesh", "data=3"], "mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but there are 1"),
     ("train.py", ["--init_from", "/no/such/dir"], "'/no/such/dir' is neither a directory nor a GPT-2 hub name"),
     ("train.py", ["--warmup_steps", "50", "--max_steps", "10"], "warmup_steps=50 must be in [0, max_steps=10)"),
-    ("sample.py", ["--temperature", "-1"], "temperature must be >= 0 (0 is greedy), got -1.0"),
+    ("sample.py", ["--temperature", "-1"], "temperature must be >= 0 (0 is greedy) and finite, got -1.0"),
     ("sample.py", ["--init_from", "/no/such/run"], "--init_from '/no/such/run' is not a training out_dir"),
 ])
 def test_user_errors_are_one_line_exit_2_and_come_before_any_compile(tmp_path, script, flags, message):

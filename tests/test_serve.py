@@ -89,6 +89,11 @@ def test_openai_client_completions_equal_generate_text(server, model):
                                                    temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == reply.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 1
+
+    chunks = list(server.client.completions.create(model="tiny", prompt="Hello there", max_tokens=24, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == reply.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
     assert [m.id for m in server.client.models.list().data] == ["tiny"]
 
 
@@ -175,6 +180,10 @@ def test_a_short_request_finishes_while_a_long_one_decodes(server):
     ({"model": "tiny", "prompt": "x", "n": 0}, "n", r"n must be in \[1, 16\]"),
     ({"model": "tiny", "prompt": "x", "logprobs": 9}, "logprobs", r"logprobs must be in \[0, 5\]"),
     ({"model": "tiny", "prompt": "x", "stop": 3}, "stop", "stop must be"),
+    ({"model": "tiny", "prompt": ["a", "b", "c"], "n": 6}, "n", r"3 prompts x n=6 is 18 completions; at most 16"),
+    ({"model": "tiny", "prompt": "x", "echo": True}, "echo", "echo is not supported"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias", "logit_bias is not supported"),
+    ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": [1]}, "stream_options", "must be an object"),
     ([1, 2], None, "must be a JSON object"),
 ])
 def test_bad_requests_get_400_naming_the_field(server, body, param, message):
@@ -183,6 +192,23 @@ def test_bad_requests_get_400_naming_the_field(server, body, param, message):
     error = reply.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert __import__("re").search(message, error["message"])
+
+
+def test_json_infinities_are_bounded_and_huge_knobs_run(server, model):
+    """Python's JSON reader takes NaN and Infinity: a knob that must be finite gets a 400, and a top-k past
+    int32 runs (it keeps every token) without failing the requests beside it."""
+    post = lambda body: httpx.post(server.url + "/v1/completions", content=body,  # noqa: E731
+                                   headers={"content-type": "application/json"}, timeout=60)
+    for field in ("temperature", "repetition_penalty"):
+        reply = post(f'{{"model": "tiny", "prompt": "x", "{field}": Infinity}}')
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field
+        assert "finite, got inf" in reply.json()["error"]["message"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(server.client.completions.create, model="tiny", prompt="Beside", max_tokens=12,
+                             temperature=0)
+        huge = post('{"model": "tiny", "prompt": "x", "max_tokens": 4, "top_k": 1e300, "seed": 1}')
+        assert beside.result().choices[0].text == alone(model, "Beside", 12)
+    assert huge.status_code == 200 and huge.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_malformed_json_gets_400_and_the_server_stays_up(server, model):
