@@ -6,6 +6,7 @@ from gpt.cli import parse_train_config
 from gpt.compilation_cache import enable_compilation_cache
 from gpt.errors import cli_main
 from gpt.generate import generate_text
+from gpt.tokenizer import get_tokenizer
 from gpt.train import train
 
 
@@ -17,8 +18,9 @@ def main(argv: list[str]) -> int:
     if summary["signal"] is not None:
         return 128 + summary["signal"]  # stopped, not finished: the shell's convention for a signal
     if config.sample_tokens and summary["val_loss"] is not None:
-        prompt = "def "
-        text = generate_text(summary["model"], [prompt], config.sample_tokens, temperature=0.8, top_k=200)[0]
+        prompt, model = "def ", summary["model"]
+        room = model.config.block_size - len(get_tokenizer().encode(prompt))  # a small context holds fewer
+        text = generate_text(model, [prompt], min(config.sample_tokens, room), temperature=0.8, top_k=200)[0]
         print(f"\nval loss {summary['val_loss']:.3f}; a sample:\n{prompt}{text}")
     return 0
 

@@ -240,6 +240,12 @@ def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path,
     ("train.py", ["--mesh", "data=3"], "mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but there are 1"),
     ("train.py", ["--init_from", "/no/such/dir"], "'/no/such/dir' is neither a directory nor a GPT-2 hub name"),
     ("train.py", ["--warmup_steps", "50", "--max_steps", "10"], "warmup_steps=50 must be in [0, max_steps=10)"),
+    ("train.py", ["--lr", "inf"], "TrainConfig.lr must be positive and finite, got inf"),
+    ("train.py", ["--beta2", "1.5"], "TrainConfig.beta2 must be in [0, 1), got 1.5"),
+    ("train.py", ["--weight_decay", "nan"], "TrainConfig.weight_decay must be >= 0 and finite, got nan"),
+    ("train.py", ["--grad_clip", "-1"], "TrainConfig.grad_clip must be >= 0 and finite, got -1.0"),
+    ("train.py", ["--peak_flops", "nan"], "TrainConfig.peak_flops must be positive and finite, got nan"),
+    ("train.py", ["--sample_tokens", "-5"], "TrainConfig.sample_tokens must be >= 0, got -5"),
     ("sample.py", ["--temperature", "-1"], "temperature must be >= 0 (0 is greedy) and finite, got -1.0"),
     ("sample.py", ["--init_from", "/no/such/run"], "--init_from '/no/such/run' is not a training out_dir"),
 ])
@@ -254,7 +260,7 @@ def test_user_errors_are_one_line_exit_2_and_come_before_any_compile(tmp_path, s
     assert "Compiling" not in result.stderr and "Finished XLA compilation" not in result.stderr, "compiled first"
 
 
-def test_newcomer_defaults_work(tmp_path, corpus):
+def test_newcomer_defaults_work(tmp_path, corpus, capsys):
     assert TrainConfig(max_steps=10).warmup == 1 and TrainConfig().warmup == 30  # short runs clamp the warmup
     with pytest.raises(ConfigError, match=r"warmup_steps=10 must be in \[0, max_steps=10\)"):
         TrainConfig(warmup_steps=10, max_steps=10)  # no step left for the decay (optax would fail at compile)
@@ -268,6 +274,14 @@ def test_newcomer_defaults_work(tmp_path, corpus):
     flags = cli_flags(data=(corpus,), out_dir=str(tmp_path / "again"), max_steps=3, sample_tokens=0)
     assert script.main(flags) == 0
     assert script.main(flags) == 0  # a finished out_dir: nothing to do, no crash
+    # The closing sample asks for no more tokens than the model's context holds (the tiny preset's is 64,
+    # below the default 200): it had failed the run at its very end.
+    small_context = [*cli_flags(data=(corpus,), out_dir=str(tmp_path / "sampled"), max_steps=3, sample_tokens=200),
+                     "--model.block_size=48"]
+    capsys.readouterr()
+    assert script.main(small_context) == 0
+    sample = capsys.readouterr().out.split("a sample:\n", 1)[1]
+    assert sample.startswith("def ") and len(sample) > 40
 
 
 def test_every_flag_has_help(capsys):
