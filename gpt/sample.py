@@ -15,8 +15,11 @@ from gpt.generate import generate_text
 from gpt.model import GPT
 from gpt.sampling import SamplingParams
 from gpt.sharding import make_mesh, parse_mesh
+from gpt.tokenizer import get_tokenizer
 
 __all__ = ["SampleConfig", "load", "sample"]
+
+_DEFAULT_NEW_TOKENS = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +32,9 @@ class SampleConfig:
     start: str = "\n"
     """The prompt, or FILE:path to read it from a file."""
     num_samples: int = 3
-    max_new_tokens: int = 200
+    max_new_tokens: int | None = None
+    """Tokens added to the prompt; default 200, or fewer when the model's context holds fewer after the
+    prompt. A number given here must fit."""
     temperature: float = 0.8
     """0 is greedy."""
     top_k: int | None = 200
@@ -69,7 +74,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
                  repetition_penalty=config.repetition_penalty)
     SamplingParams.check(**knobs)  # raises ConfigError naming the knob and its bound
     for name in ("num_samples", "max_new_tokens"):
-        if getattr(config, name) < 1:
+        if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ConfigError(f"SampleConfig.{name} must be >= 1, got {getattr(config, name)}")
     if config.start.startswith("FILE:") and not Path(config.start[5:]).is_file():
         raise MissingInput(f"--start {config.start!r}: no such file")
@@ -77,13 +82,20 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     # Laid out for decoding (and quantized) once, for every sample.
     decoder = Decoder.of(load(config.init_from, config.dtype), config.quantize, mesh)
+    max_new_tokens = config.max_new_tokens
+    if max_new_tokens is None:
+        room = decoder.config.block_size - len(get_tokenizer().encode(start))
+        if room < 1:
+            raise ConfigError(f"--start has {decoder.config.block_size - room} tokens: the model's context of "
+                              f"{decoder.config.block_size} tokens leaves no room for new ones")
+        max_new_tokens = min(_DEFAULT_NEW_TOKENS, room)
     texts = []
     for i in range(config.num_samples if config.stream else 1):
         rows = 1 if config.stream else config.num_samples
         on_text = (lambda row, piece: (out.write(piece), out.flush())) if config.stream else None
         if config.stream:
             out.write(start)
-        batch = generate_text(decoder, [start] * rows, config.max_new_tokens, seed=config.seed + i,
+        batch = generate_text(decoder, [start] * rows, max_new_tokens, seed=config.seed + i,
                               on_text=on_text, **knobs)
         texts.extend(batch)
         if config.stream:

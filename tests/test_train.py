@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from gpt.checkpoint import CheckpointManager, load_model
+from gpt.config import GPTConfig
 from gpt.data import unigram_loss
 from gpt.errors import ConfigError
 from gpt.train import NonFiniteStep
-from training import ROOT, cli_flags, flat, run
+from gpt.tokenizer import get_tokenizer
+from training import MODEL, ROOT, cli_flags, flat, run
 
 
 def test_validation_loss_falls_well_below_the_unigram_loss(tmp_path, prose_text):
@@ -127,10 +129,16 @@ def test_sample_and_export_from_a_training_run(tmp_path, corpus):
     from gpt.export import ExportConfig, main as export
     from gpt.sample import SampleConfig, sample
 
-    run(tmp_path, corpus, max_steps=4)
+    run(tmp_path, corpus, max_steps=4, model=GPTConfig.preset("small", **MODEL, block_size=64))
     out = io.StringIO()
     texts = sample(SampleConfig(init_from=str(tmp_path / "run"), start="ROMEO:", num_samples=2, max_new_tokens=6), out)
     assert len(texts) == 2 and out.getvalue().count("ROMEO:") == 2
+    # No --max_new_tokens: 200, or what the context holds after the prompt (here 64 - 3); a number must fit.
+    room = 64 - len(get_tokenizer().encode("ROMEO:"))
+    fitted = dict(init_from=str(tmp_path / "run"), start="ROMEO:", num_samples=1, temperature=0)
+    assert sample(SampleConfig(**fitted), io.StringIO()) == sample(SampleConfig(**fitted, max_new_tokens=room), io.StringIO())
+    with pytest.raises(ConfigError, match="that is 65, beyond the model's context of 64 tokens"):
+        sample(SampleConfig(**fitted, max_new_tokens=room + 1), io.StringIO())
     greedy = dict(init_from=str(tmp_path / "run"), start="ROMEO:", num_samples=2, max_new_tokens=6, temperature=0)
     assert sample(SampleConfig(**greedy, mesh="data=4,tensor=2"), io.StringIO()) == sample(SampleConfig(**greedy), io.StringIO())
     export(ExportConfig(out_dir=str(tmp_path / "run"), hf_dir=str(tmp_path / "hf")))
