@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import jax.numpy as jnp
@@ -80,10 +81,9 @@ class GPTConfig:
             raise ConfigError(f"GPTConfig.position='sinusoidal' needs an even n_embd, got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
-        if self.rope_theta <= 0:
-            raise ConfigError(f"GPTConfig.rope_theta must be positive, got {self.rope_theta}")
-        if self.layer_norm_epsilon <= 0:
-            raise ConfigError(f"GPTConfig.layer_norm_epsilon must be positive, got {self.layer_norm_epsilon}")
+        for name in ("rope_theta", "layer_norm_epsilon"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"GPTConfig.{name} must be positive and finite, got {getattr(self, name)}")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ConfigError(

@@ -9,6 +9,7 @@ can be trusted), `gpt.metrics` (what is logged), `gpt.data` (corpus and loader).
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 import time
 from pathlib import Path
@@ -124,8 +125,22 @@ class TrainConfig:
                 raise ConfigError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup < self.max_steps:  # the cosine decay needs at least one step after the warmup
             raise ConfigError(f"TrainConfig.warmup_steps={self.warmup} must be in [0, max_steps={self.max_steps})")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"TrainConfig.lr must be positive and finite, got {self.lr}")
         if not 0 < self.min_lr <= self.lr:
             raise ConfigError(f"TrainConfig.min_lr={self.min_lr} must be in (0, lr={self.lr}]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"TrainConfig.{name} must be >= 0 and finite, got {getattr(self, name)}")
+        if self.peak_flops is not None and not 0 < self.peak_flops < math.inf:
+            raise ConfigError(f"TrainConfig.peak_flops must be positive and finite, got {self.peak_flops}")
+        if not self.prepare_timeout_s > 0:
+            raise ConfigError(f"TrainConfig.prepare_timeout_s must be > 0, got {self.prepare_timeout_s}")
+        if self.sample_tokens < 0:
+            raise ConfigError(f"TrainConfig.sample_tokens must be >= 0, got {self.sample_tokens}")
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"TrainConfig.val_fraction must be in (0, 1), got {self.val_fraction}")
         for name in ("stop_after", "block_size"):

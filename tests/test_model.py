@@ -69,6 +69,8 @@ def test_bf16_compute_with_float32_params():
         (dict(n_layer=0), "GPTConfig.n_layer must be a positive integer"),
         (dict(dropout=1.5), "GPTConfig.dropout must be in [0, 1)"),
         (dict(dtype="float8"), "GPTConfig.dtype must be one of"),
+        (dict(rope_theta=float("nan")), "GPTConfig.rope_theta must be positive and finite, got nan"),
+        (dict(layer_norm_epsilon=float("inf")), "GPTConfig.layer_norm_epsilon must be positive and finite, got inf"),
     ],
 )
 def test_invalid_config_names_the_field(fields, message):
