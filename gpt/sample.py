@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Literal
+from typing import Literal, get_args
 from pathlib import Path
 
 from gpt import gpt2
 from gpt.checkpoint import has_checkpoint, load_model
+from gpt.config import DType
 from gpt.decoding import Decoder
 from gpt.errors import ConfigError, MissingInput
 from gpt.generate import generate_text
@@ -44,7 +45,7 @@ class SampleConfig:
     seed: int = 1337
     stream: bool = False
     """Print each sample's text as it is produced (samples are then generated one after another)."""
-    dtype: str = "float32"
+    dtype: DType = "float32"
     """Compute dtype (bfloat16 on GPUs)."""
     quantize: Literal["none", "int8", "bf16"] = "none"
     """Store the weights for decoding as int8 (a float scale per output channel) or bfloat16."""
@@ -57,6 +58,8 @@ class SampleConfig:
 
 def load(init_from: str, dtype: str = "float32") -> GPT:
     """A GPT from a training out_dir, a Hugging Face GPT-2 directory, or a cached hub name."""
+    if dtype not in get_args(DType):  # before loading: a checkpoint that cannot take it is not a bad one
+        raise ConfigError(f"dtype must be one of {', '.join(get_args(DType))}, got {dtype!r}")
     if has_checkpoint(init_from):
         return load_model(init_from, dtype=dtype)
     if (Path(init_from) / "config.json").is_file() or init_from in gpt2.HUB_NAMES:

@@ -34,6 +34,7 @@ import prometheus_client
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gpt.config import DType
 from gpt.engine import Completion, Engine, EngineStopped, QueueFull, Request
 from gpt.errors import ConfigError
 from gpt.tokenizer import get_tokenizer
@@ -60,7 +61,7 @@ class ServeConfig:
     """Decode steps per device call: more amortize dispatch, fewer stream more smoothly."""
     model_name: str | None = None
     """The name clients pass as `model`; default: the last part of init_from."""
-    dtype: str = "float32"
+    dtype: DType = "float32"
     """Compute dtype (bfloat16 on GPUs)."""
     quantize: Literal["none", "int8", "bf16"] = "none"
     """Store the weights for decoding as int8 (a float scale per output channel) or bfloat16."""
@@ -419,7 +420,7 @@ def serve(config: ServeConfig) -> None:
             raise ConfigError(f"ServeConfig.{name} must be >= 1, got {getattr(config, name)}")
     if not 0 <= config.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {config.port}")
-    if config.shutdown_deadline_s < 0:
+    if not config.shutdown_deadline_s >= 0:
         raise ConfigError(f"--shutdown_deadline_s must be >= 0, got {config.shutdown_deadline_s}")
     enable_compilation_cache(config.compile_cache)
     model = load(config.init_from, config.dtype)

@@ -211,6 +211,20 @@ def test_json_infinities_are_bounded_and_huge_knobs_run(server, model):
     assert huge.status_code == 200 and huge.json()["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("setting, message", [
+    (dict(slots=0), "ServeConfig.slots must be >= 1, got 0"),
+    (dict(port=70000), r"--port must be in \[0, 65535\], got 70000"),
+    (dict(shutdown_deadline_s=float("nan")), "--shutdown_deadline_s must be >= 0, got nan"),
+    (dict(dtype="float64"), "dtype must be one of float32, bfloat16, float16, got 'float64'"),
+])
+def test_bad_server_settings_fail_before_loading(tmp_path, setting, message):
+    from gpt.errors import ConfigError
+    from gpt.serve import ServeConfig, serve
+
+    with pytest.raises(ConfigError, match=message):  # the model path does not exist: nothing was loaded
+        serve(ServeConfig(init_from=str(tmp_path / "no_model"), **{"port": 0, **setting}))
+
+
 def test_malformed_json_gets_400_and_the_server_stays_up(server, model):
     reply = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": ',
                        headers={"content-type": "application/json"})

@@ -139,6 +139,8 @@ def test_sample_and_export_from_a_training_run(tmp_path, corpus):
     assert sample(SampleConfig(**fitted), io.StringIO()) == sample(SampleConfig(**fitted, max_new_tokens=room), io.StringIO())
     with pytest.raises(ConfigError, match="that is 65, beyond the model's context of 64 tokens"):
         sample(SampleConfig(**fitted, max_new_tokens=room + 1), io.StringIO())
+    with pytest.raises(ConfigError, match="dtype must be one of float32, bfloat16, float16, got 'float64'"):
+        sample(SampleConfig(**fitted, dtype="float64"), io.StringIO())  # not "no intact checkpoint"
     greedy = dict(init_from=str(tmp_path / "run"), start="ROMEO:", num_samples=2, max_new_tokens=6, temperature=0)
     assert sample(SampleConfig(**greedy, mesh="data=4,tensor=2"), io.StringIO()) == sample(SampleConfig(**greedy), io.StringIO())
     export(ExportConfig(out_dir=str(tmp_path / "run"), hf_dir=str(tmp_path / "hf")))
