@@ -58,8 +58,8 @@ class Request:
 
     seed, stream: the request's draws are a pure function of (seed, stream, model, prompt, knobs), whatever
       else the engine is running; `generate` gives the rows of one call streams 0, 1, ...
-    stop_tokens: ids that end the completion (not emitted). stop_strings: texts that end it once its
-      decoded output contains one (`Completion.text` is cut before it).
+    stop_tokens: ids that end the completion (not emitted). stop_strings: a text, or texts, that end it
+      once its decoded output contains one (`Completion.text` is cut before it).
     logprobs: how many most likely alternatives to report for each token (0..5); the chosen token's own
       log-probability is always recorded.
     """
@@ -74,7 +74,7 @@ class Request:
     seed: int = 0
     stream: int = 0
     stop_tokens: Sequence[int] = ()
-    stop_strings: Sequence[str] = ()
+    stop_strings: Sequence[str] | str = ()
     logprobs: int = 0
 
 
@@ -212,6 +212,13 @@ class Engine:
                 f"{ids.size + request.max_tokens}, beyond the context of {self.cache_length} tokens")
         SamplingParams.check(request.temperature, request.top_k, request.top_p, request.min_p,
                              request.repetition_penalty)
+        if not isinstance(request.stop_tokens, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in request.stop_tokens):
+            raise ConfigError(f"stop_tokens must be a list of token ids, got {request.stop_tokens!r}")
+        strings = request.stop_strings
+        if not isinstance(strings, str) and (not isinstance(strings, (list, tuple))
+                                             or not all(isinstance(s, str) for s in strings)):
+            raise ConfigError(f"stop_strings must be a string or a list of strings, got {strings!r}")
         stops = list(request.stop_tokens)
         if len(stops) > self.max_stop_tokens:
             raise ConfigError(f"stop_tokens has {len(stops)} ids; at most {self.max_stop_tokens} are allowed")

@@ -74,8 +74,8 @@ def generate(
       max_new_tokens: the most tokens to add to each prompt.
       temperature, top_k, top_p, min_p, repetition_penalty: see `gpt.sampling.SamplingParams`;
         temperature 0 is greedy.
-      stop_tokens: ids that end a row; the stop token itself is not returned.
-      stop_strings: texts that end a row once its decoded output contains one; the row's tokens up to
+      stop_tokens: ids that end a row (one id or a list); the stop token itself is not returned.
+      stop_strings: texts that end a row (one string or a list) once its decoded output contains one; the row's tokens up to
         and including the one that completed the string are returned (`generate_text` cuts the text).
       seed: the PRNG seed; the same seed, prompts and settings give the same tokens.
       on_token: called as on_token(row, token) on the host for each new token while the loop runs.
@@ -89,7 +89,12 @@ def generate(
     """
     config = model.config
     prompts = _validate_prompts(prompts, max_new_tokens, config)
+    max_new_tokens = int(max_new_tokens)  # a numpy integer too
     SamplingParams.check(temperature, top_k, top_p, min_p, repetition_penalty)
+    stop_tokens = [stop_tokens] if isinstance(stop_tokens, (int, np.integer)) else stop_tokens
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Sequence) or any(
+            isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop_tokens):
+        raise ConfigError(f"stop_tokens must be a token id or a list of them, got {stop_tokens!r}")
     stop_tokens = [int(t) for t in stop_tokens]
     if any(not 0 <= t < config.vocab_size for t in stop_tokens):
         raise ConfigError(f"stop_tokens {stop_tokens} must be ids in [0, {config.vocab_size})")
@@ -104,7 +109,7 @@ def generate(
                     max_stop_tokens=_bucket(len(stop_tokens) + 1, 4), quantize=quantize, mesh=mesh)
     knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  repetition_penalty=repetition_penalty, seed=seed, stop_tokens=tuple(stop_tokens),
-                 stop_strings=tuple(stop_strings))
+                 stop_strings=stop_strings)
     shown = [0] * len(prompts)
 
     def streamer(row: int):
@@ -134,6 +139,9 @@ def generate_text(
     Other keyword arguments are `generate`'s."""
     if isinstance(prompts, str):
         raise ConfigError("prompts must be a list of strings, got one string")
+    for row, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise ConfigError(f"prompts must be a list of strings; prompt {row} is {type(prompt).__name__}")
     tokenizer = get_tokenizer()
     streams = [TextStream(stop_strings) for _ in prompts]  # each row's text, decoded once
 

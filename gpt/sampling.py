@@ -62,6 +62,12 @@ class SamplingParams:
     @staticmethod
     def check(temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
         """Raise ConfigError naming the first knob outside its bound (plain Python: nothing compiles)."""
+        knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                     repetition_penalty=repetition_penalty)
+        for name, value in knobs.items():
+            optional = name in ("top_k", "top_p", "min_p")
+            if not (optional and value is None) and (isinstance(value, bool) or not isinstance(value, (int, float, np.number))):
+                raise ConfigError(f"{name} must be a number{' or None' if optional else ''}, got {value!r}")
         if temperature is None or not 0 <= temperature < float("inf"):
             raise ConfigError(f"temperature must be >= 0 (0 is greedy) and finite, got {temperature}")
         if top_k is not None and (int(top_k) != top_k or top_k < 1):

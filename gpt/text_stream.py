@@ -23,7 +23,8 @@ class TextStream:
     that is safe to show and not shown yet; `finish()` returns the rest.
     """
 
-    def __init__(self, stop_strings: Sequence[str] = ()):
+    def __init__(self, stop_strings: Sequence[str] | str = ()):
+        stop_strings = (stop_strings,) if isinstance(stop_strings, str) else stop_strings  # one, not its characters
         self.stop_strings = tuple(s for s in stop_strings if s)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._token_bytes = get_tokenizer().encoding.decode_single_token_bytes

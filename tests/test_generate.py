@@ -204,6 +204,7 @@ def test_stop_tokens_end_each_row_on_its_own(model):
         expected = free[row][: free[row].index(stop)] if stop in free[row] else free[row]
         assert stopped[row] == expected
     assert len(stopped[0]) == free[0].index(stop) < 16
+    assert generate(model, prompts, np.int64(16), temperature=0, stop_tokens=stop) == stopped  # one id, numpy
 
 
 def test_stop_strings_end_each_row_on_its_own():
@@ -221,6 +222,9 @@ def test_stop_strings_end_each_row_on_its_own():
         assert stopped[row] == free[row][:cut]
     texts = generate_text(model, [tokenizer.decode(p) for p in prompts], 20, temperature=0, stop_strings=[stop])
     assert stop not in texts[0] and tokenizer.decode(free[0]).startswith(texts[0])
+    assert generate_text(model, [tokenizer.decode(p) for p in prompts], 20, temperature=0, stop_strings=stop) == texts
+    with pytest.raises(ConfigError, match="prompts must be a list of strings; prompt 0 is bytes"):
+        generate_text(model, [b"Hello there"], 20)
     # Streamed, each row's pieces arrive as it decodes and add up to its text.
     pieces = {0: [], 1: []}
     streamed = generate_text(model, [tokenizer.decode(p) for p in prompts], 20, temperature=0, stop_strings=[stop],
@@ -255,6 +259,8 @@ def test_streaming_hands_out_each_token_in_order(model):
         ([], {}, "non-empty list"),
         ([[1] * 60], dict(max_new_tokens=10), "that is 70, beyond the model's context of 64 tokens"),
         ([[1, 2]], dict(temperature=-0.5), "temperature must be >= 0"),
+        ([[1, 2]], dict(temperature="0.5"), "temperature must be a number, got '0.5'"),
+        ([[1, 2]], dict(stop_tokens="5"), "stop_tokens must be a token id or a list of them, got '5'"),
         ([[1, 2]], dict(temperature=float("inf")), r"temperature must be >= 0 \(0 is greedy\) and finite, got inf"),
         ([[1, 2]], dict(repetition_penalty=float("inf")), "repetition_penalty must be > 0 .* and finite, got inf"),
         ([[1, 2]], dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
