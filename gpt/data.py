@@ -211,8 +211,12 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
         raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if shard_tokens < 1:
         raise ConfigError(f"shard_tokens must be >= 1, got {shard_tokens}")
+    if workers is not None and workers < 1:
+        raise ConfigError(f"workers must be >= 1 (or None for every core), got {workers}")
     workers = workers or os.cpu_count() or 1
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"out_dir '{out_dir}' is a file, not a directory")
     corpus_sources = corpus_sources if corpus_sources is not None else sources(inputs)
     paths = [Path(source["path"]) for source in corpus_sources]
     tokenizer = get_tokenizer()

@@ -262,6 +262,8 @@ def train(config: TrainConfig, log=print) -> dict:
     input (before any compile), RunFailed (NonFiniteStep, a failed save) when the run must stop.
     """
     out_dir = Path(config.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"TrainConfig.out_dir '{out_dir}' is a file, not a directory")
     if config.distributed or any(v is not None for v in (config.coordinator_address, config.num_processes,
                                                          config.process_id)):
         initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)

@@ -194,6 +194,14 @@ def test_a_missing_parquet_column_names_the_columns(tmp_path):
         prepare([tmp_path / "x.parquet"], tmp_path / "out")
 
 
+def test_bad_settings_name_themselves_before_reading(tmp_path, corpus):
+    with pytest.raises(ConfigError, match=r"workers must be >= 1 \(or None for every core\), got 0"):
+        prepare([corpus], tmp_path / "d", workers=0)
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ConfigError, match="out_dir '.*a_file' is a file, not a directory"):
+        prepare([corpus], tmp_path / "a_file")
+
+
 def test_prepare_skips_unchanged_inputs_and_redoes_changed(tmp_path, corpus):
     prepare([corpus], tmp_path)
     stamp = (tmp_path / "train_00000.bin").stat().st_mtime_ns

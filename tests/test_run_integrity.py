@@ -241,6 +241,7 @@ def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path,
     ("train.py", ["--init_from", "/no/such/dir"], "'/no/such/dir' is neither a directory nor a GPT-2 hub name"),
     ("train.py", ["--warmup_steps", "50", "--max_steps", "10"], "warmup_steps=50 must be in [0, max_steps=10)"),
     ("train.py", ["--lr", "inf"], "TrainConfig.lr must be positive and finite, got inf"),
+    ("train.py", ["--out_dir", "/etc/hostname"], "TrainConfig.out_dir '/etc/hostname' is a file, not a directory"),
     ("train.py", ["--beta2", "1.5"], "TrainConfig.beta2 must be in [0, 1), got 1.5"),
     ("train.py", ["--weight_decay", "nan"], "TrainConfig.weight_decay must be >= 0 and finite, got nan"),
     ("train.py", ["--grad_clip", "-1"], "TrainConfig.grad_clip must be >= 0 and finite, got -1.0"),
@@ -250,8 +251,8 @@ def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path,
     ("sample.py", ["--init_from", "/no/such/run"], "--init_from '/no/such/run' is not a training out_dir"),
 ])
 def test_user_errors_are_one_line_exit_2_and_come_before_any_compile(tmp_path, script, flags, message):
-    result = subprocess.run([sys.executable, str(ROOT / script), *flags, *(["--out_dir", str(tmp_path / "o")]
-                             if script == "train.py" else [])], env={**ENV, "JAX_LOG_COMPILES": "1"},
+    own_dir = ["--out_dir", str(tmp_path / "o")] if script == "train.py" else []  # a flag's own --out_dir wins
+    result = subprocess.run([sys.executable, str(ROOT / script), *own_dir, *flags], env={**ENV, "JAX_LOG_COMPILES": "1"},
                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.strip().splitlines()]
