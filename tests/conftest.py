@@ -48,3 +48,13 @@ def prose_text() -> str:
     from pydoc_data.topics import topics
 
     return "".join(topics[name] for name in sorted(topics))
+
+
+@pytest.fixture(autouse=True)
+def no_persistent_cache_left_on():
+    """A test that runs a CLI's main() in process must pass --no-compile_cache: once on, JAX's persistent
+    cache would serialize every later test's programs (and a serialization crashed XLA once, mid-suite)."""
+    yield
+    import jax
+
+    assert jax.config.jax_compilation_cache_dir is None, "this test left JAX's persistent compilation cache on"

@@ -272,13 +272,15 @@ def test_newcomer_defaults_work(tmp_path, corpus, capsys):
     spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    flags = cli_flags(data=(corpus,), out_dir=str(tmp_path / "again"), max_steps=3, sample_tokens=0)
+    # --no-compile_cache: main() would turn JAX's persistent cache on for the rest of this test process.
+    flags = [*cli_flags(data=(corpus,), out_dir=str(tmp_path / "again"), max_steps=3, sample_tokens=0),
+             "--no-compile_cache"]
     assert script.main(flags) == 0
     assert script.main(flags) == 0  # a finished out_dir: nothing to do, no crash
     # The closing sample asks for no more tokens than the model's context holds (the tiny preset's is 64,
     # below the default 200): it had failed the run at its very end.
     small_context = [*cli_flags(data=(corpus,), out_dir=str(tmp_path / "sampled"), max_steps=3, sample_tokens=200),
-                     "--model.block_size=48"]
+                     "--model.block_size=48", "--no-compile_cache"]
     capsys.readouterr()
     assert script.main(small_context) == 0
     sample = capsys.readouterr().out.split("a sample:\n", 1)[1]
