@@ -3,7 +3,7 @@
     POST /v1/completions   prompt (a string, strings, token ids, or lists of them), max_tokens,
                            temperature, top_p, n, stop, seed, stream (server-sent events), logprobs,
                            and the extras top_k, min_p, repetition_penalty
-    GET  /v1/models        the one model served
+    GET  /v1/models        the one model served (and /v1/models/NAME: it, or 404)
     GET  /health           200 while serving, 503 while shutting down
     GET  /metrics          Prometheus: queue depth, live slots, tokens, tokens/s, time to first token,
                            inter-token latency
@@ -221,9 +221,17 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok", "live_slots": engine.live_slots, "queue_depth": engine.queue_depth}
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "gpt"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "gpt"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != model_name:
+            return _error(404, f"model {name!r} is not served here; the model is {model_name!r}", "model")
+        return card
 
     @app.get("/metrics")
     async def prometheus():

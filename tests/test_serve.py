@@ -95,6 +95,9 @@ def test_openai_client_completions_equal_generate_text(server, model):
     assert "".join(c.choices[0].text for c in chunks[:-1]) == reply.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
     assert [m.id for m in server.client.models.list().data] == ["tiny"]
+    assert server.client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("gpt-4")
 
 
 def test_prompts_as_lists_ids_n_logprobs_and_stop(server, model):
