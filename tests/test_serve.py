@@ -225,7 +225,7 @@ def test_bad_server_settings_fail_before_loading(tmp_path, setting, message):
     from gpt.serve import ServeConfig, serve
 
     with pytest.raises(ConfigError, match=message):  # the model path does not exist: nothing was loaded
-        serve(ServeConfig(init_from=str(tmp_path / "no_model"), **{"port": 0, **setting}))
+        serve(ServeConfig(init_from=str(tmp_path / "no_model"), compile_cache=False, **{"port": 0, **setting}))
 
 
 def test_malformed_json_gets_400_and_the_server_stays_up(server, model):
