@@ -58,3 +58,14 @@ def no_persistent_cache_left_on():
     import jax
 
     assert jax.config.jax_compilation_cache_dir is None, "this test left JAX's persistent compilation cache on"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_compile_caches():
+    """Each test module ends by dropping the programs it compiled. Without this one pytest process holds
+    every program of the suite (~5 GB by its middle), and twice in full runs XLA segfaulted while compiling
+    or serializing in the last module, never when that module ran alone or after a few others."""
+    yield
+    import jax
+
+    jax.clear_caches()
