@@ -5,8 +5,7 @@ import sys
 from gpt.cli import parse_train_config
 from gpt.compilation_cache import enable_compilation_cache
 from gpt.errors import cli_main
-from gpt.generate import generate_text
-from gpt.tokenizer import get_tokenizer
+from gpt.generate import generate_text, new_tokens_that_fit
 from gpt.train import train
 
 
@@ -19,8 +18,8 @@ def main(argv: list[str]) -> int:
         return 128 + summary["signal"]  # stopped, not finished: the shell's convention for a signal
     if config.sample_tokens and summary["val_loss"] is not None:
         prompt, model = "def ", summary["model"]
-        room = model.config.block_size - len(get_tokenizer().encode(prompt))  # a small context holds fewer
-        text = generate_text(model, [prompt], min(config.sample_tokens, room), temperature=0.8, top_k=200)[0]
+        tokens = new_tokens_that_fit(model.config, prompt, config.sample_tokens)  # a small context holds fewer
+        text = generate_text(model, [prompt], tokens, temperature=0.8, top_k=200)[0]
         print(f"\nval loss {summary['val_loss']:.3f}; a sample:\n{prompt}{text}")
     return 0
 

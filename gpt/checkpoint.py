@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from gpt.config import GPTConfig
+from gpt.config import GPTConfig, check_dtype
 from gpt.errors import MissingInput, RunFailed
 from gpt.model import GPT
 from gpt.sharding import replicated
@@ -257,6 +257,8 @@ def load_model(out_dir: str | os.PathLike, step: int | None = None, dtype: str |
 
     Checksums and finiteness are verified; a corrupt newest step is skipped with a warning (not moved:
     reading a run never changes it)."""
+    if dtype is not None:
+        check_dtype(dtype)  # the caller's, not a checkpoint's fault: never "no intact checkpoint"
     manager = CheckpointManager(out_dir, async_save=False)
     try:
         steps = sorted(manager.manager.all_steps(), reverse=True) if step is None else [step]

@@ -18,6 +18,12 @@ DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def check_dtype(dtype: str, name: str = "dtype") -> None:
+    """Raise ConfigError naming `name` unless `dtype` is one of `DType`'s."""
+    if dtype not in _DTYPES:
+        raise ConfigError(f"{name} must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """A decoder-only transformer.
@@ -85,10 +91,7 @@ class GPTConfig:
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"GPTConfig.{name} must be positive and finite, got {getattr(self, name)}")
         for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ConfigError(
-                    f"GPTConfig.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}"
-                )
+            check_dtype(getattr(self, name), f"GPTConfig.{name}")
 
     @property
     def head_dim(self) -> int:

@@ -38,7 +38,7 @@ from gpt.sharding import data_parallel_size
 from gpt.text_stream import TextStream
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "prompt_buckets",
+__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "check_stop_tokens", "prompt_buckets",
            "decode_widths"]
 
 _MIN_PROMPT_BUCKET = 16
@@ -58,7 +58,7 @@ class Request:
 
     seed, stream: the request's draws are a pure function of (seed, stream, model, prompt, knobs), whatever
       else the engine is running; `generate` gives the rows of one call streams 0, 1, ...
-    stop_tokens: ids that end the completion (not emitted). stop_strings: a text, or texts, that end it
+    stop_tokens: an id, or ids, that end the completion (not emitted). stop_strings: a text, or texts, that end it
       once its decoded output contains one (`Completion.text` is cut before it).
     logprobs: how many most likely alternatives to report for each token (0..5); the chosen token's own
       log-probability is always recorded.
@@ -73,7 +73,7 @@ class Request:
     repetition_penalty: float = 1.0
     seed: int = 0
     stream: int = 0
-    stop_tokens: Sequence[int] = ()
+    stop_tokens: int | Sequence[int] = ()
     stop_strings: Sequence[str] | str = ()
     logprobs: int = 0
 
@@ -129,6 +129,19 @@ def check_prompt(prompt, vocab_size: int, name: str = "prompt") -> np.ndarray:
         bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
         raise ConfigError(f"{name} has token id {bad} outside the vocabulary [0, {vocab_size})")
     return ids.astype(np.int32)
+
+
+def check_stop_tokens(stop_tokens, vocab_size: int) -> tuple[int, ...]:
+    """`stop_tokens` (one id or a list of them) as a tuple of ints; ConfigError when it is anything else
+    or holds an id outside [0, vocab_size)."""
+    if isinstance(stop_tokens, (int, np.integer)) and not isinstance(stop_tokens, bool):
+        stop_tokens = [stop_tokens]
+    if not isinstance(stop_tokens, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop_tokens):
+        raise ConfigError(f"stop_tokens must be a token id or a list of them, got {stop_tokens!r}")
+    if any(not 0 <= t < vocab_size for t in stop_tokens):
+        raise ConfigError(f"stop_tokens {list(stop_tokens)} must be ids in [0, {vocab_size})")
+    return tuple(int(t) for t in stop_tokens)
 
 
 def decode_widths(num_slots: int, mesh: Mesh | None) -> list[int]:
@@ -212,18 +225,13 @@ class Engine:
                 f"{ids.size + request.max_tokens}, beyond the context of {self.cache_length} tokens")
         SamplingParams.check(request.temperature, request.top_k, request.top_p, request.min_p,
                              request.repetition_penalty)
-        if not isinstance(request.stop_tokens, (list, tuple)) or any(
-                isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in request.stop_tokens):
-            raise ConfigError(f"stop_tokens must be a list of token ids, got {request.stop_tokens!r}")
+        stops = check_stop_tokens(request.stop_tokens, config.vocab_size)
+        if len(stops) > self.max_stop_tokens:
+            raise ConfigError(f"stop_tokens has {len(stops)} ids; at most {self.max_stop_tokens} are allowed")
         strings = request.stop_strings
         if not isinstance(strings, str) and (not isinstance(strings, (list, tuple))
                                              or not all(isinstance(s, str) for s in strings)):
             raise ConfigError(f"stop_strings must be a string or a list of strings, got {strings!r}")
-        stops = list(request.stop_tokens)
-        if len(stops) > self.max_stop_tokens:
-            raise ConfigError(f"stop_tokens has {len(stops)} ids; at most {self.max_stop_tokens} are allowed")
-        if any(not 0 <= int(t) < config.vocab_size for t in stops):
-            raise ConfigError(f"stop_tokens {stops} must be ids in [0, {config.vocab_size})")
         if not 0 <= request.logprobs <= TOP_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {TOP_LOGPROBS}], got {request.logprobs}")
         return self._settings(request)
@@ -413,8 +421,9 @@ class Engine:
 
     def _settings(self, request: Request) -> Settings:
         """A request's knobs as host scalars (one row of an Admission's settings)."""
+        stops = check_stop_tokens(request.stop_tokens, self.config.vocab_size)
         stop_tokens = np.full((self.max_stop_tokens,), -2, np.int32)
-        stop_tokens[: len(request.stop_tokens)] = request.stop_tokens
+        stop_tokens[: len(stops)] = stops
         params = SamplingParams.create(request.temperature, request.top_k, request.top_p, request.min_p,
                                        request.repetition_penalty)
         return Settings(params=params, seed=np.uint32(request.seed % 2**32), stream=np.uint32(request.stream % 2**32),

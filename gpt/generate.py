@@ -15,14 +15,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from gpt.decoding import Decoder
-from gpt.engine import Engine, Request, check_prompt, prompt_buckets
+from gpt.engine import Engine, Request, check_prompt, check_stop_tokens, prompt_buckets
 from gpt.errors import ConfigError
 from gpt.model import GPT
 from gpt.sampling import SamplingParams
 from gpt.text_stream import TextStream
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["generate", "generate_text"]
+__all__ = ["generate", "generate_text", "new_tokens_that_fit"]
 
 _MIN_NEW_BUCKET = 16
 
@@ -48,6 +48,16 @@ def _validate_prompts(prompts, max_new_tokens: int, config) -> list[list[int]]:
     return checked
 
 
+def new_tokens_that_fit(config, prompt: str, wanted: int) -> int:
+    """min(wanted, the tokens the model's context holds after `prompt`); ConfigError when it holds none.
+    For defaults that must work on any model (an explicit max_new_tokens must fit, or it is an error)."""
+    prompt_tokens = len(get_tokenizer().encode(prompt))
+    if prompt_tokens >= config.block_size:
+        raise ConfigError(f"the prompt has {prompt_tokens} tokens: the model's context of {config.block_size} "
+                          "tokens leaves no room for new ones")
+    return min(wanted, config.block_size - prompt_tokens)
+
+
 def generate(
     model: GPT | Decoder,
     prompts: Sequence[Sequence[int]],
@@ -58,7 +68,7 @@ def generate(
     top_p: float | None = None,
     min_p: float | None = None,
     repetition_penalty: float = 1.0,
-    stop_tokens: Sequence[int] = (),
+    stop_tokens: int | Sequence[int] = (),
     stop_strings: Sequence[str] = (),
     seed: int = 0,
     on_token: Callable[[int, int], None] | None = None,
@@ -91,13 +101,7 @@ def generate(
     prompts = _validate_prompts(prompts, max_new_tokens, config)
     max_new_tokens = int(max_new_tokens)  # a numpy integer too
     SamplingParams.check(temperature, top_k, top_p, min_p, repetition_penalty)
-    stop_tokens = [stop_tokens] if isinstance(stop_tokens, (int, np.integer)) else stop_tokens
-    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Sequence) or any(
-            isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop_tokens):
-        raise ConfigError(f"stop_tokens must be a token id or a list of them, got {stop_tokens!r}")
-    stop_tokens = [int(t) for t in stop_tokens]
-    if any(not 0 <= t < config.vocab_size for t in stop_tokens):
-        raise ConfigError(f"stop_tokens {stop_tokens} must be ids in [0, {config.vocab_size})")
+    stop_tokens = check_stop_tokens(stop_tokens, config.vocab_size)
 
     longest = max(len(p) for p in prompts)
     prompt_bucket = next(b for b in prompt_buckets(config.block_size) if b >= longest)

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Literal, get_args
+from typing import Literal
 from pathlib import Path
 
 from gpt import gpt2
 from gpt.checkpoint import has_checkpoint, load_model
-from gpt.config import DType
+from gpt.config import DType, check_dtype
 from gpt.decoding import Decoder
 from gpt.errors import ConfigError, MissingInput
-from gpt.generate import generate_text
+from gpt.generate import generate_text, new_tokens_that_fit
 from gpt.model import GPT
 from gpt.sampling import SamplingParams
 from gpt.sharding import make_mesh, parse_mesh
-from gpt.tokenizer import get_tokenizer
 
 __all__ = ["SampleConfig", "load", "sample"]
 
@@ -58,8 +57,7 @@ class SampleConfig:
 
 def load(init_from: str, dtype: str = "float32") -> GPT:
     """A GPT from a training out_dir, a Hugging Face GPT-2 directory, or a cached hub name."""
-    if dtype not in get_args(DType):  # before loading: a checkpoint that cannot take it is not a bad one
-        raise ConfigError(f"dtype must be one of {', '.join(get_args(DType))}, got {dtype!r}")
+    check_dtype(dtype)  # before looking at init_from: a bad dtype is the caller's, not the checkpoint's
     if has_checkpoint(init_from):
         return load_model(init_from, dtype=dtype)
     if (Path(init_from) / "config.json").is_file() or init_from in gpt2.HUB_NAMES:
@@ -87,11 +85,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     decoder = Decoder.of(load(config.init_from, config.dtype), config.quantize, mesh)
     max_new_tokens = config.max_new_tokens
     if max_new_tokens is None:
-        room = decoder.config.block_size - len(get_tokenizer().encode(start))
-        if room < 1:
-            raise ConfigError(f"--start has {decoder.config.block_size - room} tokens: the model's context of "
-                              f"{decoder.config.block_size} tokens leaves no room for new ones")
-        max_new_tokens = min(_DEFAULT_NEW_TOKENS, room)
+        max_new_tokens = new_tokens_that_fit(decoder.config, start, _DEFAULT_NEW_TOKENS)
     texts = []
     for i in range(config.num_samples if config.stream else 1):
         rows = 1 if config.stream else config.num_samples

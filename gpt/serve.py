@@ -268,10 +268,10 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             seed=seed, stop_strings=tuple(stop), logprobs=logprobs or 0, stop_tokens=(eot,) if eot is not None else ())
         if knobs["top_k"] == 0:
             knobs["top_k"] = None  # a common way to say "no top-k"
-        stream = body.get("stream") or False
+        stream = False if body.get("stream") is None else body["stream"]
         if not isinstance(stream, bool):
             raise _BadRequest("stream", f"stream must be true or false, got {body.get('stream')!r}")
-        stream_options = body.get("stream_options") or {}
+        stream_options = {} if body.get("stream_options") is None else body["stream_options"]
         if not isinstance(stream_options, dict) or not isinstance(stream_options.get("include_usage", False), bool):
             raise _BadRequest("stream_options", "stream_options must be an object like {\"include_usage\": true}, "
                                                 f"got {json.dumps(body.get('stream_options'))[:80]}")

@@ -189,7 +189,9 @@ def test_no_compile_after_warmup(model):
     (dict(max_tokens=62), "that is 64, beyond the context of 63 tokens"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
     (dict(stop_tokens=list(range(9))), "at most 8 are allowed"),
-    (dict(stop_tokens=5), "stop_tokens must be a list of token ids, got 5"),
+    (dict(stop_tokens="5"), "stop_tokens must be a token id or a list of them, got '5'"),
+    (dict(stop_tokens=[True]), r"stop_tokens must be a token id or a list of them, got \[True\]"),
+    (dict(stop_tokens=256), r"stop_tokens \[256\] must be ids in \[0, 256\)"),
     (dict(stop_strings=[1]), r"stop_strings must be a string or a list of strings, got \[1\]"),
     (dict(logprobs=6), r"logprobs must be in \[0, 5\]"),
 ])
