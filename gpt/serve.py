@@ -10,7 +10,7 @@
 
 Starlette (through FastAPI) on uvicorn does the HTTP; the engine runs on a thread of its own and each
 request waits on an asyncio queue that the engine's thread feeds. A bad request gets OpenAI's error JSON
-with status 400 naming the field; a full queue gets 429. A client that disconnects cancels its requests.
+with status 400 naming the field; a full queue gets 429; a body over the size limit gets 413. A client that disconnects cancels its requests.
 SIGTERM: uvicorn stops accepting connections and waits up to the deadline for running requests, then the
 engine cancels what is left, and the process exits.
 """
@@ -22,6 +22,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import secrets
 import threading
 import time
@@ -65,10 +66,16 @@ class ServeConfig:
     """Compute dtype (bfloat16 on GPUs)."""
     quantize: Literal["none", "int8", "bf16"] = "none"
     """Store the weights for decoding as int8 (a float scale per output channel) or bfloat16."""
+    max_request_mb: float = 8.0
+    """A larger request body gets HTTP 413, unread (64 prompts of 1024 token ids each are ~0.5 MB)."""
     shutdown_deadline_s: float = 10.0
     """On SIGTERM, how long running requests may take to finish before they are cancelled."""
     compile_cache: bool = True
     """Keep compiled programs in the user's cache directory, so that a restart skips most of the warm-up."""
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class _BadRequest(Exception):
@@ -106,21 +113,39 @@ def _number(body: dict, name: str, default, kind=float):
     return kind(value)
 
 
-def _prompts(body: dict) -> list[list[int]]:
-    """The request's prompts as token-id lists: a string, a list of strings, a list of ids, or a list of
-    id lists."""
+async def _read_body(http: HTTPRequest, limit: int) -> bytes:
+    """The request's body; _TooLarge as soon as it is known to pass `limit` bytes (from its declared length,
+    or while it arrives), so a huge body is never held in memory."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _TooLarge
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _prompt_list(body: dict) -> list[str | list[int]]:
+    """The request's prompts, each a string or a token-id list: from a string, a list of strings, a list of
+    ids, or a list of id lists."""
     prompt = body.get("prompt")
-    tokenizer = get_tokenizer()
     is_ids = lambda p: isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)  # noqa: E731
     if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and is_ids(prompt):
         return [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (is_ids(p) and p) for p in prompt):
-        prompts = prompt
-    else:
-        raise _BadRequest("prompt", "prompt must be a non-empty string, list of strings, list of token ids, or list "
-                                    f"of token-id lists, got {json.dumps(prompt)[:80]}")
+    if isinstance(prompt, list) and prompt and is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or (is_ids(p) and p) for p in prompt):
+        return prompt
+    raise _BadRequest("prompt", "prompt must be a non-empty string, list of strings, list of token ids, or list "
+                                f"of token-id lists, got {json.dumps(prompt)[:80]}")
+
+
+def _tokenized(prompts: list[str | list[int]]) -> list[list[int]]:
+    """Each prompt as token ids (strings through GPT-2's tokenizer)."""
+    tokenizer = get_tokenizer()
     ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
     if any(len(p) == 0 for p in ids):
         raise _BadRequest("prompt", "prompt is empty: a completion needs at least one prompt token")
@@ -194,9 +219,9 @@ def _logprobs(choice: _Choice, start: int, end: int, text_offset: int, top: int)
 
 
 def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown_deadline_s: float = 10.0,
-               log: Callable[[str], None] = print) -> FastAPI:
+               max_request_bytes: int = 8 << 20, log: Callable[[str], None] = print) -> FastAPI:
     """The ASGI app over `engine`. Its lifespan warms the engine up and starts its thread, and at shutdown
-    stops it (running requests get up to `shutdown_deadline_s`)."""
+    stops it (running requests get up to `shutdown_deadline_s`). A body over `max_request_bytes` gets 413."""
     metrics = _Metrics(engine)
     state = {"serving": False}
     eot = get_tokenizer().eot_id if engine.config.vocab_size > get_tokenizer().eot_id else None
@@ -246,13 +271,14 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
         for name, inert in _UNSUPPORTED.items():
             if body.get(name) not in inert:
                 raise _BadRequest(name, f"{name} is not supported by this server (got {json.dumps(body[name])[:80]})")
-        prompts = _prompts(body)
+        prompts = _prompt_list(body)
         n = _number(body, "n", 1, int)
         if not 1 <= n <= engine.max_queue:
             raise _BadRequest("n", f"n must be in [1, {engine.max_queue}], got {n}")
         if len(prompts) * n > engine.max_queue:  # more than the queue holds could never be admitted
             raise _BadRequest("n", f"{len(prompts)} prompts x n={n} is {len(prompts) * n} completions; at most "
                                    f"{engine.max_queue} (the server's max_queue) fit in one request")
+        prompts = _tokenized(prompts)  # after the count: a request of many prompts is refused untokenized
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop or []
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
@@ -290,7 +316,10 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
     async def completions(http: HTTPRequest):
         arrived = time.monotonic()
         try:
-            body = json.loads(await http.body())
+            body = json.loads(await _read_body(http, max_request_bytes))
+        except _TooLarge:
+            metrics.requests.labels("413").inc()
+            return _error(413, f"the request body is over {max_request_bytes} bytes (the server's max_request_mb)")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             metrics.requests.labels("400").inc()
             return _error(400, f"the request body is not valid JSON: {e}")
@@ -430,13 +459,15 @@ def serve(config: ServeConfig) -> None:
         raise ConfigError(f"--port must be in [0, 65535], got {config.port}")
     if not config.shutdown_deadline_s >= 0:
         raise ConfigError(f"--shutdown_deadline_s must be >= 0, got {config.shutdown_deadline_s}")
+    if not 0 < config.max_request_mb < math.inf:
+        raise ConfigError(f"--max_request_mb must be positive and finite, got {config.max_request_mb}")
     enable_compilation_cache(config.compile_cache)
     model = load(config.init_from, config.dtype)
     engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
                     steps_per_call=config.steps_per_call, quantize=config.quantize)
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, shutdown_deadline_s=config.shutdown_deadline_s,
-                     log=lambda line: print(line, flush=True))
+                     max_request_bytes=int(config.max_request_mb * 2**20), log=lambda line: print(line, flush=True))
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=config.shutdown_deadline_s))
 

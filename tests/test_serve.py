@@ -218,6 +218,7 @@ def test_json_infinities_are_bounded_and_huge_knobs_run(server, model):
     (dict(slots=0), "ServeConfig.slots must be >= 1, got 0"),
     (dict(port=70000), r"--port must be in \[0, 65535\], got 70000"),
     (dict(shutdown_deadline_s=float("nan")), "--shutdown_deadline_s must be >= 0, got nan"),
+    (dict(max_request_mb=0), "--max_request_mb must be positive and finite, got 0"),
     (dict(dtype="float64"), "dtype must be one of float32, bfloat16, float16, got 'float64'"),
 ])
 def test_bad_server_settings_fail_before_loading(tmp_path, setting, message):
@@ -235,6 +236,17 @@ def test_malformed_json_gets_400_and_the_server_stays_up(server, model):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert server.client.completions.create(model="tiny", prompt="Still", max_tokens=5,
                                             temperature=0).choices[0].text == alone(model, "Still", 5)
+
+
+def test_a_body_over_the_limit_gets_413_unread_and_the_server_stays_up(server, model):
+    body = json.dumps({"model": "tiny", "prompt": "x" * (9 << 20)}).encode()  # the default limit is 8 MiB
+    declared = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    chunked = httpx.post(server.url + "/v1/completions", headers={"content-type": "application/json"},
+                         content=(body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)))  # no length given
+    for reply in (declared, chunked):
+        assert reply.status_code == 413 and "over 8388608 bytes" in reply.json()["error"]["message"]
+    reply = server.client.completions.create(model="tiny", prompt="Still here", max_tokens=6, temperature=0)
+    assert reply.choices[0].text == alone(model, "Still here", 6)
 
 
 def test_metrics_are_exported(server):
