@@ -24,6 +24,8 @@ import dataclasses
 import json
 import math
 import secrets
+import signal
+import sys
 import threading
 import time
 import uuid
@@ -444,9 +446,39 @@ async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updat
                 choice.completion.cancel()
 
 
+class _Signalled(BaseException):
+    """Raised in the main thread by `_StopOnSignal`'s handler (a BaseException, as KeyboardInterrupt is, so
+    that no `except Exception` on the way swallows it)."""
+
+
+class _StopOnSignal:
+    """While open, SIGINT and SIGTERM end the block (`received` names the signal); on leaving, the previous
+    handlers return. Outside the main thread, where Python takes no signals, it does nothing."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received is None:  # a second signal while the first unwinds changes nothing
+            self.received = signum
+            raise _Signalled
+
+    def __exit__(self, kind, error, traceback):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        return kind is _Signalled
+
+
 def serve(config: ServeConfig) -> None:
-    """Load the model, build the engine, and serve until SIGINT or SIGTERM. Settings are checked before
-    anything loads or compiles."""
+    """Load the model, build and warm up the engine, and serve until SIGINT or SIGTERM. Settings are checked
+    before anything loads or compiles; a signal before serving exits at once with status 128 + its number."""
     import uvicorn
 
     from gpt.compilation_cache import enable_compilation_cache
@@ -462,12 +494,20 @@ def serve(config: ServeConfig) -> None:
     if not 0 < config.max_request_mb < math.inf:
         raise ConfigError(f"--max_request_mb must be positive and finite, got {config.max_request_mb}")
     enable_compilation_cache(config.compile_cache)
-    model = load(config.init_from, config.dtype)
-    engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
-                    steps_per_call=config.steps_per_call, quantize=config.quantize)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    # Loading and warm-up run before uvicorn takes the signals (a GPT-2 warm-up takes 20-40 s on a CPU): a
+    # signal then stops the process at once (after the compile under way), with nothing to lose.
+    with _StopOnSignal() as stop:
+        model = load(config.init_from, config.dtype)
+        engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
+                        steps_per_call=config.steps_per_call, quantize=config.quantize)
+        engine.warmup(log)
+    if stop.received is not None:
+        print(f"stopped by {signal.Signals(stop.received).name} before serving", file=sys.stderr, flush=True)
+        sys.exit(128 + stop.received)
     name = config.model_name or Path(config.init_from.rstrip("/")).name
-    app = create_app(engine, name, shutdown_deadline_s=config.shutdown_deadline_s,
-                     max_request_bytes=int(config.max_request_mb * 2**20), log=lambda line: print(line, flush=True))
+    app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,
+                     max_request_bytes=int(config.max_request_mb * 2**20), log=log)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=config.shutdown_deadline_s))
 
@@ -475,7 +515,7 @@ def serve(config: ServeConfig) -> None:
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
-        if server.started:
+        if server.started and not server.should_exit:  # a signal in start-up: its sockets may be closed already
             port = server.servers[0].sockets[0].getsockname()[1]
             print(f"serving {name!r} on http://{config.host}:{port}/v1 ({engine.num_slots} slots)", flush=True)
         await task

@@ -285,6 +285,22 @@ def test_a_full_queue_gets_429_and_a_disconnect_frees_the_slot(model):
         server.stop()
 
 
+def test_a_signal_during_warm_up_stops_the_server_at_once(tmp_path, model):
+    gpt2.save(model, tmp_path / "model")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "serve.py"), "--init_from", str(tmp_path / "model"), "--port", "0",
+         "--no-compile_cache"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        assert next(process.stdout).startswith("warm-up: compiling prefill 1/")
+        process.send_signal(signal.SIGTERM)  # 7 more shapes to compile: it had waited for them all, then crashed
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+        assert process.stderr.read().strip().endswith("stopped by SIGTERM before serving")
+    finally:
+        process.kill()
+        process.wait()
+
+
 def test_sigterm_finishes_running_requests_and_exits(tmp_path, model):
     gpt2.save(model, tmp_path / "model")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
