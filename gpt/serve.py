@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gpt.config import DType
 from gpt.engine import Completion, Engine, EngineStopped, QueueFull, Request
 from gpt.errors import ConfigError
+from gpt.signals import StopSignals
 from gpt.tokenizer import get_tokenizer
 
 __all__ = ["ServeConfig", "create_app", "serve"]
@@ -446,36 +447,6 @@ async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updat
                 choice.completion.cancel()
 
 
-class _Signalled(BaseException):
-    """Raised in the main thread by `_StopOnSignal`'s handler (a BaseException, as KeyboardInterrupt is, so
-    that no `except Exception` on the way swallows it)."""
-
-
-class _StopOnSignal:
-    """While open, SIGINT and SIGTERM end the block (`received` names the signal); on leaving, the previous
-    handlers return. Outside the main thread, where Python takes no signals, it does nothing."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self.previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.received is None:  # a second signal while the first unwinds changes nothing
-            self.received = signum
-            raise _Signalled
-
-    def __exit__(self, kind, error, traceback):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        return kind is _Signalled
-
-
 def serve(config: ServeConfig) -> None:
     """Load the model, build and warm up the engine, and serve until SIGINT or SIGTERM. Settings are checked
     before anything loads or compiles; a signal before serving exits at once with status 128 + its number."""
@@ -497,7 +468,7 @@ def serve(config: ServeConfig) -> None:
     log = lambda line: print(line, flush=True)  # noqa: E731
     # Loading and warm-up run before uvicorn takes the signals (a GPT-2 warm-up takes 20-40 s on a CPU): a
     # signal then stops the process at once (after the compile under way), with nothing to lose.
-    with _StopOnSignal() as stop:
+    with StopSignals(at_once=True) as stop:
         model = load(config.init_from, config.dtype)
         engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
                         steps_per_call=config.steps_per_call, quantize=config.quantize)

@@ -31,6 +31,7 @@ from gpt.peers import PeerLost, PeerWatch
 from gpt.run_dir import RunLock, check_identity, identity
 from gpt.sharding import (batch_sharding, bytes_per_device, data_parallel_size, initialize_distributed, make_mesh,
                           parse_mesh)
+from gpt.signals import StopSignals
 from gpt.step import flops_per_token, init_train_state, make_eval_step, make_optimizer, make_train_step, peak_flops
 from gpt.tokenizer import get_tokenizer
 
@@ -190,33 +191,14 @@ def _build_model(config: TrainConfig, model_config: GPTConfig) -> GPT:
     return model
 
 
-class _StopSignal:
-    """Turns SIGTERM/SIGINT into a flag the loop checks between steps, so it can save before exiting."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self.previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signum
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def agreed(self) -> int | None:
-        """The signal to stop on, the same on every process: processes that receive a signal on different
-        steps must still stop (and save) on the same one, or one would wait in the save's barrier while
-        another runs the next step's collectives."""
-        local = self.received or 0
-        if jax.process_count() > 1:
-            local = int(multihost_utils.process_allgather(np.int32(local)).max())
-        return local or None
+def _agreed(received: int | None) -> int | None:
+    """The signal to stop on, the same on every process: processes that receive a signal on different
+    steps must still stop (and save) on the same one, or one would wait in the save's barrier while
+    another runs the next step's collectives."""
+    local = received or 0
+    if jax.process_count() > 1:
+        local = int(multihost_utils.process_allgather(np.int32(local)).max())
+    return local or None
 
 
 def _root(error: BaseException) -> BaseException:
@@ -372,10 +354,10 @@ def _run(config, out_dir, mesh, model_config, inputs, corpus_sources, run_identi
 
     step, last_time, losses = start, time.perf_counter(), []
     try:
-        with _StopSignal() as stop, tqdm(total=end, initial=start, desc="train", unit="step",
+        with StopSignals() as stop, tqdm(total=end, initial=start, desc="train", unit="step",
                                           disable=None if pid == 0 else True) as bar:
             while step < end:
-                signum = stop.agreed()
+                signum = _agreed(stop.received)
                 if signum is not None:
                     summary.update(stop_reason=f"signal {signal.Signals(signum).name}", signal=signum)
                     break

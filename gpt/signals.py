@@ -1,0 +1,49 @@
+"""SIGTERM and SIGINT, caught for a while: a trainer saves before it exits, a server stops its warm-up.
+
+Outside a `StopSignals` block Python's own handling applies (SIGINT raises KeyboardInterrupt, SIGTERM ends
+the process at once).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+__all__ = ["StopSignals"]
+
+
+class _Stopped(BaseException):
+    """Raised by an `at_once` handler. A BaseException, as KeyboardInterrupt is, so that no `except
+    Exception` on the way swallows it; the block that raised it absorbs it."""
+
+
+class StopSignals:
+    """While open, SIGTERM and SIGINT set `received` (the first signal's number) instead of ending the
+    process. With `at_once`, the first also ends the block: it raises inside whatever the block is running
+    (after the C call under way, such as a compile, returns), and the block's exit absorbs it. Otherwise
+    the block checks `received` when it can stop cleanly. On leaving, the previous handlers return.
+
+    Python takes signals only on its main thread; elsewhere the block catches none.
+    """
+
+    def __init__(self, at_once: bool = False):
+        self.at_once = at_once
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:  # a second signal changes nothing: the first is being acted on
+            self.received = signum
+            if self.at_once:
+                raise _Stopped
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return kind is _Stopped
