@@ -36,6 +36,7 @@ from typing import Literal
 import prometheus_client
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt.config import DType
 from gpt.engine import Completion, Engine, EngineStopped, QueueFull, Request
@@ -242,6 +243,13 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             await asyncio.to_thread(engine.stop, shutdown_deadline_s)
 
     app = FastAPI(title="gpt", lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(http: HTTPRequest, error: StarletteHTTPException):  # an unknown route or method
+        routes = "POST /v1/completions, GET /v1/models, GET /health and GET /metrics"
+        reply = _error(error.status_code, f"{http.method} {http.url.path}: {error.detail}; this server answers {routes}")
+        reply.headers.update(error.headers or {})  # a 405's Allow
+        return reply
 
     @app.get("/health")
     async def health():
