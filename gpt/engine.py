@@ -38,7 +38,7 @@ from gpt.sharding import data_parallel_size
 from gpt.text_stream import TextStream
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "check_stop_tokens", "prompt_buckets",
+__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "check_stop_tokens", "is_int", "prompt_buckets",
            "decode_widths"]
 
 _MIN_PROMPT_BUCKET = 16
@@ -56,8 +56,8 @@ class EngineStopped(Exception):
 class Request:
     """One completion to generate. Knobs as in `gpt.sampling.SamplingParams` (temperature 0 is greedy).
 
-    seed, stream: the request's draws are a pure function of (seed, stream, model, prompt, knobs), whatever
-      else the engine is running; `generate` gives the rows of one call streams 0, 1, ...
+    seed, stream: integers (taken modulo 2**32); the request's draws are a pure function of (seed, stream,
+      model, prompt, knobs), whatever else the engine is running; `generate` gives the rows of one call streams 0, 1, ...
     stop_tokens: an id, or ids, that end the completion (not emitted). stop_strings: a text, or texts, that end it
       once its decoded output contains one (`Completion.text` is cut before it).
     logprobs: how many most likely alternatives to report for each token (0..5); the chosen token's own
@@ -131,13 +131,17 @@ def check_prompt(prompt, vocab_size: int, name: str = "prompt") -> np.ndarray:
     return ids.astype(np.int32)
 
 
+def is_int(value) -> bool:
+    """A Python or numpy integer, and not a bool (which Python counts as one)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def check_stop_tokens(stop_tokens, vocab_size: int) -> tuple[int, ...]:
     """`stop_tokens` (one id or a list of them) as a tuple of ints; ConfigError when it is anything else
     or holds an id outside [0, vocab_size)."""
-    if isinstance(stop_tokens, (int, np.integer)) and not isinstance(stop_tokens, bool):
+    if is_int(stop_tokens):
         stop_tokens = [stop_tokens]
-    if not isinstance(stop_tokens, (list, tuple)) or any(
-            isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop_tokens):
+    if not isinstance(stop_tokens, (list, tuple)) or not all(map(is_int, stop_tokens)):
         raise ConfigError(f"stop_tokens must be a token id or a list of them, got {stop_tokens!r}")
     if any(not 0 <= t < vocab_size for t in stop_tokens):
         raise ConfigError(f"stop_tokens {list(stop_tokens)} must be ids in [0, {vocab_size})")
@@ -217,7 +221,7 @@ class Engine:
         fails here, on its own thread, never in a round, where it would end every running request."""
         config = self.config
         ids = check_prompt(request.prompt, config.vocab_size)
-        if not isinstance(request.max_tokens, (int, np.integer)) or request.max_tokens < 1:
+        if not is_int(request.max_tokens) or request.max_tokens < 1:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
         if ids.size + request.max_tokens > self.cache_length:
             raise ConfigError(
@@ -232,8 +236,11 @@ class Engine:
         if not isinstance(strings, str) and (not isinstance(strings, (list, tuple))
                                              or not all(isinstance(s, str) for s in strings)):
             raise ConfigError(f"stop_strings must be a string or a list of strings, got {strings!r}")
-        if not 0 <= request.logprobs <= TOP_LOGPROBS:
-            raise ConfigError(f"logprobs must be in [0, {TOP_LOGPROBS}], got {request.logprobs}")
+        if not is_int(request.logprobs) or not 0 <= request.logprobs <= TOP_LOGPROBS:
+            raise ConfigError(f"logprobs must be an integer in [0, {TOP_LOGPROBS}], got {request.logprobs!r}")
+        for name in ("seed", "stream"):  # any integer: taken modulo 2**32
+            if not is_int(getattr(request, name)):
+                raise ConfigError(f"{name} must be an integer, got {getattr(request, name)!r}")
         return self._settings(request)
 
     def submit(self, request: Request, on_update: Callable[[Completion], None] | None = None) -> Completion:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
 from jax.sharding import Mesh
 
 from gpt.decoding import Decoder
-from gpt.engine import Engine, Request, check_prompt, check_stop_tokens, prompt_buckets
+from gpt.engine import Engine, Request, check_prompt, check_stop_tokens, is_int, prompt_buckets
 from gpt.errors import ConfigError
 from gpt.model import GPT
 from gpt.sampling import SamplingParams
@@ -34,7 +33,7 @@ def _bucket(n: int, minimum: int) -> int:
 def _validate_prompts(prompts, max_new_tokens: int, config) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ConfigError("prompts must be a non-empty list of token-id lists")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     checked = []
     for row, prompt in enumerate(prompts):
@@ -87,7 +86,7 @@ def generate(
       stop_tokens: ids that end a row (one id or a list); the stop token itself is not returned.
       stop_strings: texts that end a row (one string or a list) once its decoded output contains one; the row's tokens up to
         and including the one that completed the string are returned (`generate_text` cuts the text).
-      seed: the PRNG seed; the same seed, prompts and settings give the same tokens.
+      seed: the PRNG seed (an integer, taken modulo 2**32); the same seed, prompts and settings give the same tokens.
       on_token: called as on_token(row, token) on the host for each new token while the loop runs.
       quantize: decode with the weights stored as "int8" or "bf16" (`gpt.decoding.decoding_weights`);
         "none" (the default) keeps float32. A Decoder's own.

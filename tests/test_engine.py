@@ -193,7 +193,12 @@ def test_no_compile_after_warmup(model):
     (dict(stop_tokens=[True]), r"stop_tokens must be a token id or a list of them, got \[True\]"),
     (dict(stop_tokens=256), r"stop_tokens \[256\] must be ids in \[0, 256\)"),
     (dict(stop_strings=[1]), r"stop_strings must be a string or a list of strings, got \[1\]"),
-    (dict(logprobs=6), r"logprobs must be in \[0, 5\]"),
+    (dict(logprobs=6), r"logprobs must be an integer in \[0, 5\], got 6"),
+    (dict(logprobs=True), r"logprobs must be an integer in \[0, 5\], got True"),
+    (dict(max_tokens=True), "max_tokens must be an integer >= 1, got True"),
+    (dict(seed="x"), "seed must be an integer, got 'x'"),
+    (dict(seed=1.5), "seed must be an integer, got 1.5"),
+    (dict(stream=1.5), "stream must be an integer, got 1.5"),
 ])
 def test_bad_requests_are_refused_before_anything_runs(model, request_changes, message):
     engine = Engine(model, slots=1, cache_length=63)

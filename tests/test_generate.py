@@ -269,6 +269,8 @@ def test_streaming_hands_out_each_token_in_order(model):
         ([[1, 256]], {}, r"token id 256 outside the vocabulary \[0, 256\)"),
         ([[1, -3]], {}, r"token id -3 outside the vocabulary"),
         ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+        ([[1, 2]], dict(max_new_tokens=True), "max_new_tokens must be an integer >= 1, got True"),
+        ([[1, 2]], dict(seed="a"), "seed must be an integer, got 'a'"),
     ],
 )
 def test_bad_input_fails_before_compiling(prompts, kwargs, message):

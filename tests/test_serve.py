@@ -181,7 +181,7 @@ def test_a_short_request_finishes_while_a_long_one_decodes(server):
     ({"model": "tiny", "prompt": [-1]}, "prompt", "token id -1 outside the vocabulary"),
     ({"model": "tiny", "prompt": "x", "max_tokens": "ten"}, "max_tokens", "max_tokens must be an integer"),
     ({"model": "tiny", "prompt": "x", "n": 0}, "n", r"n must be in \[1, 16\]"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 9}, "logprobs", r"logprobs must be in \[0, 5\]"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 9}, "logprobs", r"logprobs must be an integer in \[0, 5\], got 9"),
     ({"model": "tiny", "prompt": "x", "stop": 3}, "stop", "stop must be"),
     ({"model": "tiny", "prompt": ["a", "b", "c"], "n": 6}, "n", r"3 prompts x n=6 is 18 completions; at most 16"),
     ({"model": "tiny", "prompt": "x", "echo": True}, "echo", "echo is not supported"),
