@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
 
 __all__ = ["UserError", "ConfigError", "MissingInput", "RunFailed", "cli_main"]
@@ -61,7 +62,8 @@ def _quiet_closed_loop(previous):
 
 
 def cli_main(function):
-    """Wrap a CLI's `main` so that a UserError or RunFailed ends it with one line on stderr, exit 2 or 1.
+    """Wrap a CLI's `main` so that a UserError or RunFailed ends it with one line on stderr, exit 2 or 1,
+    and Ctrl-C (where the CLI does not catch it itself, as training does to save) with one line and 130.
 
     It also keeps a failed checkpoint save from printing dozens of tracebacks before that line."""
 
@@ -81,5 +83,8 @@ def cli_main(function):
                 sys.stdout.flush()
                 os._exit(1)
             sys.exit(1)
+        except KeyboardInterrupt:
+            print("\nstopped by SIGINT", file=sys.stderr, flush=True)
+            sys.exit(128 + signal.SIGINT)
 
     return main

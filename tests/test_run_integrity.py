@@ -366,6 +366,18 @@ def test_run_failures_are_one_line_exit_1():
     assert exit_info.value.code == 1
 
 
+def test_ctrl_c_is_one_line_exit_130(capsys):
+    from gpt.errors import cli_main
+
+    @cli_main
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_info:
+        interrupted()
+    assert exit_info.value.code == 130 and capsys.readouterr().err.strip() == "stopped by SIGINT"
+
+
 def test_when_a_process_dies_the_other_says_which_in_one_line_and_a_restart_resumes(tmp_path, corpus):
     out = tmp_path / "run"
     env = {**ENV, "JAX_PLATFORMS": "cpu"}
