@@ -334,6 +334,9 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             metrics.requests.labels("400").inc()
             return _error(400, f"the request body is not valid JSON: {e}")
+        except RecursionError:  # Python's parser recurses per nesting level
+            metrics.requests.labels("400").inc()
+            return _error(400, "the request body nests JSON arrays or objects too deeply")
         try:
             requests, choices, options = parse(body)
         except _BadRequest as e:

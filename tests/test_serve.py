@@ -233,6 +233,8 @@ def test_malformed_json_gets_400_and_the_server_stays_up(server, model):
     reply = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": ',
                        headers={"content-type": "application/json"})
     assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
+    reply = httpx.post(server.url + "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000)  # had been a 500
+    assert reply.status_code == 400 and "nests JSON arrays or objects too deeply" in reply.json()["error"]["message"]
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert server.client.completions.create(model="tiny", prompt="Still", max_tokens=5,
                                             temperature=0).choices[0].text == alone(model, "Still", 5)
