@@ -25,6 +25,7 @@ import json
 import math
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -458,14 +459,26 @@ async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updat
                 choice.completion.cancel()
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), for uvicorn to listen on; ConfigError naming the flags when the
+    address cannot be had (taken, not this machine's, not an address)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"--host {host!r} is not an address to listen on: {e}") from None
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart reuses the port
+    try:
+        listener.bind((host, port))
+    except OSError as e:
+        listener.close()
+        raise ConfigError(f"cannot listen on --host {host} --port {port}: {e.strerror}") from None
+    return listener
+
+
 def serve(config: ServeConfig) -> None:
     """Load the model, build and warm up the engine, and serve until SIGINT or SIGTERM. Settings are checked
     before anything loads or compiles; a signal before serving exits at once with status 128 + its number."""
-    import uvicorn
-
-    from gpt.compilation_cache import enable_compilation_cache
-    from gpt.sample import load
-
     for name in ("slots", "max_queue", "steps_per_call"):
         if getattr(config, name) < 1:
             raise ConfigError(f"ServeConfig.{name} must be >= 1, got {getattr(config, name)}")
@@ -475,6 +488,16 @@ def serve(config: ServeConfig) -> None:
         raise ConfigError(f"--shutdown_deadline_s must be >= 0, got {config.shutdown_deadline_s}")
     if not 0 < config.max_request_mb < math.inf:
         raise ConfigError(f"--max_request_mb must be positive and finite, got {config.max_request_mb}")
+    with _listen(config.host, config.port) as listener:  # a taken port fails now, not after the warm-up
+        _load_and_serve(config, listener)
+
+
+def _load_and_serve(config: ServeConfig, listener: socket.socket) -> None:
+    import uvicorn
+
+    from gpt.compilation_cache import enable_compilation_cache
+    from gpt.sample import load
+
     enable_compilation_cache(config.compile_cache)
     log = lambda line: print(line, flush=True)  # noqa: E731
     # Loading and warm-up run before uvicorn takes the signals (a GPT-2 warm-up takes 20-40 s on a CPU): a
@@ -494,11 +517,11 @@ def serve(config: ServeConfig) -> None:
                                            timeout_graceful_shutdown=config.shutdown_deadline_s))
 
     async def main():
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=[listener]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
-        if server.started and not server.should_exit:  # a signal in start-up: its sockets may be closed already
-            port = server.servers[0].sockets[0].getsockname()[1]
+        if server.started:
+            port = listener.getsockname()[1]
             print(f"serving {name!r} on http://{config.host}:{port}/v1 ({engine.num_slots} slots)", flush=True)
         await task
 

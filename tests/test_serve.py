@@ -219,14 +219,21 @@ def test_json_infinities_are_bounded_and_huge_knobs_run(server, model):
     (dict(port=70000), r"--port must be in \[0, 65535\], got 70000"),
     (dict(shutdown_deadline_s=float("nan")), "--shutdown_deadline_s must be >= 0, got nan"),
     (dict(max_request_mb=0), "--max_request_mb must be positive and finite, got 0"),
+    (dict(host="256.1.1.1"), "--host '256.1.1.1' is not an address to listen on"),
+    (dict(port="taken"), "cannot listen on --host 127.0.0.1 --port [0-9]+: Address already in use"),
     (dict(dtype="float64"), "dtype must be one of float32, bfloat16, float16, got 'float64'"),
 ])
 def test_bad_server_settings_fail_before_loading(tmp_path, setting, message):
     from gpt.errors import ConfigError
     from gpt.serve import ServeConfig, serve
 
-    with pytest.raises(ConfigError, match=message):  # the model path does not exist: nothing was loaded
-        serve(ServeConfig(init_from=str(tmp_path / "no_model"), compile_cache=False, **{"port": 0, **setting}))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        if setting.get("port") == "taken":  # found at once, not after loading and warming up the model
+            setting = {"port": taken.getsockname()[1]}
+        with pytest.raises(ConfigError, match=message):  # the model path does not exist: nothing was loaded
+            serve(ServeConfig(init_from=str(tmp_path / "no_model"), compile_cache=False, **{"port": 0, **setting}))
 
 
 def test_malformed_json_gets_400_and_the_server_stays_up(server, model):
@@ -309,7 +316,7 @@ def test_a_signal_during_warm_up_stops_the_server_at_once(tmp_path, model):
         assert process.stderr.read().strip().endswith("stopped by SIGTERM before serving")
     finally:
         process.kill()
-        process.wait()
+        process.communicate()  # reaps it and closes its pipes
 
 
 def test_sigterm_finishes_running_requests_and_exits(tmp_path, model):
@@ -339,6 +346,6 @@ def test_sigterm_finishes_running_requests_and_exits(tmp_path, model):
         assert process.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
     finally:
         process.kill()
-        process.wait()
+        process.communicate()  # reaps it and closes its pipes
     with pytest.raises(httpx.ConnectError):
         httpx.get(url.rsplit("/v1", 1)[0] + "/health")
