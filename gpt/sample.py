@@ -68,6 +68,19 @@ def load(init_from: str, dtype: str = "float32") -> GPT:
     )
 
 
+def _prompt(start: str) -> str:
+    """--start's text: itself, or the UTF-8 file that FILE:path names."""
+    if not start.startswith("FILE:"):
+        return start
+    path = Path(start[5:])
+    if not path.is_file():
+        raise MissingInput(f"--start {start!r}: {'not a file' if path.exists() else 'no such file'}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--start {start!r} is not UTF-8 text: {e}") from None
+
+
 def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     """Print (and return) `config.num_samples` completions. Every setting is checked before the model is
     loaded or anything compiled."""
@@ -77,9 +90,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     for name in ("num_samples", "max_new_tokens"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ConfigError(f"SampleConfig.{name} must be >= 1, got {getattr(config, name)}")
-    if config.start.startswith("FILE:") and not Path(config.start[5:]).is_file():
-        raise MissingInput(f"--start {config.start!r}: no such file")
-    start = Path(config.start[5:]).read_text() if config.start.startswith("FILE:") else config.start
+    start = _prompt(config.start)
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     # Laid out for decoding (and quantized) once, for every sample.
     decoder = Decoder.of(load(config.init_from, config.dtype), config.quantize, mesh)

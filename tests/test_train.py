@@ -14,7 +14,7 @@ import pytest
 from gpt.checkpoint import CheckpointManager, load_model
 from gpt.config import GPTConfig
 from gpt.data import unigram_loss
-from gpt.errors import ConfigError
+from gpt.errors import ConfigError, UserError
 from gpt.train import NonFiniteStep
 from gpt.tokenizer import get_tokenizer
 from training import MODEL, ROOT, cli_flags, flat, run
@@ -141,6 +141,13 @@ def test_sample_and_export_from_a_training_run(tmp_path, corpus):
         sample(SampleConfig(**fitted, max_new_tokens=room + 1), io.StringIO())
     with pytest.raises(ConfigError, match="dtype must be one of float32, bfloat16, float16, got 'float64'"):
         sample(SampleConfig(**fitted, dtype="float64"), io.StringIO())  # not "no intact checkpoint"
+    (tmp_path / "prompt.txt").write_text("ROMEO:", encoding="utf-8")  # --start FILE:path reads the prompt
+    from_file = dict(fitted, start=f"FILE:{tmp_path / 'prompt.txt'}", max_new_tokens=6)
+    assert sample(SampleConfig(**from_file), io.StringIO()) == sample(SampleConfig(**fitted, max_new_tokens=6), io.StringIO())
+    (tmp_path / "prompt.bin").write_bytes(b"\xff\xfeROMEO")
+    for path, message in [("prompt.bin", "is not UTF-8 text"), ("run", "not a file"), ("none.txt", "no such file")]:
+        with pytest.raises(UserError, match=f"--start 'FILE:.*{path}'.*{message}"):  # was a UnicodeDecodeError
+            sample(SampleConfig(**dict(from_file, start=f"FILE:{tmp_path / path}")), io.StringIO())
     greedy = dict(init_from=str(tmp_path / "run"), start="ROMEO:", num_samples=2, max_new_tokens=6, temperature=0)
     assert sample(SampleConfig(**greedy, mesh="data=4,tensor=2"), io.StringIO()) == sample(SampleConfig(**greedy), io.StringIO())
     export(ExportConfig(out_dir=str(tmp_path / "run"), hf_dir=str(tmp_path / "hf")))
