@@ -38,8 +38,8 @@ from gpt.sharding import data_parallel_size
 from gpt.text_stream import TextStream
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "check_stop_tokens", "is_int", "prompt_buckets",
-           "decode_widths"]
+__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "check_stop_tokens",
+           "is_int", "prompt_buckets", "decode_widths"]
 
 _MIN_PROMPT_BUCKET = 16
 
@@ -57,9 +57,10 @@ class Request:
     """One completion to generate. Knobs as in `gpt.sampling.SamplingParams` (temperature 0 is greedy).
 
     seed, stream: integers (taken modulo 2**32); the request's draws are a pure function of (seed, stream,
-      model, prompt, knobs), whatever else the engine is running; `generate` gives the rows of one call streams 0, 1, ...
-    stop_tokens: an id, or ids, that end the completion (not emitted). stop_strings: a text, or texts, that end it
-      once its decoded output contains one (`Completion.text` is cut before it).
+      model, prompt, knobs), whatever else the engine is running; `generate` gives the rows of one call
+      streams 0, 1, ...
+    stop_tokens: an id, or ids, that end the completion (not emitted). stop_strings: a text, or texts, that
+      end it once its decoded output contains one (`Completion.text` is cut before it).
     logprobs: how many most likely alternatives to report for each token (0..5); the chosen token's own
       log-probability is always recorded.
     """
@@ -192,7 +193,7 @@ class Engine:
             raise ConfigError(f"cache_length must be in [1, {config.block_size}] (the model's context), got {cache_length}")
         for name, value in dict(slots=slots, max_queue=max_queue, steps_per_call=steps_per_call,
                                 max_stop_tokens=max_stop_tokens).items():
-            if not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"Engine {name} must be an integer >= 1, got {value!r}")
         decoder = Decoder.of(model, quantize, mesh)
         mesh = decoder.mesh

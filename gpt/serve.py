@@ -10,9 +10,9 @@
 
 Starlette (through FastAPI) on uvicorn does the HTTP; the engine runs on a thread of its own and each
 request waits on an asyncio queue that the engine's thread feeds. A bad request gets OpenAI's error JSON
-with status 400 naming the field; a full queue gets 429; a body over the size limit gets 413. A client that disconnects cancels its requests.
-SIGTERM: uvicorn stops accepting connections and waits up to the deadline for running requests, then the
-engine cancels what is left, and the process exits.
+with status 400 naming the field; a full queue gets 429; a body over the size limit gets 413. A client
+that disconnects cancels its requests. SIGTERM: uvicorn stops accepting connections and waits up to the
+deadline for running requests, then the engine cancels what is left, and the process exits.
 """
 
 from __future__ import annotations
