@@ -189,12 +189,15 @@ class Engine:
                  quantize: str | None = None, mesh: Mesh | None = None):
         config = model.config
         cache_length = config.block_size if cache_length is None else cache_length
-        if not 1 <= cache_length <= config.block_size:
-            raise ConfigError(f"cache_length must be in [1, {config.block_size}] (the model's context), got {cache_length}")
+        if not is_int(cache_length) or not 1 <= cache_length <= config.block_size:
+            raise ConfigError(
+                f"cache_length must be in [1, {config.block_size}] (the model's context), got {cache_length}")
         for name, value in dict(slots=slots, max_queue=max_queue, steps_per_call=steps_per_call,
                                 max_stop_tokens=max_stop_tokens).items():
             if not is_int(value) or value < 1:
                 raise ConfigError(f"Engine {name} must be an integer >= 1, got {value!r}")
+        slots, max_queue, steps_per_call, max_stop_tokens, cache_length = map(
+            int, (slots, max_queue, steps_per_call, max_stop_tokens, cache_length))
         decoder = Decoder.of(model, quantize, mesh)
         mesh = decoder.mesh
         self.rows_per_prefill = data_parallel_size(mesh) if mesh is not None else 1
@@ -434,8 +437,9 @@ class Engine:
         stop_tokens[: len(stops)] = stops
         params = SamplingParams.create(request.temperature, request.top_k, request.top_p, request.min_p,
                                        request.repetition_penalty)
-        return Settings(params=params, seed=np.uint32(request.seed % 2**32), stream=np.uint32(request.stream % 2**32),
-                        stop_tokens=stop_tokens, top_logprobs=np.bool_(request.logprobs > 0))
+        seed, stream = (np.uint32(int(n) % 2**32) for n in (request.seed, request.stream))  # int(): a numpy seed too
+        return Settings(params=params, seed=seed, stream=stream, stop_tokens=stop_tokens,
+                        top_logprobs=np.bool_(request.logprobs > 0))
 
     def _deliver(self, slots: list[int], emitted) -> None:
         """Hand each slot's new tokens to its request (row i of `emitted` is slot slots[i]); free the slots

@@ -3,6 +3,7 @@ the queue bound, no compile after warm-up; and incremental detokenization with s
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -206,6 +207,26 @@ def test_bad_requests_are_refused_before_anything_runs(model, request_changes, m
     with pytest.raises(ConfigError, match=message):
         engine.submit(Request(**{"prompt": [1, 2], "max_tokens": 5, **request_changes}))
     assert engine.compiled_shapes() == compiled and engine.queue_depth == 0
+
+
+@pytest.mark.parametrize("engine_args, message", [
+    (dict(slots=0), "Engine slots must be an integer >= 1, got 0"),
+    (dict(slots=True), "Engine slots must be an integer >= 1, got True"),
+    (dict(max_queue=2.5), "Engine max_queue must be an integer >= 1, got 2.5"),
+    (dict(steps_per_call=-1), "Engine steps_per_call must be an integer >= 1, got -1"),
+    (dict(cache_length=129), r"cache_length must be in \[1, 128\] \(the model's context\), got 129"),
+    (dict(cache_length=32.5), r"cache_length must be in \[1, 128\] \(the model's context\), got 32.5"),
+])
+def test_bad_engine_settings_are_refused(model, engine_args, message):
+    with pytest.raises(ConfigError, match=message):
+        Engine(model, **engine_args)
+
+
+def test_numpy_integers_are_settings_like_any_other(model):
+    engine = Engine(model, slots=np.int64(2), max_queue=np.int32(3), cache_length=np.int64(32))
+    completion = engine.submit(Request(np.array([1, 2]), np.int64(3), temperature=0, seed=np.uint32(7)))
+    engine.run([completion])
+    assert engine.num_slots == 2 and completion.tokens == generate(model, [[1, 2]], 3, temperature=0)[0]
 
 
 def test_extreme_knobs_run_beside_other_requests(model):
