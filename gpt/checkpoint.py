@@ -261,9 +261,13 @@ def load_model(out_dir: str | os.PathLike, step: int | None = None, dtype: str |
         check_dtype(dtype)  # the caller's, not a checkpoint's fault: never "no intact checkpoint"
     manager = CheckpointManager(out_dir, async_save=False)
     try:
-        steps = sorted(manager.manager.all_steps(), reverse=True) if step is None else [step]
-        if not steps:
+        saved = sorted(manager.manager.all_steps(), reverse=True)
+        if not saved:
             raise MissingInput(f"no finished checkpoint in {manager.directory}")
+        if step is not None and step not in saved:
+            raise MissingInput(f"no checkpoint of step {step} in {manager.directory}; the saved steps are "
+                               f"{', '.join(map(str, sorted(saved)))}")
+        steps = saved if step is None else [step]
         problems = []
         for candidate in steps:
             try:

@@ -26,7 +26,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from gpt.config import GPTConfig
-from gpt.errors import ConfigError, MissingInput
+from gpt.errors import ConfigError, MissingInput, RunFailed
 from gpt.model import GPT
 
 __all__ = ["load", "save", "config_from_hf", "resolve"]
@@ -350,10 +350,13 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
         else:
             tensors[f"transformer.{hf_name}"] = np.ascontiguousarray(value.reshape(_hf_shape(config, hf_name)))
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     umask = os.umask(0)
     os.umask(umask)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # mkdtemp makes it 0700
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # mkdtemp makes it 0700
+    except OSError as e:
+        raise RunFailed(f"cannot write an export at {str(out_dir)!r}: {e}") from None
     retired = staging.with_name(staging.name + ".old")
     try:
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
@@ -363,7 +366,14 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
         staging.chmod(0o777 & ~umask)
         if out_dir.exists():
             out_dir.rename(retired)  # a previous export (checked above), replaced by two renames
-        staging.rename(out_dir)
+        try:
+            staging.rename(out_dir)
+        except OSError:
+            if retired.exists():
+                retired.rename(out_dir)  # the previous export, back where it was
+            raise
+    except OSError as e:  # a full disk, say: what was at out_dir is as it was
+        raise RunFailed(f"writing the export to {str(out_dir)!r} failed, and nothing there changed: {e}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(retired, ignore_errors=True)

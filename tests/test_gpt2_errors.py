@@ -12,7 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from gpt import GPT, GPTConfig
 from gpt import gpt2
-from gpt.errors import ConfigError
+from gpt.errors import ConfigError, RunFailed
 
 CONFIG = GPTConfig.preset("tiny")
 
@@ -206,3 +206,32 @@ def test_export_replaces_a_previous_export_and_honours_the_umask(tmp_path):
     assert (first.stat().st_mode & 0o777) == 0o755
     assert ((first / "model.safetensors").stat().st_mode & 0o777) == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "no staging or retired directory left behind"
+
+
+def test_an_export_that_cannot_be_written_is_one_error_and_changes_nothing(tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(RunFailed, match="cannot write an export at '.*a_file/hf'"):  # had been a traceback
+        gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(0)), tmp_path / "a_file" / "hf")
+    first = gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(0)), tmp_path / "hf")
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gpt2, "save_file", disk_full)
+    with pytest.raises(RunFailed, match="writing the export to '.*hf' failed, and nothing there changed: .*No space"):
+        gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(1)), first)
+    monkeypatch.undo()
+    monkeypatch.setattr(type(first), "rename", _fail_on_the_new_export_moving_in(type(first).rename))
+    with pytest.raises(RunFailed, match="nothing there changed"):
+        gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(1)), first)
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "hf"], "no staging or retired directory left"
+
+
+def _fail_on_the_new_export_moving_in(rename):
+    def fail(self, target):
+        if self.name.startswith(".hf.") and not self.name.endswith(".old"):  # the staging directory
+            raise OSError(5, "Input/output error")
+        return rename(self, target)
+    return fail

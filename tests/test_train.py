@@ -151,6 +151,8 @@ def test_sample_and_export_from_a_training_run(tmp_path, corpus):
     greedy = dict(init_from=str(tmp_path / "run"), start="ROMEO:", num_samples=2, max_new_tokens=6, temperature=0)
     assert sample(SampleConfig(**greedy, mesh="data=4,tensor=2"), io.StringIO()) == sample(SampleConfig(**greedy), io.StringIO())
     export(ExportConfig(out_dir=str(tmp_path / "run"), hf_dir=str(tmp_path / "hf")))
+    with pytest.raises(UserError, match="no checkpoint of step 999 in .*; the saved steps are [0-9, ]*4$"):
+        load_model(tmp_path / "run", step=999)  # not a corrupt step 999's FileNotFoundError
     tokens = np.arange(12, dtype=np.int32).reshape(1, 12)
     np.testing.assert_array_equal(np.asarray(gpt2.load(tmp_path / "hf")(tokens)),
                                   np.asarray(load_model(tmp_path / "run")(tokens)))
