@@ -43,6 +43,7 @@ from tqdm import tqdm
 from gpt.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, input_format, read_sections
 from gpt.errors import ConfigError, MissingInput
 from gpt.loader import Batches, unigram_loss
+from gpt.run_dir import make_dir
 from gpt.tokenizer import get_tokenizer
 
 __all__ = ["prepare", "sources", "in_validation", "default_corpus", "corpus_identity", "Batches", "unigram_loss",
@@ -231,7 +232,7 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
                                                      for split in ("train", "val") for s in meta["shards"][split]):
             return meta
     state = json.loads(progress_path.read_text()) if progress_path.is_file() else {}
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir)
     if not _matches(state, corpus_sources, settings):
         _clear_shards(out_dir)
         state = {}

@@ -18,7 +18,19 @@ from pathlib import Path
 
 from gpt.errors import ConfigError
 
-__all__ = ["RunLock", "RunLocked", "identity", "check_identity", "RESUMABLE_FIELDS"]
+__all__ = ["RunLock", "RunLocked", "identity", "check_identity", "make_dir", "RESUMABLE_FIELDS"]
+
+
+def make_dir(path: Path, name: str = "out_dir") -> Path:
+    """`path` as a directory, made with its parents if missing; ConfigError naming `name` when it is a file
+    or cannot be made (a parent that is a file, a read-only or virtual filesystem)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{name} '{path}' is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{name} '{path}' cannot be made: {e}") from None
+    return path
 
 
 class RunLocked(ConfigError):
@@ -36,7 +48,7 @@ class RunLock:
     def __enter__(self) -> RunLock:
         if not self.enabled:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(self.path.parent)
         self.file = open(self.path, "a+")
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)

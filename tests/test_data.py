@@ -200,6 +200,8 @@ def test_bad_settings_name_themselves_before_reading(tmp_path, corpus):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(ConfigError, match="out_dir '.*a_file' is a file, not a directory"):
         prepare([corpus], tmp_path / "a_file")
+    with pytest.raises(ConfigError, match=r"out_dir '.*a_file/d' cannot be made: \[Errno 20\] Not a directory"):
+        prepare([corpus], tmp_path / "a_file" / "d")  # had been a NotADirectoryError traceback
 
 
 def test_prepare_skips_unchanged_inputs_and_redoes_changed(tmp_path, corpus):
