@@ -37,11 +37,13 @@ from typing import Literal
 import prometheus_client
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jax.sharding import Mesh
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt.config import DType
 from gpt.engine import Completion, Engine, EngineStopped, QueueFull, Request
 from gpt.errors import ConfigError
+from gpt.sharding import make_mesh, parse_mesh
 from gpt.signals import StopSignals
 from gpt.tokenizer import get_tokenizer
 
@@ -71,6 +73,9 @@ class ServeConfig:
     """Compute dtype (bfloat16 on GPUs)."""
     quantize: Literal["none", "int8", "bf16"] = "none"
     """Store the weights for decoding as int8 (a float scale per output channel) or bfloat16."""
+    mesh: str = ""
+    """Serve sharded over a device mesh, e.g. 'tensor=8' (heads and MLP split over 8 GPUs) or
+    'data=2,tensor=4' (the slots split 2 ways too); empty runs on one device."""
     max_request_mb: float = 8.0
     """A larger request body gets HTTP 413, unread (64 prompts of 1024 token ids each are ~0.5 MB)."""
     shutdown_deadline_s: float = 10.0
@@ -488,11 +493,12 @@ def serve(config: ServeConfig) -> None:
         raise ConfigError(f"--shutdown_deadline_s must be >= 0, got {config.shutdown_deadline_s}")
     if not 0 < config.max_request_mb < math.inf:
         raise ConfigError(f"--max_request_mb must be positive and finite, got {config.max_request_mb}")
+    mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     with _listen(config.host, config.port) as listener:  # a taken port fails now, not after the warm-up
-        _load_and_serve(config, listener)
+        _load_and_serve(config, listener, mesh)
 
 
-def _load_and_serve(config: ServeConfig, listener: socket.socket) -> None:
+def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | None) -> None:
     import uvicorn
 
     from gpt.compilation_cache import enable_compilation_cache
@@ -505,7 +511,7 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket) -> None:
     with StopSignals(at_once=True) as stop:
         model = load(config.init_from, config.dtype)
         engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
-                        steps_per_call=config.steps_per_call, quantize=config.quantize)
+                        steps_per_call=config.steps_per_call, quantize=config.quantize, mesh=mesh)
         engine.warmup(log)
     if stop.received is not None:
         print(f"stopped by {signal.Signals(stop.received).name} before serving", file=sys.stderr, flush=True)
@@ -522,7 +528,8 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket) -> None:
             await asyncio.sleep(0.05)
         if server.started:
             port = listener.getsockname()[1]
-            print(f"serving {name!r} on http://{config.host}:{port}/v1 ({engine.num_slots} slots)", flush=True)
+            over = f", over a mesh {' x '.join(f'{k}={v}' for k, v in mesh.shape.items())}" if mesh is not None else ""
+            print(f"serving {name!r} on http://{config.host}:{port}/v1 ({engine.num_slots} slots{over})", flush=True)
         await task
 
     asyncio.run(main())

@@ -138,6 +138,21 @@ def test_sixteen_concurrent_clients_get_their_single_request_results(server, mod
     assert got == [alone(model, p, m) for p, m in zip(prompts, max_tokens)]
 
 
+def test_a_server_over_a_device_mesh_answers_as_one_device_does(model):
+    from gpt.sharding import make_mesh
+
+    server = Server(model, slots=4, max_queue=8, cache_length=128, mesh=make_mesh(data=2, tensor=4))  # 8 CPU devices
+    try:
+        prompts = ["The mesh", "Heads split four ways, and the slots two ways", "x"]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(pool.map(lambda p: server.client.completions.create(
+                model="tiny", prompt=p, max_tokens=12, temperature=0), prompts))
+        assert [r.choices[0].text for r in replies] == [alone(model, p, 12) for p in prompts]
+        assert {len(w.sharding.device_set) for w in jax.tree.leaves(server.engine.weights)} == {8}
+    finally:
+        server.stop()
+
+
 def test_seeds_reproduce_per_request_whatever_else_runs(server):
     ask = lambda **kw: server.client.completions.create(model="tiny", prompt="Seeds", max_tokens=16,  # noqa: E731
                                                         temperature=1.0, top_p=0.95, **kw).choices[0].text
@@ -220,6 +235,7 @@ def test_json_infinities_are_bounded_and_huge_knobs_run(server, model):
     (dict(shutdown_deadline_s=float("nan")), "--shutdown_deadline_s must be >= 0, got nan"),
     (dict(max_request_mb=0), "--max_request_mb must be positive and finite, got 0"),
     (dict(host="256.1.1.1"), "--host '256.1.1.1' is not an address to listen on"),
+    (dict(mesh="data=3"), r"mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but there are 8"),
     (dict(port="taken"), "cannot listen on --host 127.0.0.1 --port [0-9]+: Address already in use"),
     (dict(dtype="float64"), "dtype must be one of float32, bfloat16, float16, got 'float64'"),
 ])
@@ -321,10 +337,11 @@ def test_a_signal_during_warm_up_stops_the_server_at_once(tmp_path, model):
 
 def test_sigterm_finishes_running_requests_and_exits(tmp_path, model):
     gpt2.save(model, tmp_path / "model")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    process = subprocess.Popen(
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    process = subprocess.Popen(  # over a mesh of 2 devices: --mesh reaches the engine, and changes no token
         [sys.executable, str(ROOT / "serve.py"), "--init_from", str(tmp_path / "model"), "--port", "0",
-         "--slots", "2", "--model_name", "tiny", "--no-compile_cache", "--shutdown_deadline_s", "20"],
+         "--slots", "2", "--model_name", "tiny", "--no-compile_cache", "--shutdown_deadline_s", "20",
+         "--mesh", "tensor=2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
     try:
         lines = []
@@ -333,6 +350,7 @@ def test_sigterm_finishes_running_requests_and_exits(tmp_path, model):
             if line.startswith("serving"):
                 break
         url = line.split(" on ")[1].split()[0]
+        assert line.rstrip().endswith("(2 slots, over a mesh data=1 x fsdp=1 x tensor=2)")
         with httpx.stream("POST", url + "/completions", timeout=60,
                           json={"model": "tiny", "prompt": "Finish me", "max_tokens": 100, "stream": True,
                                 "temperature": 0}) as reply:
