@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from gpt.decoding import Decoder
@@ -31,8 +33,10 @@ def _bucket(n: int, minimum: int) -> int:
 
 
 def _validate_prompts(prompts, max_new_tokens: int, config) -> list[list[int]]:
+    if isinstance(prompts, (np.ndarray, jax.Array)) and prompts.ndim == 2:
+        prompts = list(np.asarray(prompts))  # a batch of equal-length prompts, [B, T]
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ConfigError("prompts must be a non-empty list of token-id lists")
+        raise ConfigError("prompts must be a non-empty list of token-id lists, or a 2-D array of them")
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     checked = []
@@ -59,7 +63,7 @@ def new_tokens_that_fit(config, prompt: str, wanted: int) -> int:
 
 def generate(
     model: GPT | Decoder,
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
     max_new_tokens: int,
     *,
     temperature: float = 1.0,
@@ -79,14 +83,17 @@ def generate(
     Args:
       model: a GPT, or a `gpt.decoding.Decoder` of one (its weights laid out for decoding once, for
         every call; a GPT is laid out at each call).
-      prompts: token-id lists, of any lengths (rows are independent: a row gives what it gives alone).
+      prompts: token-id lists, of any lengths (rows are independent: a row gives what it gives alone), or
+        an integer array [B, T] of equal-length ones.
       max_new_tokens: the most tokens to add to each prompt.
       temperature, top_k, top_p, min_p, repetition_penalty: see `gpt.sampling.SamplingParams`;
         temperature 0 is greedy.
       stop_tokens: ids that end a row (one id or a list); the stop token itself is not returned.
-      stop_strings: texts that end a row (one string or a list) once its decoded output contains one; the row's tokens up to
-        and including the one that completed the string are returned (`generate_text` cuts the text).
-      seed: the PRNG seed (an integer, taken modulo 2**32); the same seed, prompts and settings give the same tokens.
+      stop_strings: texts that end a row (one string or a list) once its decoded output contains one; the
+        row's tokens up to and including the one that completed the string are returned (`generate_text`
+        cuts the text).
+      seed: the PRNG seed (an integer, taken modulo 2**32); the same seed, prompts and settings give the
+        same tokens.
       on_token: called as on_token(row, token) on the host for each new token while the loop runs.
       quantize: decode with the weights stored as "int8" or "bf16" (`gpt.decoding.decoding_weights`);
         "none" (the default) keeps float32. A Decoder's own.

@@ -111,6 +111,13 @@ def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
     assert len({tuple(t) for t in batched}) == len(prompts)  # the rows really differ
 
 
+def test_an_array_of_prompts_is_a_batch_of_rows(model):
+    rows = [[5, 17, 99], [30, 31, 32], [200, 1, 2]]
+    expected = generate(model, rows, 6, temperature=0)
+    assert generate(model, np.array(rows, np.int32), 6, temperature=0) == expected
+    assert generate(model, jnp.array(rows), 6, temperature=0) == expected
+
+
 def test_new_weights_are_used_by_the_next_call():
     # generate keeps a decode-ready copy of the block weights between calls; it must notice new ones.
     model, other = scaled_model("learned", seed=0), scaled_model("learned", seed=1)
