@@ -18,6 +18,7 @@ from flax import nnx
 
 from gpt.attention import apply_rope, attend, attend_paged, sinusoidal_embedding
 from gpt.config import GPTConfig
+from gpt.errors import ConfigError
 from gpt.kv_cache import KVCache
 from gpt.layouts import OutputMajor, dense
 from gpt.loss import lm_head_cross_entropy
@@ -331,6 +332,8 @@ class GPT(nnx.Module):
         Returns:
           float32 logits [B, T, V] without a cache; (logits, updated cache) with one.
         """
+        tokens_BT = tokens_BT if hasattr(tokens_BT, "shape") else jnp.asarray(tokens_BT)  # nested lists too
+        self._check_tokens(tokens_BT, positions_BT is None and cache is None)
         if positions_BT is None:
             T = tokens_BT.shape[1]
             positions_BT = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BT.shape) if cache is None
@@ -339,3 +342,18 @@ class GPT(nnx.Module):
         x_BTD, cache = forward(self.config, weights, tokens_BT, positions_BT, cache, dropout_key=dropout_key)
         logits_BTV = lm_head(weights, x_BTD)
         return logits_BTV if cache is None else (logits_BTV, cache)
+
+    def _check_tokens(self, tokens_BT, from_position_0: bool) -> None:
+        """ConfigError for what a gather would silently clamp: a shape or dtype that is not ids [B, T], more
+        tokens from position 0 than the context, or (for concrete arrays: a traced one has no values yet)
+        an id outside the vocabulary."""
+        shape, dtype = tokens_BT.shape, tokens_BT.dtype
+        if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+            raise ConfigError(f"tokens must be integer ids [B, T], got shape {shape} and dtype {dtype}")
+        if from_position_0 and shape[1] > self.config.block_size:
+            raise ConfigError(f"{shape[1]} tokens are more than the model's context of {self.config.block_size}")
+        if not isinstance(tokens_BT, jax.core.Tracer) and tokens_BT.size:
+            low, high = int(tokens_BT.min()), int(tokens_BT.max())
+            if low < 0 or high >= self.config.vocab_size:
+                raise ConfigError(f"token id {low if low < 0 else high} is outside the vocabulary "
+                                  f"[0, {self.config.vocab_size})")

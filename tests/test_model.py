@@ -78,6 +78,20 @@ def test_invalid_config_names_the_field(fields, message):
         GPTConfig(**fields)
 
 
+@pytest.mark.parametrize("tokens, message", [
+    (jnp.array([[1, 256]]), r"token id 256 is outside the vocabulary \[0, 256\)"),  # a gather had clamped it
+    (np.array([[-1, 2]]), r"token id -1 is outside the vocabulary"),
+    (jnp.ones((1, 65), jnp.int32), "65 tokens are more than the model's context of 64"),  # learned positions clamped
+    (jnp.array([1, 2, 3]), r"tokens must be integer ids \[B, T\], got shape \(3,\)"),
+    (jnp.array([[1.0, 2.0]]), "got shape .1, 2. and dtype float32"),
+])
+def test_the_forward_refuses_what_it_would_silently_clamp(tokens, message):
+    model = GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match=message):
+        model(tokens)
+    assert model([[1, 2]]).shape == (1, 2, 256)  # nested lists are ids too
+
+
 def test_unknown_preset_lists_known_ones():
     with pytest.raises(ConfigError, match="unknown GPTConfig preset 'gpt3'.*gpt2-medium"):
         GPTConfig.preset("gpt3")
