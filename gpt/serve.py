@@ -24,9 +24,7 @@ import dataclasses
 import json
 import math
 import secrets
-import signal
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -44,7 +42,6 @@ from gpt.config import DType
 from gpt.engine import Completion, Engine, EngineStopped, QueueFull, Request
 from gpt.errors import ConfigError
 from gpt.sharding import make_mesh, parse_mesh
-from gpt.signals import StopSignals
 from gpt.tokenizer import get_tokenizer
 
 __all__ = ["ServeConfig", "create_app", "serve"]
@@ -483,7 +480,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(config: ServeConfig) -> None:
     """Load the model, build and warm up the engine, and serve until SIGINT or SIGTERM. Settings are checked
-    before anything loads or compiles; a signal before serving exits at once with status 128 + its number."""
+    before anything loads or compiles. The port is taken and the engine warmed up before uvicorn handles
+    the signals: until then a signal stops serve.py at once (`gpt.errors.cli_main`)."""
     for name in ("slots", "max_queue", "steps_per_call"):
         if getattr(config, name) < 1:
             raise ConfigError(f"ServeConfig.{name} must be >= 1, got {getattr(config, name)}")
@@ -506,16 +504,12 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
 
     enable_compilation_cache(config.compile_cache)
     log = lambda line: print(line, flush=True)  # noqa: E731
-    # Loading and warm-up run before uvicorn takes the signals (a GPT-2 warm-up takes 20-40 s on a CPU): a
-    # signal then stops the process at once (after the compile under way), with nothing to lose.
-    with StopSignals(at_once=True) as stop:
-        model = load(config.init_from, config.dtype)
-        engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
-                        steps_per_call=config.steps_per_call, quantize=config.quantize, mesh=mesh)
-        engine.warmup(log)
-    if stop.received is not None:
-        print(f"stopped by {signal.Signals(stop.received).name} before serving", file=sys.stderr, flush=True)
-        sys.exit(128 + stop.received)
+    # Loading and warm-up run before uvicorn takes the signals (a GPT-2 warm-up takes 20-40 s on a CPU), so
+    # that one stops serve.py at once (`cli_main`), not after the warm-up.
+    model = load(config.init_from, config.dtype)
+    engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
+                    steps_per_call=config.steps_per_call, quantize=config.quantize, mesh=mesh)
+    engine.warmup(log)
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,
                      max_request_bytes=int(config.max_request_mb * 2**20), log=log)

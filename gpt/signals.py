@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT, caught for a while: a trainer saves before it exits, a server stops its warm-up.
+"""SIGTERM and SIGINT, caught for a while: a trainer saves before it exits, a CLI stops at once and cleanly.
 
 Outside a `StopSignals` block Python's own handling applies (SIGINT raises KeyboardInterrupt, SIGTERM ends
 the process at once).
@@ -19,11 +19,15 @@ class _Stopped(BaseException):
 
 class StopSignals:
     """While open, SIGTERM and SIGINT set `received` (the first signal's number) instead of ending the
-    process. With `at_once`, the first also ends the block: it raises inside whatever the block is running
+    process. With `at_once`, each also ends the block: it raises inside whatever the block is running
     (after the C call under way, such as a compile, returns), and the block's exit absorbs it. Otherwise
     the block checks `received` when it can stop cleanly. On leaving, the previous handlers return.
 
-    Python takes signals only on its main thread; elsewhere the block catches none.
+    Check `received` after an `at_once` block, not only whether it ended early: a signal that lands in a
+    finalizer or a callback raises there, where Python prints the error and carries on.
+
+    Python takes signals only on its main thread; elsewhere the block catches none. A signal the process
+    was started ignoring (SIGINT in a shell's background job) stays ignored.
     """
 
     def __init__(self, at_once: bool = False):
@@ -34,14 +38,15 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.received is None:  # a second signal changes nothing: the first is being acted on
+        if self.received is None:  # without at_once a second signal changes nothing: the first is acted on
             self.received = signum
-            if self.at_once:
-                raise _Stopped
+        if self.at_once:
+            raise _Stopped
 
     def __exit__(self, kind, error, traceback) -> bool:
         for sig, handler in self._previous.items():

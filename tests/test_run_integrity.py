@@ -367,16 +367,35 @@ def test_run_failures_are_one_line_exit_1():
     assert exit_info.value.code == 1
 
 
-def test_ctrl_c_is_one_line_exit_130(capsys):
-    from gpt.errors import cli_main
+_SIGNALLED_CLI = """
+import os, signal, sys, time
+from gpt.errors import cli_main
 
-    @cli_main
-    def interrupted():
-        raise KeyboardInterrupt
+class SignalsInItsFinalizer:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # raises in __del__, where Python prints the error and goes on
 
-    with pytest.raises(SystemExit) as exit_info:
-        interrupted()
-    assert exit_info.value.code == 130 and capsys.readouterr().err.strip() == "stopped by SIGINT"
+@cli_main
+def main(where):
+    if where == "finalizer":
+        SignalsInItsFinalizer()
+        print("carried on")
+        return
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)
+    print("never here")
+
+main(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("where, status, name", [("body", 130, "SIGINT"), ("finalizer", 143, "SIGTERM")])
+def test_a_signal_stops_a_cli_at_once_with_one_line(where, status, name):
+    result = subprocess.run([sys.executable, "-c", _SIGNALLED_CLI, where], capture_output=True, text=True,
+                            timeout=60, env=ENV)
+    assert result.returncode == status, result.stderr  # a finalizer's signal had been lost: status 0
+    assert result.stderr.strip().splitlines()[-1] == f"stopped by {name}"
+    assert "never here" not in result.stdout
 
 
 def test_when_a_process_dies_the_other_says_which_in_one_line_and_a_restart_resumes(tmp_path, corpus):

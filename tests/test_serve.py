@@ -329,7 +329,7 @@ def test_a_signal_during_warm_up_stops_the_server_at_once(tmp_path, model):
         assert next(process.stdout).startswith("warm-up: compiling prefill 1/")
         process.send_signal(signal.SIGTERM)  # 7 more shapes to compile: it had waited for them all, then crashed
         assert process.wait(timeout=60) == 128 + signal.SIGTERM
-        assert process.stderr.read().strip().endswith("stopped by SIGTERM before serving")
+        assert process.stderr.read().strip().endswith("stopped by SIGTERM")
     finally:
         process.kill()
         process.communicate()  # reaps it and closes its pipes
@@ -361,7 +361,7 @@ def test_sigterm_finishes_running_requests_and_exits(tmp_path, model):
         chunks = [json.loads(e[5:]) for e in [first, *rest] if e != "data: [DONE]"]
         assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert "".join(c["choices"][0]["text"] for c in chunks) == alone(model, "Finish me", 100)
-        assert process.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+        assert process.wait(timeout=30) == 128 + signal.SIGTERM  # uvicorn re-raises it after its shutdown
     finally:
         process.kill()
         process.communicate()  # reaps it and closes its pipes
