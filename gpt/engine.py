@@ -245,7 +245,7 @@ class Engine:
         for name in ("seed", "stream"):  # any integer: taken modulo 2**32
             if not is_int(getattr(request, name)):
                 raise ConfigError(f"{name} must be an integer, got {getattr(request, name)!r}")
-        return self._settings(request)
+        return self._settings(request, stops)
 
     def submit(self, request: Request, on_update: Callable[[Completion], None] | None = None) -> Completion:
         """Queue a request (checked first); returns its Completion. Raises ConfigError, QueueFull or
@@ -417,7 +417,9 @@ class Engine:
         b = self.rows_per_prefill
         padding = Request([0], 1, temperature=0.0)
         requests = [c.request for _, c in entries] + [padding] * (b - len(entries))
-        settings = [c.settings for _, c in entries] + [self._settings(padding)] * (b - len(entries))
+        settings = [c.settings for _, c in entries]
+        if len(entries) < b:  # only over a mesh's data axis
+            settings += [self._settings(padding, ())] * (b - len(entries))
         tokens = np.zeros((b, length), np.int32)
         for row, request in enumerate(requests):
             tokens[row, : len(request.prompt)] = request.prompt
@@ -430,9 +432,9 @@ class Engine:
             self._slots, emitted = compiled_prefill(self.config, self.weights, self._slots, admission)
         return emitted
 
-    def _settings(self, request: Request) -> Settings:
-        """A request's knobs as host scalars (one row of an Admission's settings)."""
-        stops = check_stop_tokens(request.stop_tokens, self.config.vocab_size)
+    def _settings(self, request: Request, stops: tuple[int, ...]) -> Settings:
+        """A request's knobs as host scalars (one row of an Admission's settings); `stops`: its stop tokens,
+        as `check_stop_tokens` returned them."""
         stop_tokens = np.full((self.max_stop_tokens,), -2, np.int32)
         stop_tokens[: len(stops)] = stops
         params = SamplingParams.create(request.temperature, request.top_k, request.top_p, request.min_p,

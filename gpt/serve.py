@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt.config import DType
-from gpt.engine import Completion, Engine, EngineStopped, QueueFull, Request
+from gpt.engine import Completion, Engine, EngineStopped, QueueFull, Request, is_int
 from gpt.errors import ConfigError
 from gpt.sharding import make_mesh, parse_mesh
 from gpt.tokenizer import get_tokenizer
@@ -71,7 +71,7 @@ class ServeConfig:
     quantize: Literal["none", "int8", "bf16"] = "none"
     """Store the weights for decoding as int8 (a float scale per output channel) or bfloat16."""
     mesh: str = ""
-    """Serve sharded over a device mesh, e.g. 'tensor=8' (heads and MLP split over 8 GPUs) or
+    """Serve sharded over a device mesh, e.g. 'tensor=4' (heads and MLP split over 4 GPUs) or
     'data=2,tensor=4' (the slots split 2 ways too); empty runs on one device."""
     max_request_mb: float = 8.0
     """A larger request body gets HTTP 413, unread (64 prompts of 1024 token ids each are ~0.5 MB)."""
@@ -139,7 +139,7 @@ def _prompt_list(body: dict) -> list[str | list[int]]:
     """The request's prompts, each a string or a token-id list: from a string, a list of strings, a list of
     ids, or a list of id lists."""
     prompt = body.get("prompt")
-    is_ids = lambda p: isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)  # noqa: E731
+    is_ids = lambda p: isinstance(p, list) and all(map(is_int, p))  # noqa: E731
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt and is_ids(prompt):
