@@ -1,8 +1,10 @@
 """Generation: a batch of prompts through one `gpt.engine.Engine`, run on the caller's thread.
 
-The engine is sized for the call: a slot per prompt (rounded up to a power of two), and a cache of
-prompt bucket + a power of two >= max_new_tokens positions (capped at the model's context), so that new
-prompt lengths and new `max_new_tokens` inside a bucket reuse the compiled programs. Every sampling knob
+The engine is sized for the call: a slot per prompt (rounded up to a power of two) up to `max_batch`
+slots, the other prompts waiting in its queue and entering as rows finish (so a call's memory does not
+grow with its prompts: each slot holds a cache and a row of logits), and a cache of prompt bucket + a
+power of two >= max_new_tokens positions (capped at the model's context), so that new prompt lengths and
+new `max_new_tokens` inside a bucket reuse the compiled programs. Every sampling knob
 is a traced value. Each call has its own engine, so calls are re-entrant and thread-safe: an `on_token`
 may itself call `generate`.
 """
@@ -77,6 +79,7 @@ def generate(
     on_token: Callable[[int, int], None] | None = None,
     quantize: str | None = None,
     mesh: Mesh | None = None,
+    max_batch: int = 64,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens.
 
@@ -100,6 +103,8 @@ def generate(
       mesh: run sharded over this mesh (`gpt.sharding.make_mesh`): rows over data and fsdp, heads and MLP
         over tensor, the cache like the attention. The batch is padded to a multiple of data x fsdp. A
         Decoder's own.
+      max_batch: the most prompts decoded at once (the engine's slots); the rest wait and enter as rows
+        finish. The results do not depend on it: a row gives what it gives alone.
     Returns:
       One list of new token ids per prompt.
     """
@@ -108,13 +113,15 @@ def generate(
     max_new_tokens = int(max_new_tokens)  # a numpy integer too
     SamplingParams.check(temperature, top_k, top_p, min_p, repetition_penalty)
     stop_tokens = check_stop_tokens(stop_tokens, config.vocab_size)
+    if not is_int(max_batch) or max_batch < 1:
+        raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
 
     longest = max(len(p) for p in prompts)
     prompt_bucket = next(b for b in prompt_buckets(config.block_size) if b >= longest)
     cache_length = min(prompt_bucket + _bucket(max_new_tokens, _MIN_NEW_BUCKET), config.block_size)
     # Streaming hands each token out as it is made (a device call per step, ~5% of the speed); otherwise one
     # call runs the whole decode.
-    engine = Engine(model, slots=_bucket(len(prompts), 1), cache_length=cache_length, max_queue=len(prompts),
+    engine = Engine(model, slots=min(_bucket(len(prompts), 1), int(max_batch)), cache_length=cache_length, max_queue=len(prompts),
                     steps_per_call=1 if on_token is not None else cache_length,
                     max_stop_tokens=_bucket(len(stop_tokens) + 1, 4), quantize=quantize, mesh=mesh)
     knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

@@ -111,6 +111,20 @@ def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
     assert len({tuple(t) for t in batched}) == len(prompts)  # the rows really differ
 
 
+def test_prompts_beyond_max_batch_wait_for_a_row_and_give_the_same(monkeypatch):
+    # A call's memory must not grow with its prompts (each slot holds a cache and a row of logits): past
+    # max_batch they queue and enter as rows finish, and each still gives what it gives alone.
+    import gpt.generate
+    model = scaled_model("learned")
+    prompts = [[5, 17, 99], list(range(30, 51)), [200], [7, 7, 8, 9, 10, 250, 3], [1, 2]]
+    slots = []
+    engine = gpt.generate.Engine
+    monkeypatch.setattr(gpt.generate, "Engine", lambda *a, **kw: slots.append(kw["slots"]) or engine(*a, **kw))
+    for knobs in (dict(temperature=0), dict(temperature=0.8, seed=3)):
+        assert generate(model, prompts, 12, max_batch=2, **knobs) == generate(model, prompts, 12, **knobs)
+    assert slots == [2, 8, 2, 8]
+
+
 def test_an_array_of_prompts_is_a_batch_of_rows(model):
     rows = [[5, 17, 99], [30, 31, 32], [200, 1, 2]]
     expected = generate(model, rows, 6, temperature=0)
@@ -278,6 +292,7 @@ def test_streaming_hands_out_each_token_in_order(model):
         ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
         ([[1, 2]], dict(max_new_tokens=True), "max_new_tokens must be an integer >= 1, got True"),
         ([[1, 2]], dict(seed="a"), "seed must be an integer, got 'a'"),
+        ([[1, 2]], dict(max_batch=0), "max_batch must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_input_fails_before_compiling(prompts, kwargs, message):
