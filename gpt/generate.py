@@ -1,11 +1,11 @@
 """Generation: a batch of prompts through one `gpt.engine.Engine`, run on the caller's thread.
 
 The engine is sized for the call: a slot per prompt (rounded up to a power of two) up to `max_batch`
-slots, the other prompts waiting in its queue and entering as rows finish (so a call's memory does not
-grow with its prompts: each slot holds a cache and a row of logits), and a cache of prompt bucket + a
-power of two >= max_new_tokens positions (capped at the model's context), so that new prompt lengths and
-new `max_new_tokens` inside a bucket reuse the compiled programs. Every sampling knob
-is a traced value. Each call has its own engine, so calls are re-entrant and thread-safe: an `on_token`
+slots, the other prompts waiting in its queue and entering as rows finish (each slot holds a cache and a
+row of logits, so the engine's memory does not grow past max_batch prompts), and a cache of prompt
+bucket + a power of two >= max_new_tokens positions (capped at the model's context), so that new prompt
+lengths and new `max_new_tokens` inside a bucket reuse the compiled programs. Every sampling knob is a
+traced value. Each call has its own engine, so calls are re-entrant and thread-safe: an `on_token`
 may itself call `generate`.
 """
 
@@ -121,8 +121,8 @@ def generate(
     cache_length = min(prompt_bucket + _bucket(max_new_tokens, _MIN_NEW_BUCKET), config.block_size)
     # Streaming hands each token out as it is made (a device call per step, ~5% of the speed); otherwise one
     # call runs the whole decode.
-    engine = Engine(model, slots=min(_bucket(len(prompts), 1), int(max_batch)), cache_length=cache_length, max_queue=len(prompts),
-                    steps_per_call=1 if on_token is not None else cache_length,
+    engine = Engine(model, slots=min(_bucket(len(prompts), 1), int(max_batch)), cache_length=cache_length,
+                    max_queue=len(prompts), steps_per_call=1 if on_token is not None else cache_length,
                     max_stop_tokens=_bucket(len(stop_tokens) + 1, 4), quantize=quantize, mesh=mesh)
     knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  repetition_penalty=repetition_penalty, seed=seed, stop_tokens=tuple(stop_tokens),

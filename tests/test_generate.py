@@ -12,6 +12,7 @@ from gpt import GPT, GPTConfig, KVCache
 from gpt.errors import ConfigError
 from gpt.attention import attend, attend_paged
 from gpt.decoding import compiled_decode, compiled_prefill
+from gpt.engine import Engine
 from gpt.generate import generate, generate_text
 from gpt.sampling import SamplingParams, choose, filter_logits, penalize_repetition
 
@@ -114,12 +115,10 @@ def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
 def test_prompts_beyond_max_batch_wait_for_a_row_and_give_the_same(monkeypatch):
     # A call's memory must not grow with its prompts (each slot holds a cache and a row of logits): past
     # max_batch they queue and enter as rows finish, and each still gives what it gives alone.
-    import gpt.generate
     model = scaled_model("learned")
     prompts = [[5, 17, 99], list(range(30, 51)), [200], [7, 7, 8, 9, 10, 250, 3], [1, 2]]
     slots = []
-    engine = gpt.generate.Engine
-    monkeypatch.setattr(gpt.generate, "Engine", lambda *a, **kw: slots.append(kw["slots"]) or engine(*a, **kw))
+    monkeypatch.setattr("gpt.generate.Engine", lambda *a, **kw: slots.append(kw["slots"]) or Engine(*a, **kw))
     for knobs in (dict(temperature=0), dict(temperature=0.8, seed=3)):
         assert generate(model, prompts, 12, max_batch=2, **knobs) == generate(model, prompts, 12, **knobs)
     assert slots == [2, 8, 2, 8]
