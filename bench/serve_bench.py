@@ -4,14 +4,14 @@ continuous batching, on the same requests and the same weights.
     python bench/serve_bench.py                 # GPT-2 124M shapes, random weights, float32, CPU
     python bench/serve_bench.py --dtype bfloat16    # on a GPU (the torch peer too)
 
-The load: --requests requests (default 64), prompt lengths uniform in [16, 256] and output lengths
-uniform in [16, 128], random token ids, all drawn from a fixed seed, greedy; --clients closed-loop clients
+The load: --requests requests (default 64), prompt lengths uniform in --prompt-lengths (default [16, 256])
+and output lengths uniform in [16, 128], random token ids, all drawn from a fixed seed, greedy; --clients closed-loop clients
 (default 8), client c sending requests c, c + clients, ... one after another. Each client times its own
 requests: time to first token (TTFT, from sending), and the gaps between tokens (ITL; tokens that arrive
 together share their gap). Output tokens/s is all tokens over the wall time of the whole load.
 
   ours, serve.py       the HTTP server (in this process, on 127.0.0.1), the official openai client
-                       streaming; compiled at start-up (warm-up not timed)
+                       streaming; compiled at start-up (warm-up not timed); once per --prefill-chunk
   ours, engine         the same engine without HTTP: requests submitted in process (`Engine.submit`),
                        like the transformers peer's (--engine-only runs only this and the peer)
   ours, generate       gpt.generate.generate per request, one at a time in arrival order (every
@@ -41,9 +41,10 @@ from gpt.generate import generate
 from machine import cpu_name
 
 
-def make_load(requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
+def make_load(requests: int, prompt_lengths=(16, 256), seed: int = 0) -> list[tuple[list[int], int]]:
     rng = np.random.default_rng(seed)
-    return [(rng.integers(0, 50256, int(rng.integers(16, 257))).tolist(), int(rng.integers(16, 129)))
+    low, high = prompt_lengths
+    return [(rng.integers(0, 50256, int(rng.integers(low, high + 1))).tolist(), int(rng.integers(16, 129)))
             for _ in range(requests)]
 
 
@@ -75,19 +76,19 @@ def gaps_of(times: list[float], counts: list[int]) -> list[float]:
     return gaps
 
 
-def make_engine(directory, load, dtype, slots, steps_per_call, quantize) -> Engine:
+def make_engine(directory, load, dtype, slots, steps_per_call, quantize, prefill_chunk) -> Engine:
     """Our engine as serve.py builds it, with a queue that holds the whole load."""
     return Engine(gpt2.load(directory, dtype=dtype), slots=slots, steps_per_call=steps_per_call,
-                  max_queue=len(load), quantize=quantize)
+                  max_queue=len(load), quantize=quantize, prefill_chunk=prefill_chunk)
 
 
-def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantize="none"):
+def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantize, prefill_chunk):
     import openai
     import uvicorn
 
     from gpt.serve import create_app
 
-    engine = make_engine(directory, load, dtype, slots, steps_per_call, quantize)
+    engine = make_engine(directory, load, dtype, slots, steps_per_call, quantize, prefill_chunk)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(engine, "gpt2", log=lambda line: None), log_level="warning"))
@@ -114,8 +115,8 @@ def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantiz
         thread.join()
 
 
-def bench_engine(directory, load, clients, dtype, slots, steps_per_call, quantize="none"):
-    engine = make_engine(directory, load, dtype, slots, steps_per_call, quantize)
+def bench_engine(directory, load, clients, dtype, slots, steps_per_call, quantize, prefill_chunk):
+    engine = make_engine(directory, load, dtype, slots, steps_per_call, quantize, prefill_chunk)
     engine.warmup(log=lambda line: None)
     engine.start()
 
@@ -181,6 +182,9 @@ def main():
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1])
+    parser.add_argument("--prompt-lengths", type=int, nargs=2, default=[16, 256], metavar=("LOW", "HIGH"))
+    parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[256],
+                        help="our engine's prefill chunk (1024: every prompt in one prefill)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "bf16"],
                         help="our server's weights (the peers stay float32)")
@@ -195,10 +199,11 @@ def main():
 
     torch.manual_seed(0)
     reference = transformers.GPT2LMHeadModel(transformers.GPT2Config())
-    load = make_load(args.requests)
+    load = make_load(args.requests, args.prompt_lengths)
     print(f"# {cpu_name()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}; {args.requests} requests, {args.clients} clients, "
+          f"{time.strftime('%Y-%m-%d')}; {args.requests} requests, {args.clients} clients, prompts of "
+          f"{args.prompt_lengths[0]}-{args.prompt_lengths[1]} tokens, "
           f"{sum(m for _, m in load)} output tokens asked")
     print("| impl | output tokens/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | wall (s) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -212,10 +217,12 @@ def main():
         del reference
         for quantize in args.quantize:
             for steps in args.steps_per_call:
-                weights = "" if quantize == "none" else f", {quantize} weights"
-                how, bench = ("engine in process", bench_engine) if args.engine_only else ("serve.py", bench_server)
-                row(f"ours, {how} ({args.slots} slots, {steps} step/call, {args.dtype}{weights})",
-                    bench(tmp, load, args.clients, args.dtype, args.slots, steps, quantize))
+                for chunk in args.prefill_chunk:
+                    weights = "" if quantize == "none" else f", {quantize} weights"
+                    chunked = f", prefill chunk {chunk}" if len(args.prefill_chunk) > 1 else ""
+                    how, bench = ("engine in process", bench_engine) if args.engine_only else ("serve.py", bench_server)
+                    row(f"ours, {how} ({args.slots} slots, {steps} step/call, {args.dtype}{weights}{chunked})",
+                        bench(tmp, load, args.clients, args.dtype, args.slots, steps, quantize, chunk))
         if not (args.skip_generate or args.engine_only):
             row(f"ours, generate per request ({args.dtype})", bench_generate(tmp, load, args.clients, args.dtype))
         if not args.skip_torch:

@@ -1,9 +1,11 @@
 """The engine's device side: weights laid out for decoding, the slots' state, and the two jitted
 functions the engine runs, `prefill` (requests enter slots) and `decode` (steps for every live slot).
 
-Everything here is a pure function of pytrees; `gpt.engine` decides what runs when. Shapes: S slots,
-C cache slots per row, b rows admitted per prefill, P their (bucketed) prompt length, V vocabulary,
-K stop tokens per slot, J top logprobs, M decode steps per call.
+Everything here is a pure function of pytrees; `gpt.engine` decides what runs when. A prompt longer than
+the engine's prefill chunk runs a chunk at a time (`extend`, between decode calls) into a `Prefix`, and
+enters its slot with its last chunk. Shapes: S slots, C cache slots per row, b rows admitted per prefill,
+P their (bucketed) prompt length or chunk, V vocabulary, K stop tokens per slot, J top logprobs, M decode
+steps per call.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from gpt.model import GPT, Weights, forward, lm_head, unstack
 from gpt.sampling import SamplingParams, choose
 from gpt.sharding import shard_state
 
-__all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Emitted", "init_slots", "prefill", "decode",
-           "TOP_LOGPROBS", "NO_TOKEN"]
+__all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "Emitted", "init_slots",
+           "init_prefix", "extend", "prefill", "decode", "compiled_programs", "TOP_LOGPROBS", "NO_TOKEN"]
 
 TOP_LOGPROBS = 5  # J: the most alternatives a request may ask logprobs for (the OpenAI API's own bound)
 NO_TOKEN = -1  # an Emitted entry where a slot produced nothing (free, finished, or a stop token)
@@ -177,9 +179,10 @@ class Slots:
 class Admission:
     """b requests entering slots: the host's side of one `prefill` call ([b, ...] each).
 
-    tokens: int32 [b, P], prompts right-padded; lengths: int32 [b], their real lengths (>= 1); slots:
-    int32 [b], where each goes (S or more for a padding row). max_tokens: int32 [b]. settings: what
-    each asked for.
+    tokens: int32 [b, P], prompts (or, after a `Prefix`, their last pieces) right-padded; lengths: int32
+    [b], their real lengths (>= 1 without a Prefix; a row whose prompt ended in an earlier chunk has 0);
+    slots: int32 [b], where each goes (S or more for a padding row). max_tokens: int32 [b]. settings:
+    what each asked for.
     """
 
     tokens: jax.Array
@@ -187,6 +190,47 @@ class Admission:
     slots: jax.Array
     max_tokens: jax.Array
     settings: Settings
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """The prompts of b requests, run so far: a cache of their own until they enter their slots.
+
+    A prompt longer than a prefill chunk runs a chunk per engine round (`extend`), so that the live slots
+    decode between its chunks rather than wait for all of it, and enters its slot with its last chunk
+    (`prefill(..., prefix)`). A short prompt runs whole over a fresh Prefix of its bucket's length.
+
+    cache: b rows; each row's length is how many of its prompt's tokens have run. seen: bool [b, V], those
+    tokens (for the repetition penalty). last_hidden: [b, D], the final hidden state after each row's
+    latest real token (where its first token is chosen from).
+    """
+
+    cache: KVCache
+    seen: jax.Array
+    last_hidden: jax.Array
+
+
+def init_prefix(config: GPTConfig, rows: int, length: int) -> Prefix:
+    """An empty Prefix of `rows` rows and `length` cache slots (one page: a prompt's chunks attend to
+    all of it at once)."""
+    return Prefix(cache=KVCache.init(config, rows, length), seen=jnp.zeros((rows, config.vocab_size), jnp.bool_),
+                  last_hidden=jnp.zeros((rows, config.n_embd), config.compute_dtype))
+
+
+def extend(config: GPTConfig, weights: Weights, prefix: Prefix, tokens_bP: jax.Array, lengths_b: jax.Array) -> Prefix:
+    """Run the next piece of each row's prompt, tokens_bP int32 [b, P] right-padded to its real length
+    lengths_b int32 [b] (0 for a row with nothing left), at the row's next positions."""
+    b, P = tokens_bP.shape
+    start_b, rows_b = prefix.cache.lengths, jnp.arange(b)
+    x_bPD, cache = forward(config, weights, tokens_bP, prefix.cache.next_positions(P), prefix.cache)
+    # The padding's keys and values lie past each row's length, where the next piece (or, in a slot,
+    # the next token) writes before any query can see them.
+    cache = dataclasses.replace(cache, lengths=start_b + lengths_b)
+    real_bP = jnp.arange(P)[None, :] < lengths_b[:, None]
+    seen_bV = prefix.seen.at[rows_b[:, None], tokens_bP].max(real_bP)
+    last_bD = jnp.where((lengths_b > 0)[:, None], x_bPD[rows_b, jnp.maximum(lengths_b - 1, 0)], prefix.last_hidden)
+    return Prefix(cache=cache, seen=seen_bV, last_hidden=last_bD)
 
 
 @jax.tree_util.register_dataclass
@@ -276,27 +320,26 @@ def _choose_next(weights: Weights, x_RD: jax.Array, live_R: jax.Array, remaining
                    seen=seen_RV)
 
 
-def prefill(config: GPTConfig, weights: Weights, slots: Slots, admission: Admission) -> tuple[Slots, Emitted]:
-    """Run b prompts, choose each one's first token, and move them into their slots.
+def prefill(config: GPTConfig, weights: Weights, slots: Slots, admission: Admission,
+            prefix: Prefix | None = None) -> tuple[Slots, Emitted]:
+    """Run b prompts (or their last pieces, after `prefix`), choose each one's first token, and move them
+    into their slots.
 
-    The prompts run over a fresh cache of P positions (a request always starts at position 0); their
-    keys and values are then copied into the slots' rows. Returns the new slots and an Emitted [1, b].
+    Without a prefix the prompts run over a fresh cache of P positions (a request always starts at
+    position 0). Their keys and values are then copied into the slots' rows. Returns the new slots and
+    an Emitted [1, b].
     """
     b, P = admission.tokens.shape
-    positions_bP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (b, P))
-    x_bPD, fresh = forward(config, weights, admission.tokens, positions_bP, KVCache.init(config, b, P))
-    rows_b = jnp.arange(b)
-    x_bD = x_bPD[rows_b, admission.lengths - 1]
-    real_bP = jnp.arange(P)[None, :] < admission.lengths[:, None]
-    seen_bV = jnp.zeros((b, config.vocab_size), jnp.bool_).at[rows_b[:, None], admission.tokens].max(real_bP)
+    prefix = init_prefix(config, b, P) if prefix is None else prefix
+    prefix = extend(config, weights, prefix, admission.tokens, admission.lengths)
     admitted_b = admission.slots < slots.live.shape[0]
-    c = _choose_next(weights, x_bD, admitted_b, admission.max_tokens, seen_bV, admission.settings,
+    c = _choose_next(weights, prefix.last_hidden, admitted_b, admission.max_tokens, prefix.seen, admission.settings,
                      jnp.zeros((b,), jnp.int32))
 
     at = admission.slots
     put = lambda mine, theirs: mine.at[at].set(theirs.astype(mine.dtype), mode="drop")  # noqa: E731
     slots = Slots(
-        cache=slots.cache.insert(fresh, at, admission.lengths),
+        cache=slots.cache.insert(prefix.cache, at, prefix.cache.lengths),
         last_token=put(slots.last_token, jnp.maximum(c.token, 0)), live=put(slots.live, c.live),
         remaining=put(slots.remaining, c.remaining), generated=put(slots.generated, jnp.ones((b,), jnp.int32)),
         seen=put(slots.seen, c.seen), settings=jax.tree.map(put, slots.settings, admission.settings),
@@ -367,5 +410,13 @@ def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: j
 # One compiled program per shape; the config is static, the weights, slots and knobs are traced. The
 # slots are donated: the cache is updated in place.
 compiled_prefill = jax.jit(prefill, static_argnames="config", donate_argnames="slots")
+compiled_extend = jax.jit(extend, static_argnames="config", donate_argnames="prefix")
+compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
 compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps"), donate_argnames="slots")
 compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3))
+
+
+def compiled_programs() -> int:
+    """How many programs the jitted functions that serve requests hold (for tests: none compiles after an
+    engine's warm-up)."""
+    return sum(f._cache_size() for f in (compiled_prefill, compiled_extend, compiled_init_prefix, compiled_decode))

@@ -3,7 +3,9 @@
 Each round (`step`), on the thread that owns the engine:
   1. cancelled requests give up their slots;
   2. waiting requests enter free slots, first come first served: their prompts run shortest first
-     (`gpt.decoding.prefill`, prompt lengths in power-of-two buckets) and each gets its first token;
+     (`gpt.decoding.prefill`, prompt lengths in power-of-two buckets) and each gets its first token; a
+     prompt longer than `prefill_chunk` tokens takes its slot but runs one chunk per round instead
+     (`gpt.decoding.extend`), so that the other slots go on decoding between its chunks;
   3. one call of `gpt.decoding.decode` runs up to `steps_per_call` steps for every live slot (over the
      fewest compiled rows that hold them: `decode_widths`);
   4. new tokens go to their requests; finished slots become free.
@@ -29,8 +31,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from gpt.decoding import (NO_TOKEN, TOP_LOGPROBS, Admission, Decoder, Settings, compiled_decode,
-                          compiled_init_slots, compiled_prefill)
+from gpt.decoding import (NO_TOKEN, TOP_LOGPROBS, Admission, Decoder, Prefix, Settings, compiled_decode,
+                          compiled_extend, compiled_init_prefix, compiled_init_slots, compiled_prefill,
+                          compiled_programs)
 from gpt.errors import ConfigError
 from gpt.model import GPT
 from gpt.sampling import SamplingParams
@@ -38,10 +41,10 @@ from gpt.sharding import data_parallel_size
 from gpt.text_stream import TextStream
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "check_prompt", "check_stop_tokens",
-           "is_int", "prompt_buckets", "decode_widths"]
+__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "MIN_PROMPT_BUCKET", "check_prompt",
+           "check_stop_tokens", "is_int", "prompt_buckets", "decode_widths"]
 
-_MIN_PROMPT_BUCKET = 16
+MIN_PROMPT_BUCKET = 16
 
 
 class QueueFull(Exception):
@@ -159,13 +162,26 @@ def decode_widths(num_slots: int, mesh: Mesh | None) -> list[int]:
     return [1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots] + [num_slots]
 
 
-def prompt_buckets(cache_length: int) -> list[int]:
-    """The prompt lengths a prefill is compiled for: powers of two from 16, and the cache length."""
-    buckets, n = [], _MIN_PROMPT_BUCKET
-    while n < cache_length:
+def prompt_buckets(longest: int) -> list[int]:
+    """The prompt lengths a prefill is compiled for: powers of two from 16, and `longest` (the cache
+    length, or the prefill chunk)."""
+    buckets, n = [], MIN_PROMPT_BUCKET
+    while n < longest:
         buckets.append(n)
         n *= 2
-    return buckets + [cache_length]
+    return buckets + [longest]
+
+
+@dataclasses.dataclass
+class _Chunked:
+    """Requests whose prompts run a chunk per round before they enter their slots (`Engine._advance`).
+
+    entries: (slot, completion) per row; prefix: their prompts' cache so far; done: how many tokens of
+    each prompt have run (of a shorter one, all)."""
+
+    entries: list[tuple[int, Completion]]
+    prefix: Prefix
+    done: int = 0
 
 
 class Engine:
@@ -178,6 +194,9 @@ class Engine:
       cache_length: positions per slot, prompt + output (default and bound: the model's context).
       max_queue: the most requests waiting for a slot; `submit` raises QueueFull beyond it.
       steps_per_call: decode steps per device call; more amortize dispatch, fewer admit sooner.
+      prefill_chunk: the longest prompt that runs in one prefill; a longer one runs in chunks of this
+        many tokens, one per round, so that the live slots wait at most one chunk's time for it (and
+        no prefill longer than it is compiled). At least 16; the cache length or more turns it off.
       max_stop_tokens: the most stop tokens a request may give.
       quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
         (`gpt.decoding.decoding_weights`); a Decoder's own.
@@ -186,7 +205,7 @@ class Engine:
 
     def __init__(self, model: GPT | Decoder, *, slots: int = 8, cache_length: int | None = None,
                  max_queue: int = 64, steps_per_call: int = 1, max_stop_tokens: int = 8,
-                 quantize: str | None = None, mesh: Mesh | None = None):
+                 prefill_chunk: int = 256, quantize: str | None = None, mesh: Mesh | None = None):
         config = model.config
         cache_length = config.block_size if cache_length is None else cache_length
         if not is_int(cache_length) or not 1 <= cache_length <= config.block_size:
@@ -196,20 +215,26 @@ class Engine:
                                 max_stop_tokens=max_stop_tokens).items():
             if not is_int(value) or value < 1:
                 raise ConfigError(f"Engine {name} must be an integer >= 1, got {value!r}")
-        slots, max_queue, steps_per_call, max_stop_tokens, cache_length = map(
-            int, (slots, max_queue, steps_per_call, max_stop_tokens, cache_length))
+        if not is_int(prefill_chunk) or prefill_chunk < MIN_PROMPT_BUCKET:
+            raise ConfigError(
+                f"Engine prefill_chunk must be an integer >= {MIN_PROMPT_BUCKET}, got {prefill_chunk!r}")
+        slots, max_queue, steps_per_call, max_stop_tokens, cache_length, prefill_chunk = map(
+            int, (slots, max_queue, steps_per_call, max_stop_tokens, cache_length, prefill_chunk))
         decoder = Decoder.of(model, quantize, mesh)
         mesh = decoder.mesh
         self.rows_per_prefill = data_parallel_size(mesh) if mesh is not None else 1
         slots = -(-slots // self.rows_per_prefill) * self.rows_per_prefill
         self.config, self.num_slots, self.cache_length = config, slots, cache_length
         self.max_queue, self.steps_per_call, self.max_stop_tokens = max_queue, steps_per_call, max_stop_tokens
+        self.prefill_chunk = min(prefill_chunk, cache_length)
+        self.prompt_buckets = prompt_buckets(self.prefill_chunk)
         self.mesh, self.weights = mesh, decoder.weights
         with self._on_mesh():
             self._slots = compiled_init_slots(config, slots, cache_length, max_stop_tokens)
         self.decode_widths = decode_widths(slots, mesh)
         self._owners: list[Completion | None] = [None] * slots
         self._queue: collections.deque[Completion] = collections.deque()
+        self._chunked: collections.deque[_Chunked] = collections.deque()  # the oldest runs its next chunk
         self._lock = threading.Condition()
         self._stopping = self._exit = False
         self._thread: threading.Thread | None = None
@@ -276,8 +301,9 @@ class Engine:
             if owner is not None and owner.cancel_requested:
                 self._release(slot, "cancelled")
         admitted = self._admit()
-        if not any(self._owners):
-            return admitted
+        advanced = self._advance()
+        if not self._decoding():
+            return admitted or advanced
         stop_at_finish = bool(self._queue)  # someone waits for a slot: come back as soon as one frees
         cancel_S, self._cancel_S = self._cancel_S, np.zeros((self.num_slots,), np.bool_)
         emitted = self._decode(cancel_S, self.steps_per_call, stop_at_finish)
@@ -291,8 +317,8 @@ class Engine:
                 raise RuntimeError("the engine is idle but some completions never ended")
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
-        """Compile and run once every shape the engine runs (each prompt bucket's prefill, and the decode
-        over each of `decode_widths` rows), with a progress line.
+        """Compile and run once every shape the engine runs (each prompt bucket's prefill, a chunked
+        prompt's two, and the decode over each of `decode_widths` rows), with a progress line.
 
         Each shape runs for real, not only compiles: XLA's CPU runtime readies an op on its first run
         (~0.2 s over a GPT-2 124M decode step), and decode's loop runs no step while every slot is free.
@@ -301,24 +327,37 @@ class Engine:
         """
         if self._thread is not None or any(self._owners):
             raise RuntimeError("warmup runs before the engine serves: its placeholder borrows slot 0")
-        buckets = prompt_buckets(self.cache_length)
-        total = len(buckets) + len(self.decode_widths)
+        buckets, chunk = self.prompt_buckets, self.prefill_chunk
+        chunked = self.cache_length > chunk + 1  # a prompt of chunk + 1 tokens and one more fit
+        shapes = [("prefill", f"prompts up to {length} tokens") for length in buckets]
+        shapes += [("prefill", f"a longer prompt's chunks of {chunk} tokens")] * chunked
+        shapes += [("decode", f"{width} of {self.num_slots} slots") for width in self.decode_widths]
+        progress = iter(f"warm-up: compiling {kind} {i + 1}/{len(shapes)} ({what})"
+                        for i, (kind, what) in enumerate(shapes))
         start = time.perf_counter()
-        steps = max(1, min(len(self.decode_widths) + 1, self.cache_length - 1))  # never past the cache's end
-        placeholder = Request([0], steps, temperature=0.0, logprobs=1)
-        placeholder = Completion(placeholder, settings=self.check(placeholder))
-        for i, length in enumerate(buckets):
-            log(f"warm-up: compiling prefill {i + 1}/{total} (prompts up to {length} tokens)")
-            self._prefill([(0, placeholder)], length)
-        for i, width in enumerate(self.decode_widths):
-            log(f"warm-up: compiling decode {len(buckets) + i + 1}/{total} ({width} of {self.num_slots} slots)")
+
+        def placeholder(prompt_length: int) -> Completion:
+            steps = max(1, min(len(self.decode_widths) + 1, self.cache_length - prompt_length))  # within the cache
+            request = Request([0] * prompt_length, steps, temperature=0.0, logprobs=1)
+            return Completion(request, settings=self.check(request))
+
+        for length in buckets:
+            log(next(progress))
+            self._prefill([(0, placeholder(1))], length)
+        if chunked:
+            log(next(progress))
+            self._chunked.append(self._chunk_group([(0, placeholder(chunk + 1))]))
+            while self._chunked:
+                self._advance(warmup=True)
+        for width in self.decode_widths:
+            log(next(progress))
             jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 1, False, width))
         self._cancel_S[0] = True  # the next decode call ends the placeholder, unless a request takes slot 0 first
         log(f"warm-up: done in {time.perf_counter() - start:.1f} s")
 
     def compiled_shapes(self) -> int:
         """How many programs the engine's jitted functions hold (for tests: no compile after warm-up)."""
-        return compiled_prefill._cache_size() + compiled_decode._cache_size()
+        return compiled_programs()
 
     def start(self) -> None:
         """Run rounds on a background thread until `stop`."""
@@ -388,20 +427,21 @@ class Engine:
             entering.sort(key=lambda c: len(c.request.prompt))
             for slot, completion in zip(free, entering):
                 self._owners[slot] = completion
-                self._cancel_S[slot] = False  # the prefill makes the slot's device state new
             entries = list(zip(free, entering))
             for i in range(0, len(entries), self.rows_per_prefill):
                 group = entries[i: i + self.rows_per_prefill]
                 longest = max(len(c.request.prompt) for _, c in group)
-                length = next(b for b in prompt_buckets(self.cache_length) if b >= longest)
-                emitted = self._prefill(group, length)
-                self._deliver([slot for slot, _ in group], emitted)
+                if longest > self.prefill_chunk:  # its slots wait, owned, until its last chunk (`_advance`)
+                    self._chunked.append(self._chunk_group(group))
+                    continue
+                length = next(b for b in self.prompt_buckets if b >= longest)
+                self._deliver([slot for slot, _ in group], self._prefill(group, length))
             admitted = True
 
     def _decode(self, cancel_S: np.ndarray, num_steps: int, stop_at_finish: bool, width: int | None = None):
         """One decode call over the fewest compiled rows (`decode_widths`) that hold every owned slot, or
         over `width` rows (warm-up)."""
-        owned = [slot for slot, owner in enumerate(self._owners) if owner is not None]
+        owned = self._decoding()
         width = width or next(w for w in self.decode_widths if w >= len(owned))
         rows_R = None
         if width < self.num_slots:  # the owned slots, then free ones: distinct rows
@@ -412,25 +452,75 @@ class Engine:
                 max_steps=self.steps_per_call, rows_R=rows_R)
         return emitted
 
-    def _prefill(self, entries: list[tuple[int, Completion]], length: int):
-        """One prefill of `rows_per_prefill` rows (entries, then padding rows that go nowhere)."""
+    def _prefilling(self) -> set[int]:
+        """The slots whose requests' prompts are still running their chunks."""
+        return {slot for group in self._chunked for slot, c in group.entries if self._owners[slot] is c}
+
+    def _decoding(self) -> list[int]:
+        """The slots whose requests decode: owned, and past their prompts."""
+        prefilling = self._prefilling()
+        return [slot for slot, owner in enumerate(self._owners) if owner is not None and slot not in prefilling]
+
+    def _piece(self, entries: list[tuple[int, Completion]], start: int, length: int):
+        """Tokens start..start+length-1 of each entry's prompt, as `rows_per_prefill` rows (the entries, then
+        padding rows of one token): (int32 [b, length] right-padded, their real lengths int32 [b])."""
+        b = self.rows_per_prefill
+        prompts = [c.request.prompt[start: start + length] for _, c in entries] + [[0][start:]] * (b - len(entries))
+        tokens = np.zeros((b, length), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = prompt
+        return tokens, np.asarray([len(p) for p in prompts], np.int32)
+
+    def _prefill(self, entries: list[tuple[int, Completion]], length: int, prefix: Prefix | None = None,
+                 start: int = 0):
+        """One prefill of `rows_per_prefill` rows (entries, then padding rows that go nowhere): their
+        prompts from token `start` on (all of them, after `prefix`), in `length` positions."""
         b = self.rows_per_prefill
         padding = Request([0], 1, temperature=0.0)
         requests = [c.request for _, c in entries] + [padding] * (b - len(entries))
         settings = [c.settings for _, c in entries]
         if len(entries) < b:  # only over a mesh's data axis
             settings += [self._settings(padding, ())] * (b - len(entries))
-        tokens = np.zeros((b, length), np.int32)
-        for row, request in enumerate(requests):
-            tokens[row, : len(request.prompt)] = request.prompt
+        tokens, lengths = self._piece(entries, start, length)
         slots = [slot for slot, _ in entries] + [self.num_slots] * (b - len(entries))  # past the end: dropped
+        for slot, _ in entries:
+            self._cancel_S[slot] = False  # the prefill makes the slot's device state new
         admission = Admission(
-            tokens=tokens, lengths=np.asarray([len(r.prompt) for r in requests], np.int32),
-            slots=np.asarray(slots, np.int32), max_tokens=np.asarray([r.max_tokens for r in requests], np.int32),
+            tokens=tokens, lengths=lengths, slots=np.asarray(slots, np.int32),
+            max_tokens=np.asarray([r.max_tokens for r in requests], np.int32),
             settings=jax.tree.map(lambda *rows: np.stack(rows), *settings))
         with self._on_mesh():
-            self._slots, emitted = compiled_prefill(self.config, self.weights, self._slots, admission)
+            self._slots, emitted = compiled_prefill(self.config, self.weights, self._slots, admission, prefix)
         return emitted
+
+    def _chunk_group(self, entries: list[tuple[int, Completion]]) -> _Chunked:
+        with self._on_mesh():
+            return _Chunked(entries, compiled_init_prefix(self.config, self.rows_per_prefill, self.cache_length))
+
+    def _advance(self, warmup: bool = False) -> bool:
+        """Run the next chunk of the oldest chunked prompts; with their last, they enter their slots and
+        get their first tokens. False when no prompt was waiting on chunks."""
+        while self._chunked:
+            group = self._chunked[0]
+            # A request cancelled (and released) meanwhile goes nowhere; its slot may be another's already.
+            group.entries = [(slot, c) for slot, c in group.entries if warmup or self._owners[slot] is c]
+            if group.entries:
+                break
+            self._chunked.popleft()
+        else:
+            return False
+        chunk, longest = self.prefill_chunk, max(len(c.request.prompt) for _, c in group.entries)
+        if group.done + chunk < longest:
+            with self._on_mesh():
+                group.prefix = compiled_extend(self.config, self.weights, group.prefix,
+                                               *self._piece(group.entries, group.done, chunk))
+            group.done += chunk
+            return True
+        self._chunked.popleft()
+        emitted = self._prefill(group.entries, chunk, group.prefix, group.done)
+        if not warmup:
+            self._deliver([slot for slot, _ in group.entries], emitted)
+        return True
 
     def _settings(self, request: Request, stops: tuple[int, ...]) -> Settings:
         """A request's knobs as host scalars (one row of an Admission's settings); `stops`: its stop tokens,
@@ -445,15 +535,16 @@ class Engine:
 
     def _deliver(self, slots: list[int], emitted) -> None:
         """Hand each slot's new tokens to its request (row i of `emitted` is slot slots[i]); free the slots
-        whose request ended."""
+        whose request ended. Slots whose prompts are still running their chunks are left alone."""
         token = np.asarray(emitted.token)
         steps = int(emitted.steps)
         logprob, live = np.asarray(emitted.logprob), np.asarray(emitted.live)
         wants_top = any(self._owners[s] is not None and self._owners[s].request.logprobs for s in slots)
         top_ids, top_lps = (np.asarray(emitted.top_ids), np.asarray(emitted.top_logprobs)) if wants_top else (None, None)
+        prefilling = self._prefilling()
         for row, slot in enumerate(slots):
             owner = self._owners[slot]
-            if owner is None:
+            if owner is None or slot in prefilling:
                 continue
             before = len(owner.tokens)
             stopped = False

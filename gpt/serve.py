@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt.config import DType
-from gpt.engine import Completion, Engine, EngineStopped, QueueFull, Request, is_int
+from gpt.engine import MIN_PROMPT_BUCKET, Completion, Engine, EngineStopped, QueueFull, Request, is_int
 from gpt.errors import ConfigError
 from gpt.sharding import make_mesh, parse_mesh
 from gpt.tokenizer import get_tokenizer
@@ -64,6 +64,9 @@ class ServeConfig:
     """Positions per slot (prompt + output); default: the model's context."""
     steps_per_call: int = 1
     """Decode steps per device call: more amortize dispatch, fewer stream more smoothly."""
+    prefill_chunk: int = 256
+    """A longer prompt runs in chunks of this many tokens, one per round, the other slots decoding between
+    them (so a long prompt holds up the streams at most one chunk's time); >= 16."""
     model_name: str | None = None
     """The name clients pass as `model`; default: the last part of init_from."""
     dtype: DType = "float32"
@@ -485,6 +488,8 @@ def serve(config: ServeConfig) -> None:
     for name in ("slots", "max_queue", "steps_per_call"):
         if getattr(config, name) < 1:
             raise ConfigError(f"ServeConfig.{name} must be >= 1, got {getattr(config, name)}")
+    if config.prefill_chunk < MIN_PROMPT_BUCKET:
+        raise ConfigError(f"--prefill_chunk must be >= {MIN_PROMPT_BUCKET}, got {config.prefill_chunk}")
     if not 0 <= config.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {config.port}")
     if not config.shutdown_deadline_s >= 0:
@@ -508,7 +513,8 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
     # that one stops serve.py at once (`cli_main`), not after the warm-up.
     model = load(config.init_from, config.dtype)
     engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
-                    steps_per_call=config.steps_per_call, quantize=config.quantize, mesh=mesh)
+                    steps_per_call=config.steps_per_call, prefill_chunk=config.prefill_chunk,
+                    quantize=config.quantize, mesh=mesh)
     engine.warmup(log)
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,

@@ -65,6 +65,61 @@ def test_a_round_admits_first_come_and_prefills_shortest_first(model):
     assert long.tokens == generate(model, [[5] * 12], 3, temperature=0)[0]
 
 
+def test_a_long_prompt_runs_in_chunks_while_the_others_decode(model):
+    """A prompt longer than the prefill chunk runs a chunk per round, and the live slot decodes between
+    its chunks instead of waiting for all of it; it then gives what a whole prefill gives: the same
+    tokens, greedy and sampled with a repetition penalty (its seen tokens span every chunk), and the plain
+    forward's logprobs."""
+    prompt = [(11 * i + 5) % 256 for i in range(70)]  # chunks of 16: four, and a last of 6
+    requests = [Request(prompt, 10, temperature=0, logprobs=2),
+                Request(prompt, 10, temperature=0.8, repetition_penalty=3.0, seed=5)]
+    engine = Engine(model, slots=2, cache_length=128, prefill_chunk=16)
+    running = engine.submit(Request([1, 2, 3], 40, temperature=0))
+    engine.step()
+    for request in requests:
+        long = engine.submit(request)
+        before = len(running.tokens)
+        while not long.tokens:
+            engine.step()
+        assert len(running.tokens) - before >= 4  # a token a round while the chunks ran
+        run_until(engine, long)
+        whole = Engine(model, slots=1, cache_length=128)  # prefill_chunk 256: one prefill
+        alone = whole.submit(request)
+        whole.run([alone])
+        assert long.tokens == alone.tokens
+        assert long.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    logprobs_TV = jax.nn.log_softmax(model(jnp.asarray([prompt + long.tokens]))[0], axis=-1)
+    assert long.logprobs == pytest.approx([float(logprobs_TV[69 + i, t]) for i, t in enumerate(long.tokens)], abs=1e-4)
+    run_until(engine, running)
+    assert running.tokens == generate(model, [[1, 2, 3]], 40, temperature=0)[0]
+
+
+def test_a_request_cancelled_between_its_chunks_frees_its_slot(model):
+    engine = Engine(model, slots=1, cache_length=128, prefill_chunk=16)
+    long = engine.submit(Request(list(range(1, 61)), 5, temperature=0))
+    engine.step()
+    engine.step()
+    long.cancel()
+    short = engine.submit(Request([3, 4], 5, temperature=0))  # takes the slot in the round that frees it
+    run_until(engine, short)
+    assert long.finish_reason == "cancelled" and long.tokens == []
+    assert short.tokens == generate(model, [[3, 4]], 5, temperature=0)[0]
+    assert not engine.step() and engine.live_slots == 0  # nothing left over: no chunk runs for the cancelled one
+
+
+def test_chunked_prompts_sharing_a_prefill_over_a_mesh_give_what_each_gives_alone(model):
+    """Over a mesh's data axis two prompts run each prefill and chunk together; the shorter one ends a chunk
+    before the other, and is chosen from where it ended."""
+    from gpt.sharding import make_mesh
+
+    mesh = make_mesh(data=2, devices=jax.devices()[:2])
+    engine = Engine(model, slots=2, cache_length=128, prefill_chunk=16, mesh=mesh)
+    prompts = [[(5 * i + 1) % 256 for i in range(20)], [(3 * i + 2) % 256 for i in range(40)]]
+    completions = [engine.submit(Request(prompt, 8, temperature=0)) for prompt in prompts]
+    engine.run(completions)
+    assert [c.tokens for c in completions] == [generate(model, [prompt], 8, temperature=0)[0] for prompt in prompts]
+
+
 def test_a_decode_over_some_slots_equals_one_over_all():
     """`decode` over rows [3, 0, 1] of 4 slots (slot 0 cancelled: a padding row) gives slots 1 and 3 the
     tokens, logprobs and cache that a decode over all 4 gives them, and leaves slot 2 untouched, over a
@@ -161,7 +216,7 @@ def test_logprobs_are_the_plain_forwards(model):
 
 
 def test_no_compile_after_warmup(model):
-    engine = Engine(model, slots=4, cache_length=64, steps_per_call=2)
+    engine = Engine(model, slots=4, cache_length=64, steps_per_call=2, prefill_chunk=16)  # 17, 40 and 60 in chunks
     engine.warmup(log=lambda line: None)
     compiled = engine.compiled_shapes()
     requests = [Request(list(range(1, n + 1)), m, temperature=t, top_k=k, top_p=p, min_p=mp, repetition_penalty=r,
@@ -214,6 +269,7 @@ def test_bad_requests_are_refused_before_anything_runs(model, request_changes, m
     (dict(slots=True), "Engine slots must be an integer >= 1, got True"),
     (dict(max_queue=2.5), "Engine max_queue must be an integer >= 1, got 2.5"),
     (dict(steps_per_call=-1), "Engine steps_per_call must be an integer >= 1, got -1"),
+    (dict(prefill_chunk=8), "Engine prefill_chunk must be an integer >= 16, got 8"),
     (dict(cache_length=129), r"cache_length must be in \[1, 128\] \(the model's context\), got 129"),
     (dict(cache_length=32.5), r"cache_length must be in \[1, 128\] \(the model's context\), got 32.5"),
 ])

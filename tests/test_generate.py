@@ -11,16 +11,12 @@ from flax import nnx
 from gpt import GPT, GPTConfig, KVCache
 from gpt.errors import ConfigError
 from gpt.attention import attend, attend_paged
-from gpt.decoding import compiled_decode, compiled_prefill
+from gpt.decoding import compiled_programs
 from gpt.engine import Engine
 from gpt.generate import generate, generate_text
 from gpt.sampling import SamplingParams, choose, filter_logits, penalize_repetition
 
 POSITIONS = ("learned", "sinusoidal", "rope")
-
-
-def compiled_programs() -> int:
-    return compiled_prefill._cache_size() + compiled_decode._cache_size()
 
 
 def scaled_model(position: str, scale: float = 4.0, seed: int = 0, **fields) -> GPT:
