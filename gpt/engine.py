@@ -439,7 +439,7 @@ class Engine:
             admitted = True
 
     def _decode(self, cancel_S: np.ndarray, num_steps: int, stop_at_finish: bool, width: int | None = None):
-        """One decode call over the fewest compiled rows (`decode_widths`) that hold every owned slot, or
+        """One decode call over the fewest compiled rows (`decode_widths`) that hold every decoding slot, or
         over `width` rows (warm-up)."""
         owned = self._decoding()
         width = width or next(w for w in self.decode_widths if w >= len(owned))
@@ -474,7 +474,8 @@ class Engine:
     def _prefill(self, entries: list[tuple[int, Completion]], length: int, prefix: Prefix | None = None,
                  start: int = 0):
         """One prefill of `rows_per_prefill` rows (entries, then padding rows that go nowhere): their
-        prompts from token `start` on (all of them, after `prefix`), in `length` positions."""
+        prompts from token `start` on (all of them, after `prefix`), in `length` positions. An entry whose
+        slot is None goes nowhere too (a chunked request cancelled: its row of `prefix` stays in place)."""
         b = self.rows_per_prefill
         padding = Request([0], 1, temperature=0.0)
         requests = [c.request for _, c in entries] + [padding] * (b - len(entries))
@@ -482,9 +483,10 @@ class Engine:
         if len(entries) < b:  # only over a mesh's data axis
             settings += [self._settings(padding, ())] * (b - len(entries))
         tokens, lengths = self._piece(entries, start, length)
-        slots = [slot for slot, _ in entries] + [self.num_slots] * (b - len(entries))  # past the end: dropped
-        for slot, _ in entries:
-            self._cancel_S[slot] = False  # the prefill makes the slot's device state new
+        slots = [slot for slot, _ in entries if slot is not None]
+        self._cancel_S[slots] = False  # the prefill makes the slots' device state new
+        slots = [self.num_slots if slot is None else slot for slot, _ in entries]
+        slots += [self.num_slots] * (b - len(entries))  # past the end: dropped
         admission = Admission(
             tokens=tokens, lengths=lengths, slots=np.asarray(slots, np.int32),
             max_tokens=np.asarray([r.max_tokens for r in requests], np.int32),
@@ -502,9 +504,10 @@ class Engine:
         get their first tokens. False when no prompt was waiting on chunks."""
         while self._chunked:
             group = self._chunked[0]
-            # A request cancelled (and released) meanwhile goes nowhere; its slot may be another's already.
-            group.entries = [(slot, c) for slot, c in group.entries if warmup or self._owners[slot] is c]
-            if group.entries:
+            # A request cancelled (and released) meanwhile goes nowhere, its slot perhaps another's already;
+            # its row still runs, so that each other row stays where its cache is.
+            entries = [(slot if warmup or self._owners[slot] is c else None, c) for slot, c in group.entries]
+            if any(slot is not None for slot, _ in entries):
                 break
             self._chunked.popleft()
         else:
@@ -517,9 +520,9 @@ class Engine:
             group.done += chunk
             return True
         self._chunked.popleft()
-        emitted = self._prefill(group.entries, chunk, group.prefix, group.done)
+        emitted = self._prefill(entries, chunk, group.prefix, group.done)
         if not warmup:
-            self._deliver([slot for slot, _ in group.entries], emitted)
+            self._deliver([slot for slot, _ in entries], emitted)
         return True
 
     def _settings(self, request: Request, stops: tuple[int, ...]) -> Settings:
@@ -533,18 +536,19 @@ class Engine:
         return Settings(params=params, seed=seed, stream=stream, stop_tokens=stop_tokens,
                         top_logprobs=np.bool_(request.logprobs > 0))
 
-    def _deliver(self, slots: list[int], emitted) -> None:
-        """Hand each slot's new tokens to its request (row i of `emitted` is slot slots[i]); free the slots
-        whose request ended. Slots whose prompts are still running their chunks are left alone."""
+    def _deliver(self, slots: list[int | None], emitted) -> None:
+        """Hand each slot's new tokens to its request (row i of `emitted` is slot slots[i], or nowhere for
+        None); free the slots whose request ended. Slots whose prompts are still running their chunks are
+        left alone."""
         token = np.asarray(emitted.token)
         steps = int(emitted.steps)
         logprob, live = np.asarray(emitted.logprob), np.asarray(emitted.live)
-        wants_top = any(self._owners[s] is not None and self._owners[s].request.logprobs for s in slots)
-        top_ids, top_lps = (np.asarray(emitted.top_ids), np.asarray(emitted.top_logprobs)) if wants_top else (None, None)
         prefilling = self._prefilling()
-        for row, slot in enumerate(slots):
-            owner = self._owners[slot]
-            if owner is None or slot in prefilling:
+        owners = [None if slot is None or slot in prefilling else self._owners[slot] for slot in slots]
+        wants_top = any(owner is not None and owner.request.logprobs for owner in owners)
+        top_ids, top_lps = (np.asarray(emitted.top_ids), np.asarray(emitted.top_logprobs)) if wants_top else (None, None)
+        for row, (slot, owner) in enumerate(zip(slots, owners)):
+            if owner is None:
                 continue
             before = len(owner.tokens)
             stopped = False

@@ -109,7 +109,8 @@ def test_a_request_cancelled_between_its_chunks_frees_its_slot(model):
 
 def test_chunked_prompts_sharing_a_prefill_over_a_mesh_give_what_each_gives_alone(model):
     """Over a mesh's data axis two prompts run each prefill and chunk together; the shorter one ends a chunk
-    before the other, and is chosen from where it ended."""
+    before the other, and is chosen from where it ended; and when one is cancelled between chunks, the
+    other still reads its own row."""
     from gpt.sharding import make_mesh
 
     mesh = make_mesh(data=2, devices=jax.devices()[:2])
@@ -117,7 +118,14 @@ def test_chunked_prompts_sharing_a_prefill_over_a_mesh_give_what_each_gives_alon
     prompts = [[(5 * i + 1) % 256 for i in range(20)], [(3 * i + 2) % 256 for i in range(40)]]
     completions = [engine.submit(Request(prompt, 8, temperature=0)) for prompt in prompts]
     engine.run(completions)
-    assert [c.tokens for c in completions] == [generate(model, [prompt], 8, temperature=0)[0] for prompt in prompts]
+    alone = [generate(model, [prompt], 8, temperature=0)[0] for prompt in prompts]
+    assert [c.tokens for c in completions] == alone
+    # The first row cancelled between chunks: the second goes on from its own row of the chunks' cache.
+    completions = [engine.submit(Request(prompt, 8, temperature=0)) for prompt in prompts]
+    engine.step()
+    completions[0].cancel()
+    engine.run(completions)
+    assert completions[0].tokens == [] and completions[1].tokens == alone[1]
 
 
 def test_a_decode_over_some_slots_equals_one_over_all():
