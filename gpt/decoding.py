@@ -1,5 +1,6 @@
-"""The engine's device side: weights laid out for decoding, the slots' state, and the two jitted
-functions the engine runs, `prefill` (requests enter slots) and `decode` (steps for every live slot).
+"""The engine's device side: weights laid out for decoding, the slots' state, and the jitted functions
+the engine runs: `prefill` (requests enter slots), `extend` (a long prompt's chunks before that) and
+`decode` (steps for every live slot).
 
 Everything here is a pure function of pytrees; `gpt.engine` decides what runs when. A prompt longer than
 the engine's prefill chunk runs a chunk at a time (`extend`, between decode calls) into a `Prefix`, and
