@@ -82,6 +82,10 @@ class Request:
     logprobs: int = 0
 
 
+# A prefill's row that goes nowhere: over a mesh's data axis a prefill runs rows_per_prefill rows.
+_PADDING = Request([0], 1, temperature=0.0)
+
+
 class Completion:
     """A request's progress, written by the engine's thread and read by anyone.
 
@@ -302,11 +306,13 @@ class Engine:
                 self._release(slot, "cancelled")
         admitted = self._admit()
         advanced = self._advance()
-        if not self._decoding():
+        decoding = self._decoding()
+        if not decoding:
             return admitted or advanced
         stop_at_finish = bool(self._queue)  # someone waits for a slot: come back as soon as one frees
         cancel_S, self._cancel_S = self._cancel_S, np.zeros((self.num_slots,), np.bool_)
-        emitted = self._decode(cancel_S, self.steps_per_call, stop_at_finish)
+        width = next(w for w in self.decode_widths if w >= len(decoding))
+        emitted = self._decode(cancel_S, self.steps_per_call, stop_at_finish, width, decoding)
         self._deliver(list(range(self.num_slots)), emitted)
         return True
 
@@ -351,7 +357,7 @@ class Engine:
                 self._advance(warmup=True)
         for width in self.decode_widths:
             log(next(progress))
-            jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 1, False, width))
+            jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 1, False, width, []))
         self._cancel_S[0] = True  # the next decode call ends the placeholder, unless a request takes slot 0 first
         log(f"warm-up: done in {time.perf_counter() - start:.1f} s")
 
@@ -438,14 +444,11 @@ class Engine:
                 self._deliver([slot for slot, _ in group], self._prefill(group, length))
             admitted = True
 
-    def _decode(self, cancel_S: np.ndarray, num_steps: int, stop_at_finish: bool, width: int | None = None):
-        """One decode call over the fewest compiled rows (`decode_widths`) that hold every decoding slot, or
-        over `width` rows (warm-up)."""
-        owned = self._decoding()
-        width = width or next(w for w in self.decode_widths if w >= len(owned))
+    def _decode(self, cancel_S: np.ndarray, num_steps: int, stop_at_finish: bool, width: int, decoding: list[int]):
+        """One decode call over `width` rows (one of `decode_widths`) that hold the `decoding` slots."""
         rows_R = None
-        if width < self.num_slots:  # the owned slots, then free ones: distinct rows
-            rows_R = np.asarray((owned + [s for s in range(self.num_slots) if s not in owned])[:width], np.int32)
+        if width < self.num_slots:  # the decoding slots, then others: distinct rows
+            rows_R = np.asarray((decoding + [s for s in range(self.num_slots) if s not in decoding])[:width], np.int32)
         with self._on_mesh():
             self._slots, emitted = compiled_decode(
                 self.config, self.weights, self._slots, cancel_S, np.int32(num_steps), np.bool_(stop_at_finish),
@@ -461,15 +464,18 @@ class Engine:
         prefilling = self._prefilling()
         return [slot for slot, owner in enumerate(self._owners) if owner is not None and slot not in prefilling]
 
-    def _piece(self, entries: list[tuple[int, Completion]], start: int, length: int):
-        """Tokens start..start+length-1 of each entry's prompt, as `rows_per_prefill` rows (the entries, then
-        padding rows of one token): (int32 [b, length] right-padded, their real lengths int32 [b])."""
-        b = self.rows_per_prefill
-        prompts = [c.request.prompt[start: start + length] for _, c in entries] + [[0][start:]] * (b - len(entries))
-        tokens = np.zeros((b, length), np.int32)
-        for row, prompt in enumerate(prompts):
-            tokens[row, : len(prompt)] = prompt
-        return tokens, np.asarray([len(p) for p in prompts], np.int32)
+    def _rows(self, entries: list[tuple[int | None, Completion]]) -> list[Request]:
+        """The requests of a prefill's `rows_per_prefill` rows: the entries', then padding."""
+        return [c.request for _, c in entries] + [_PADDING] * (self.rows_per_prefill - len(entries))
+
+    def _piece(self, entries: list[tuple[int | None, Completion]], start: int, length: int):
+        """Tokens start..start+length-1 of each row's prompt (`_rows`): (int32 [b, length] right-padded,
+        their real lengths int32 [b])."""
+        pieces = [request.prompt[start: start + length] for request in self._rows(entries)]
+        tokens = np.zeros((len(pieces), length), np.int32)
+        for row, piece in enumerate(pieces):
+            tokens[row, : len(piece)] = piece
+        return tokens, np.asarray([len(piece) for piece in pieces], np.int32)
 
     def _prefill(self, entries: list[tuple[int, Completion]], length: int, prefix: Prefix | None = None,
                  start: int = 0):
@@ -477,11 +483,10 @@ class Engine:
         prompts from token `start` on (all of them, after `prefix`), in `length` positions. An entry whose
         slot is None goes nowhere too (a chunked request cancelled: its row of `prefix` stays in place)."""
         b = self.rows_per_prefill
-        padding = Request([0], 1, temperature=0.0)
-        requests = [c.request for _, c in entries] + [padding] * (b - len(entries))
+        requests = self._rows(entries)
         settings = [c.settings for _, c in entries]
         if len(entries) < b:  # only over a mesh's data axis
-            settings += [self._settings(padding, ())] * (b - len(entries))
+            settings += [self._settings(_PADDING, ())] * (b - len(entries))
         tokens, lengths = self._piece(entries, start, length)
         slots = [slot for slot, _ in entries if slot is not None]
         self._cancel_S[slots] = False  # the prefill makes the slots' device state new
