@@ -8,7 +8,7 @@ gradient norm and updated parameters are all finite: the loop never saves a step
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +19,7 @@ from gpt.config import GPTConfig
 from gpt.model import GPT
 from gpt.sharding import param_shardings, replicated
 
-if TYPE_CHECKING:
-    from gpt.train import TrainConfig
-
-__all__ = ["loss_fn", "make_optimizer", "init_train_state", "make_train_step", "make_eval_step", "all_finite",
+__all__ = ["OptimizerConfig", "loss_fn", "make_optimizer", "init_train_state", "make_train_step", "make_eval_step", "all_finite",
            "flops_per_token", "peak_flops", "PEAK_BF16_FLOPS"]
 
 
@@ -31,10 +28,24 @@ def loss_fn(model: GPT, batch_BT1: jax.Array, dropout_key: jax.Array | None = No
     return model.loss(batch_BT1[:, :-1], batch_BT1[:, 1:], dropout_key=dropout_key)
 
 
-def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer's own settings (`TrainConfig.optimizer` makes one from a run's flags)."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 0
+    max_steps: int = 300
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+
+def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup + cosine decay, decay on matrices only, global-norm clipping."""
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=config.lr, warmup_steps=config.warmup,
+        init_value=0.0, peak_value=config.lr, warmup_steps=config.warmup_steps,
         decay_steps=config.max_steps, end_value=config.min_lr,
     )
     adamw = optax.adamw(schedule, b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay,

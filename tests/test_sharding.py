@@ -33,7 +33,7 @@ def mesh_of(data, fsdp, tensor):
 
 
 LR = 1e-2
-ADAMW, _ = make_optimizer(TrainConfig(lr=LR, warmup_steps=0, max_steps=10))  # the training optimizer
+ADAMW, _ = make_optimizer(TrainConfig(lr=LR, warmup_steps=0, max_steps=10).optimizer)  # the training optimizer
 SGD = optax.sgd(1.0)  # params - gradient: shows the gradient itself
 
 
@@ -178,5 +178,5 @@ def test_two_processes_train_like_one_process_with_four_devices(tmp_path, corpus
     assert len(losses("two")) == 5
     np.testing.assert_allclose(losses("two"), losses("one"), rtol=1e-5)
     restored = nnx.state(load_model(tmp_path / "two"), nnx.Param)  # one process reads the 2-process save
-    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(nnx.state(one["model"], nnx.Param))):
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(nnx.state(one.model, nnx.Param))):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
