@@ -13,14 +13,14 @@ from gpt.train import train
 def main(argv: list[str]) -> int:
     config = parse_train_config(argv)
     enable_compilation_cache(config.compile_cache)
-    summary = train(config)
-    if summary["signal"] is not None:
-        return 128 + summary["signal"]  # stopped, not finished: the shell's convention for a signal
-    if config.sample_tokens and summary["val_loss"] is not None:
-        prompt, model = "def ", summary["model"]
+    result = train(config)
+    if result.signal is not None:
+        return 128 + result.signal  # stopped, not finished: the shell's convention for a signal
+    if config.sample_tokens and result.val_loss is not None:
+        prompt, model = "def ", result.model
         tokens = new_tokens_that_fit(model.config, prompt, config.sample_tokens)  # a small context holds fewer
         text = generate_text(model, [prompt], tokens, temperature=0.8, top_k=200)[0]
-        print(f"\nval loss {summary['val_loss']:.3f}; a sample:\n{prompt}{text}")
+        print(f"\nval loss {result.val_loss:.3f}; a sample:\n{prompt}{text}")
     return 0
 
 

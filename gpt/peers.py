@@ -13,10 +13,15 @@ process's heartbeats (100 s by default) and aborts from C++ (exit 134, a stack t
 
 The checkpoints on disk are whole (Orbax renames a step into place only when complete), so restarting
 every process with the same flags resumes from the newest one.
+
+Beside the watch, the few things the processes of a run settle together: a barrier with a timeout
+(`wait_for_all`), the signal they all stop on (`agree_on_signal`), and telling a failed collective
+from other errors (`is_collective_failure`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -24,10 +29,12 @@ import time
 from collections.abc import Callable
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from gpt.errors import RunFailed
 
-__all__ = ["PeerWatch", "PeerLost"]
+__all__ = ["PeerWatch", "PeerLost", "is_collective_failure", "root_cause", "wait_for_all", "agree_on_signal"]
 
 
 class PeerLost(RunFailed):
@@ -104,9 +111,58 @@ class PeerWatch:
         silent = [p for p, t in sorted(self._last_change.items()) if now - t >= wait_s - self.interval_s]
         return ", ".join(f"process {p}" for p in silent) if silent else "another process"
 
+    @contextlib.contextmanager
+    def collective_failures_named(self):
+        """Inside the block, a failed cross-process collective becomes PeerLost, one line naming the
+        processes that went silent and how to restart."""
+        try:
+            yield
+        except Exception as error:
+            if jax.process_count() > 1 and is_collective_failure(error):
+                raise PeerLost(f"{self.silent_peers()} died (a collective failed: "
+                               f"{str(root_cause(error)).strip().splitlines()[0][:200]}); process "
+                               f"{jax.process_index()} stops too; {self.describe_restart()}") from error
+            raise
+
     def _end(self, who: str) -> None:
         if self._stop.is_set():  # the run ended normally while this thread looked
             return
         print(f"error: {who} stopped answering for {self.timeout_s:.0f} s (it probably died), so process "
               f"{jax.process_index()} stops too; {self.describe_restart()}", file=sys.stderr, flush=True)
         os._exit(1)  # the main thread may be blocked in a collective that will never finish
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The last exception in `error`'s chain of causes."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Did a cross-process collective fail (the sign, on CPU and GPU alike, that another process died)?"""
+    text = " ".join(str(e) for e in (error, root_cause(error)))
+    return any(sign in text for sign in ("Gloo", "Connection closed by peer", "Connection reset by peer",
+                                         "NCCL", "coordination service", "heartbeat"))
+
+
+def wait_for_all(name: str, timeout_s: float, message: str) -> None:
+    """A barrier of every process, through JAX's coordination service, that gives up after `timeout_s`
+    with RunFailed(`message` and the cause)."""
+    from jax._src.distributed import global_state  # jax.distributed's client (no public barrier with a timeout)
+
+    try:
+        global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+    except Exception as error:
+        raise RunFailed(f"{message} ({str(error).strip().splitlines()[0][:200]})") from error
+
+
+def agree_on_signal(received: int | None) -> int | None:
+    """The signal to stop on, the same on every process: processes that receive a signal on different
+    steps must still stop (and save) on the same one, or one would wait in the save's barrier while
+    another runs the next step's collectives. On several processes this is a blocking collective: call it
+    at the same steps on every process, where the loop reads the device anyway."""
+    local = received or 0
+    if jax.process_count() > 1:
+        local = int(multihost_utils.process_allgather(np.int32(local)).max())
+    return local or None

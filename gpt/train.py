@@ -1,23 +1,35 @@
 """Pretraining: a TrainConfig, and the run that checks everything, owns its out_dir and loops.
 
-`train(config)` first does every check that can fail on bad input (settings, mesh, model shape, corpus,
-the out_dir's lock and the identity of the run in it), and only then compiles and steps. The pieces:
-`gpt.step` (the jitted step), `gpt.run_dir` (lock and identity), `gpt.checkpoint` (which checkpoints
-can be trusted), `gpt.metrics` (what is logged), `gpt.data` (corpus and loader).
+`train(config)` reads top to bottom in three parts:
+
+- `plan(config)`: every check that can fail on bad input (settings, mesh, model shape, corpus, and the
+  identity of the run), before anything is written or compiled;
+- `setup(plan, checkpoints)` -> `Run`: the corpus prepared, the loaders, the train state placed on the
+  mesh (or restored), the compiled step, the metrics writer;
+- `loop(run)`: the steps, which never wait on the host. Step n + 1 is dispatched before anything of step
+  n is read; the next batches are read and placed on the mesh by a thread (`gpt.prefetch`); the metrics
+  stay on the device until a log interval, when they are read one step late (the step after it already
+  runs). A checkpoint, an evaluation and the end are the only points where the loop waits for the device,
+  and a step is saved only after its finiteness flag (and every earlier step's) has been read True.
+
+The pieces: `gpt.step` (the jitted step), `gpt.run_dir` (lock and identity), `gpt.checkpoint` (which
+checkpoints can be trusted), `gpt.metrics` (what is logged), `gpt.data` (corpus and loader), `gpt.peers`
+(what the processes of a multi-host run settle together).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from gpt import gpt2
@@ -27,15 +39,17 @@ from gpt.data import Batches, corpus_identity, default_corpus, prepare, sources
 from gpt.errors import ConfigError, RunFailed
 from gpt.metrics import MetricsWriter
 from gpt.model import GPT
-from gpt.peers import PeerLost, PeerWatch
+from gpt.peers import PeerWatch, agree_on_signal, wait_for_all
+from gpt.prefetch import Prefetch
 from gpt.run_dir import RunLock, check_identity, identity
 from gpt.sharding import (batch_sharding, bytes_per_device, data_parallel_size, initialize_distributed, make_mesh,
                           parse_mesh)
 from gpt.signals import StopSignals
-from gpt.step import flops_per_token, init_train_state, make_eval_step, make_optimizer, make_train_step, peak_flops
+from gpt.step import (OptimizerConfig, flops_per_token, init_train_state, make_eval_step, make_optimizer,
+                      make_train_step, peak_flops)
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["TrainConfig", "train", "NonFiniteStep"]
+__all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setup", "loop", "Plan", "Run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +132,9 @@ class TrainConfig:
     """Tokens of a sample printed at the end (0 for none)."""
     compile_cache: bool = True
     """Keep compiled programs in the user's cache directory (a resumed run skips most of its compiles)."""
+    prefetch: int = 2
+    """Batches read and placed on the devices ahead of the step, by a background thread (0: read each
+    batch on the loop's own thread, when its step needs it)."""
 
     def __post_init__(self):
         for name in ("batch_size", "grad_accum", "max_steps", "eval_iters", "log_interval",
@@ -144,6 +161,8 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.sample_tokens must be >= 0, got {self.sample_tokens}")
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"TrainConfig.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.prefetch < 0:
+            raise ConfigError(f"TrainConfig.prefetch must be >= 0, got {self.prefetch}")
         for name in ("stop_after", "block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -153,14 +172,92 @@ class TrainConfig:
         """warmup_steps, or its default: 30, at most a tenth of max_steps."""
         return self.warmup_steps if self.warmup_steps is not None else min(30, self.max_steps // 10)
 
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        """The optimizer's settings among these."""
+        return OptimizerConfig(lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup, max_steps=self.max_steps,
+                               weight_decay=self.weight_decay, beta1=self.beta1, beta2=self.beta2,
+                               grad_clip=self.grad_clip)
+
 
 class NonFiniteStep(RunFailed):
     """A step's loss, gradient norm or updated parameters were not finite; it was not saved."""
 
 
-# ------------------------------------------------------------------------------------------ before any compile
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What a run did: the steps it ran, why it stopped, its last losses, and the trained model."""
+
+    start_step: int
+    """The step it started from (0, or the checkpoint it resumed)."""
+    step: int
+    """The step it stopped at (saved)."""
+    stop_reason: str
+    """'finished', or 'signal SIGTERM' / 'signal SIGINT'."""
+    signal: int | None
+    """The stopping signal's number, or None."""
+    train_loss: float | None
+    """The mean training loss of the last log interval."""
+    val_loss: float | None
+    """The last validation loss."""
+    params: dict
+    """The trained parameters, a pure dict."""
+    model: GPT
+
+
+# ------------------------------------------------------------------------------------------ plan: before anything
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A run checked and ready to start: nothing written, nothing compiled."""
+
+    config: TrainConfig
+    """With block_size filled in."""
+    model_config: GPTConfig
+    mesh: jax.sharding.Mesh
+    inputs: list
+    corpus_sources: list[dict]
+    identity: dict
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.config.out_dir)
+
+    def restart_advice(self) -> str:
+        step = newest_step(self.out_dir)
+        return ("no checkpoint was saved yet: restart every process to start again" if step is None else
+                f"the newest checkpoint is step {step}: restart every process with the same flags to resume from it")
+
 
 _RUNTIME_FIELDS = ("dropout", "dtype", "param_dtype", "remat", "scan_layers")
+
+
+def plan(config: TrainConfig, log=print) -> Plan:
+    """Every check that can fail on bad input, before anything is written or compiled: the out_dir, the
+    processes and the mesh, the model's shape, the corpus (read once, for its identity)."""
+    out_dir = Path(config.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"TrainConfig.out_dir '{out_dir}' is a file, not a directory")
+    if config.distributed or any(v is not None for v in (config.coordinator_address, config.num_processes,
+                                                         config.process_id)):
+        initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
+    devices = jax.devices()[: config.num_devices] if config.num_devices else None
+    mesh = make_mesh(**parse_mesh(config.mesh), devices=devices)
+    log = _main_process_only(log)
+    if config.batch_size % data_parallel_size(mesh):
+        raise ConfigError(f"TrainConfig.batch_size={config.batch_size} must be divisible by the data-parallel "
+                          f"devices (data x fsdp = {data_parallel_size(mesh)})")
+    config, model_config = _resolve_model(config, log)
+    inputs = list(config.data) or default_corpus()
+    corpus_sources = sources(inputs)  # the one read of the whole corpus before tokenizing
+    run_identity = identity(config_to_json(model_config), {**dataclasses.asdict(config), "warmup_steps": config.warmup},
+                            corpus_identity(corpus_sources, config.val_fraction, config.text_field))
+    return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity)
+
+
+def _main_process_only(log):
+    """`log` on process 0; nothing on the others (one process speaks for the run)."""
+    return log if jax.process_index() == 0 else lambda *_: None
 
 
 def _resolve_model(config: TrainConfig, log) -> tuple[TrainConfig, GPTConfig]:
@@ -183,6 +280,137 @@ def _resolve_model(config: TrainConfig, log) -> tuple[TrainConfig, GPTConfig]:
     return config, model_config
 
 
+# ------------------------------------------------------------------------------------------ the run
+
+def train(config: TrainConfig, log=print) -> TrainResult:
+    """Train (or resume) a GPT as `config` says.
+
+    Raises ConfigError for bad input (before any compile), RunFailed (NonFiniteStep, a failed save,
+    PeerLost) when the run must stop. A run stopped by SIGTERM/SIGINT saves the step it stopped at and
+    returns with `signal` set.
+    """
+    checked = plan(config, log)
+    log = _main_process_only(log)
+    with PeerWatch(checked.restart_advice) as peers, RunLock(checked.out_dir, enabled=jax.process_index() == 0), \
+            _checkpoint_manager(checked.out_dir, config.keep_checkpoints) as checkpoints, \
+            peers.collective_failures_named():
+        newest = checkpoints.newest_metadata()
+        if newest is not None:  # before the corpus is re-tokenized or anything restored
+            check_identity(newest[1].get("identity"), checked.identity, checked.out_dir, newest[0],
+                           config.resume_anyway, log)
+        return loop(setup(checked, checkpoints, log), log)
+
+
+@contextlib.contextmanager
+def _checkpoint_manager(out_dir: Path, keep: int):
+    """A CheckpointManager closed (pending saves finished) on leaving, except after a failure on several
+    processes, where closing would wait for the dead."""
+    checkpoints = CheckpointManager(out_dir, keep=keep)
+    try:
+        yield checkpoints
+    except BaseException:
+        if jax.process_count() == 1:
+            checkpoints.close()
+        raise
+    checkpoints.close()
+
+
+# ------------------------------------------------------------------------------------------ setup: compile, restore
+
+@dataclasses.dataclass
+class Run:
+    """Everything the loop needs, made by `setup`; `params` and `opt_state` change as it steps."""
+
+    config: TrainConfig
+    model_config: GPTConfig
+    mesh: jax.sharding.Mesh
+    identity: dict
+    graphdef: nnx.GraphDef
+    params: dict
+    opt_state: object
+    train_step: Callable
+    eval_step: Callable
+    schedule: Callable[[int], float]
+    train_batches: Batches
+    """This process's rows of each step's global batch [grad_accum x batch_size, block_size + 1]."""
+    val_batches: Batches
+    checkpoints: CheckpointManager
+    writer: MetricsWriter
+    start: int
+    end: int
+
+    def batch(self, step: int) -> jax.Array:
+        """Step `step`'s global batch, int32 [grad_accum, batch_size, block_size + 1], placed on the mesh."""
+        c = self.config
+        local = self.train_batches[step]
+        return jax.make_array_from_process_local_data(
+            batch_sharding(self.mesh, (None, "batch", None)), local.reshape(c.grad_accum, -1, local.shape[-1]),
+            (c.grad_accum, c.batch_size, c.block_size + 1))
+
+    def key(self, step: int) -> jax.Array:
+        """The random key of step `step`'s dropout (a pure function of the seed and the step)."""
+        return jax.random.key(self.config.seed * 7919 + step)
+
+    def evaluate(self) -> float:
+        """The mean loss of `eval_iters` validation batches (waits for the device)."""
+        c = self.config
+        losses = [self.eval_step(self.params, jax.make_array_from_process_local_data(
+            batch_sharding(self.mesh), self.val_batches[i], (c.batch_size, c.block_size + 1)))
+            for i in range(c.eval_iters)]
+        return float(np.mean([float(x) for x in losses]))
+
+    def save(self, step: int) -> None:
+        self.checkpoints.save(step, self.params, self.opt_state, {
+            "step": step, "identity": self.identity, "model_config": config_to_json(self.model_config),
+            "train_config": config_to_json(self.config)})
+
+
+def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
+    """Prepare the corpus (process 0; the others wait for it), make the loaders, place the train state on
+    the mesh or restore it from the newest intact checkpoint, and compile the steps."""
+    config, model_config, mesh = checked.config, checked.model_config, checked.mesh
+    pid, nproc = jax.process_index(), jax.process_count()
+    data_dir = checked.out_dir / "data"
+
+    def prepare_corpus() -> dict:
+        return prepare(checked.inputs, data_dir, config.val_fraction, config.text_field,
+                       corpus_sources=checked.corpus_sources)
+
+    if pid == 0:
+        meta = prepare_corpus()
+    if nproc > 1:  # the others wait for process 0, then find the shards up to date
+        wait_for_all("gpt: corpus prepared", config.prepare_timeout_s,
+                     f"process 0 did not finish preparing the corpus in {data_dir} within --prepare_timeout_s="
+                     f"{config.prepare_timeout_s}")
+        if pid != 0:
+            meta = prepare_corpus()
+    rows = config.batch_size * config.grad_accum
+    train_batches = Batches.of_split(data_dir, "train", config.block_size, rows, config.seed, pid, nproc)
+    val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
+
+    # From here on, work is compiled.
+    optimizer, schedule = make_optimizer(config.optimizer)
+    graphdef, params, opt_state, shardings = init_train_state(_build_model(config, model_config), optimizer, mesh)
+    restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state},
+                                                 {"params": shardings[0], "opt_state": shardings[1]}, log)
+    start = 0
+    if restored is not None:
+        start, trees, _ = restored
+        params, opt_state = trees["params"], trees["opt_state"]
+        log(f"resumed from {checkpoints.directory / str(start)}")
+    end = min(config.max_steps, config.stop_after or config.max_steps)
+    log(f"model: {model_config.num_params():,} parameters; data: {meta['train_tokens']:,} train / "
+        f"{meta['val_tokens']:,} val tokens; mesh {dict(mesh.shape)}, params + optimizer state "
+        f"{max(bytes_per_device((params, opt_state)).values()) / 2**20:.1f} MiB per device; steps {start} -> {end}")
+    if start >= end:
+        log(f"nothing to train: {checked.out_dir} is at step {start} and this run ends at step {end} (raise "
+            f"--max_steps, with --resume_anyway, to train further)")
+    return Run(config, model_config, mesh, checked.identity, graphdef, params, opt_state,
+               make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0, mesh=mesh, shardings=shardings),
+               make_eval_step(graphdef, mesh), schedule, train_batches, val_batches, checkpoints,
+               MetricsWriter(checked.out_dir, resume_step=start, enabled=pid == 0), start, end)
+
+
 def _build_model(config: TrainConfig, model_config: GPTConfig) -> GPT:
     if config.init_from == "scratch":
         return GPT(model_config, rngs=nnx.Rngs(config.seed))
@@ -191,207 +419,127 @@ def _build_model(config: TrainConfig, model_config: GPTConfig) -> GPT:
     return model
 
 
-def _agreed(received: int | None) -> int | None:
-    """The signal to stop on, the same on every process: processes that receive a signal on different
-    steps must still stop (and save) on the same one, or one would wait in the save's barrier while
-    another runs the next step's collectives."""
-    local = received or 0
-    if jax.process_count() > 1:
-        local = int(multihost_utils.process_allgather(np.int32(local)).max())
-    return local or None
+# ------------------------------------------------------------------------------------------ the loop
 
-
-def _root(error: BaseException) -> BaseException:
-    while error.__cause__ is not None:
-        error = error.__cause__
-    return error
-
-
-def _is_collective_failure(error: BaseException) -> bool:
-    """Did a cross-process collective fail (the sign, on CPU and GPU alike, that another process died)?"""
-    text = " ".join(str(e) for e in (error, _root(error)))
-    return any(sign in text for sign in ("Gloo", "Connection closed by peer", "Connection reset by peer",
-                                         "NCCL", "coordination service", "heartbeat"))
-
-
-def _wait_for_all(name: str, timeout_s: float, message: str) -> None:
-    """A barrier of every process, through JAX's coordination service, that gives up after `timeout_s`."""
-    from jax._src.distributed import global_state  # jax.distributed's client (no public barrier with a timeout)
-
+def loop(run: Run, log=print) -> TrainResult:
+    """Step from `run.start` to `run.end`: log, evaluate and save at their intervals, stop on a signal
+    (saving the step it stopped at) or at the first non-finite step (saving nothing after the last good
+    checkpoint). The loop never waits on the host; it waits for the device only to evaluate, to save and
+    at the end."""
+    config = run.config
+    step, pending, deferred_log, val_loss, stop_signal = run.start, _Pending(run), None, None, None
+    every = lambda interval: step % interval == 0 or step == run.end  # noqa: E731
     try:
-        global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
-    except Exception as error:
-        raise RunFailed(f"{message} ({str(error).strip().splitlines()[0][:200]})") from error
+        with StopSignals() as stop, Prefetch(run.batch, range(run.start, run.end), config.prefetch) as batches, \
+                tqdm(total=run.end, initial=run.start, desc="train", unit="step",
+                     disable=None if jax.process_index() == 0 else True) as bar:
+            while step < run.end:
+                stop_signal = _stop_signal(stop, step, config.log_interval)
+                if stop_signal is not None:
+                    break
+                run.params, run.opt_state, metrics = run.train_step(
+                    run.params, run.opt_state, next(batches), run.key(step))
+                step += 1
+                pending.add(step, metrics)
+                bar.update(1)
+                run.checkpoints.check_for_errors()  # a save that failed in the background stops the run now
+                if deferred_log is not None:  # read while the step just dispatched runs
+                    _log(run, pending, deferred_log, bar)
+                    deferred_log = None
+                must_wait = every(config.eval_interval) or every(config.checkpoint_interval)
+                if every(config.log_interval):
+                    if must_wait:
+                        _log(run, pending, step, bar)
+                    else:
+                        deferred_log = step
+                if every(config.eval_interval):
+                    val_loss = run.evaluate()
+                    run.writer.write({"step": step, "val_loss": val_loss})
+                    bar.write(f"step {step}: val loss {val_loss:.4f}")
+                if every(config.checkpoint_interval):
+                    pending.read(step)
+                    run.save(step)
+            if deferred_log is not None:
+                _log(run, pending, deferred_log, bar)
+            pending.read(step)
+            if step > run.start and run.checkpoints.latest_step() != step:
+                run.save(step)
+        run.checkpoints.wait()
+    finally:
+        run.writer.close()
+    if stop_signal is not None:
+        log(f"stopped by signal {signal.Signals(stop_signal).name} at step {step}; checkpoint saved, rerun to resume")
+    return TrainResult(
+        start_step=run.start, step=step, signal=stop_signal,
+        stop_reason="finished" if stop_signal is None else f"signal {signal.Signals(stop_signal).name}",
+        train_loss=pending.last_loss, val_loss=val_loss, params=run.params, model=nnx.merge(run.graphdef, run.params))
 
 
-def _non_finite_message(step: int, metrics: dict, checkpoints: CheckpointManager) -> str:
-    values = {"loss": float(metrics["loss"]), "grad norm": float(metrics["grad_norm"])}
-    bad = [f"{name} {value}" for name, value in values.items() if not np.isfinite(value)] or ["updated parameters"]
+def _stop_signal(stop: StopSignals, step: int, log_interval: int) -> int | None:
+    """The signal to stop on before `step`'s successor, if any. One process checks at every step; several
+    agree at the log intervals (a blocking collective, where the loop reads the device anyway), so a
+    signal takes effect within log_interval steps there."""
+    if jax.process_count() == 1:
+        return stop.received
+    return agree_on_signal(stop.received) if step % log_interval == 0 else None
+
+
+def _log(run: Run, pending: _Pending, step: int, bar) -> None:
+    record = pending.record(step)
+    run.writer.write(record)
+    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+
+class _Pending:
+    """The metrics of steps dispatched but not yet read: they stay on the device until the loop must know
+    them (a log record, a save, the end), then are read together, and the first non-finite step among
+    them stops the run."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.steps: list[tuple[int, dict]] = []  # (step, device metrics), oldest first
+        self.losses: list[float] = []  # read, not yet in a record
+        self.grad_norm: float | None = None
+        self.last_loss: float | None = None
+        self.since, self.steps_timed = time.perf_counter(), 0
+        c = run.config
+        self.tokens_per_step = c.batch_size * c.grad_accum * c.block_size
+        self.flops_per_step = flops_per_token(run.model_config, c.block_size) * self.tokens_per_step
+        self.peak = peak_flops(c.peak_flops)
+
+    def add(self, step: int, metrics: dict) -> None:
+        self.steps.append((step, metrics))
+
+    def read(self, through: int) -> None:
+        """Read the metrics of every pending step up to `through` (one transfer); raise NonFiniteStep
+        naming the first that was not finite."""
+        due = [(step, metrics) for step, metrics in self.steps if step <= through]
+        self.steps = self.steps[len(due):]
+        for step, values in zip([s for s, _ in due], jax.device_get([m for _, m in due])):
+            if not values["finite"]:
+                self.run.checkpoints.wait()  # a save in flight is of an earlier step, which was finite
+                raise NonFiniteStep(_non_finite_message(step, values, self.run.checkpoints))
+            self.losses.append(float(values["loss"]))
+            self.grad_norm = float(values["grad_norm"])
+        self.steps_timed += len(due)
+
+    def record(self, step: int) -> dict:
+        """The log record of `step`: the mean loss since the last record, the time a step took since then."""
+        self.read(step)
+        now = time.perf_counter()
+        seconds = (now - self.since) / max(self.steps_timed, 1)
+        record = {"step": step, "loss": float(np.mean(self.losses)), "lr": float(self.run.schedule(step - 1)),
+                  "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_step / seconds,
+                  "mfu": self.flops_per_step / seconds / (self.peak * jax.device_count()) if self.peak else None}
+        self.last_loss, self.losses, self.since, self.steps_timed = record["loss"], [], now, 0
+        return record
+
+
+def _non_finite_message(step: int, values: dict, checkpoints: CheckpointManager) -> str:
+    named = {"loss": float(values["loss"]), "grad norm": float(values["grad_norm"])}
+    bad = [f"{name} {value}" for name, value in named.items() if not np.isfinite(value)] or ["updated parameters"]
     last = checkpoints.latest_step()
     after = (f"The newest checkpoint, step {last} in {checkpoints.directory}, is finite: resume from it with a "
              f"lower --lr (and --resume_anyway)" if last is not None else
              "No checkpoint was saved before it: start again with a lower --lr")
     return f"step {step} gave a non-finite {', '.join(bad)}; it was not saved. {after}"
-
-
-# ------------------------------------------------------------------------------------------ the run
-
-def train(config: TrainConfig, log=print) -> dict:
-    """Train (or resume) a GPT as `config` says.
-
-    Returns a summary: start_step, step, stop_reason ('finished' or 'signal SIGTERM'...), signal (the
-    number, or None), train_loss, val_loss, params (a pure dict) and model. Raises ConfigError for bad
-    input (before any compile), RunFailed (NonFiniteStep, a failed save) when the run must stop.
-    """
-    out_dir = Path(config.out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"TrainConfig.out_dir '{out_dir}' is a file, not a directory")
-    if config.distributed or any(v is not None for v in (config.coordinator_address, config.num_processes,
-                                                         config.process_id)):
-        initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
-    devices = jax.devices()[: config.num_devices] if config.num_devices else None
-    mesh = make_mesh(**parse_mesh(config.mesh), devices=devices)
-    if config.batch_size % data_parallel_size(mesh):
-        raise ConfigError(f"TrainConfig.batch_size={config.batch_size} must be divisible by the data-parallel "
-                          f"devices (data x fsdp = {data_parallel_size(mesh)})")
-    pid, nproc = jax.process_index(), jax.process_count()
-    if pid != 0:
-        log = lambda *_: None  # noqa: E731  (one process speaks for the run)
-    config, model_config = _resolve_model(config, log)
-    inputs = list(config.data) or default_corpus()
-    corpus_sources = sources(inputs)  # the one read of the whole corpus before tokenizing
-    run_identity = identity(config_to_json(model_config), {**dataclasses.asdict(config), "warmup_steps": config.warmup},
-                            corpus_identity(corpus_sources, config.val_fraction, config.text_field))
-
-    def restart_advice() -> str:
-        step = newest_step(out_dir)
-        return ("no checkpoint was saved yet: restart every process to start again" if step is None else
-                f"the newest checkpoint is step {step}: restart every process with the same flags to resume from it")
-
-    with PeerWatch(restart_advice) as peers, RunLock(out_dir, enabled=pid == 0):
-        checkpoints = CheckpointManager(out_dir, keep=config.keep_checkpoints)
-        failed = True
-        try:
-            newest = checkpoints.newest_metadata()
-            if newest is not None:  # before the corpus is re-tokenized or anything restored
-                check_identity(newest[1].get("identity"), run_identity, out_dir, newest[0], config.resume_anyway, log)
-            summary = _run(config, out_dir, mesh, model_config, inputs, corpus_sources, run_identity, checkpoints, log)
-            failed = False
-            return summary
-        except Exception as error:
-            if nproc > 1 and _is_collective_failure(error):
-                raise PeerLost(f"{peers.silent_peers()} died (a collective failed: "
-                               f"{str(_root(error)).strip().splitlines()[0][:200]}); process {pid} stops too; "
-                               f"{restart_advice()}") from error
-            raise
-        finally:
-            if not (failed and nproc > 1):  # after a failure on several processes, closing would wait for the dead
-                checkpoints.close()
-
-
-def _run(config, out_dir, mesh, model_config, inputs, corpus_sources, run_identity, checkpoints, log) -> dict:
-    pid, nproc = jax.process_index(), jax.process_count()
-    data_dir = out_dir / "data"
-
-    def prepare_corpus() -> dict:
-        return prepare(inputs, data_dir, config.val_fraction, config.text_field, corpus_sources=corpus_sources)
-
-    if pid == 0:
-        meta = prepare_corpus()
-    if nproc > 1:  # the others wait for process 0, then find the shards up to date
-        _wait_for_all("gpt: corpus prepared", config.prepare_timeout_s,
-                      f"process 0 did not finish preparing the corpus in {data_dir} within --prepare_timeout_s="
-                      f"{config.prepare_timeout_s}")
-        if pid != 0:
-            meta = prepare_corpus()
-    global_rows = config.batch_size * config.grad_accum
-    train_batches = Batches.of_split(data_dir, "train", config.block_size, global_rows, config.seed, pid, nproc)
-    val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
-
-    # From here on, work is compiled.
-    optimizer, schedule = make_optimizer(config)
-    graphdef, params, opt_state, (shardings, opt_shardings) = init_train_state(
-        _build_model(config, model_config), optimizer, mesh)
-    restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state},
-                                                 {"params": shardings, "opt_state": opt_shardings}, log)
-    start = 0
-    if restored is not None:
-        start, trees, _ = restored
-        params, opt_state = trees["params"], trees["opt_state"]
-        log(f"resumed from {checkpoints.directory / str(start)}")
-
-    train_step = make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0, mesh=mesh,
-                                 shardings=(shardings, opt_shardings))
-    eval_step = make_eval_step(graphdef, mesh)
-    rows_sharding = batch_sharding(mesh, (None, "batch", None))  # [accumulation, rows, T + 1]
-    microbatch = lambda b: b.reshape(config.grad_accum, -1, b.shape[-1])  # noqa: E731
-
-    def global_batch(local, sharding, shape):
-        return jax.make_array_from_process_local_data(sharding, local, shape)
-
-    def evaluate() -> float:
-        losses = [eval_step(params, global_batch(val_batches[i], batch_sharding(mesh), (config.batch_size, config.block_size + 1)))
-                  for i in range(config.eval_iters)]
-        return float(np.mean([float(x) for x in losses]))
-
-    def save(step):
-        checkpoints.save(step, params, opt_state, {
-            "step": step, "identity": run_identity, "model_config": config_to_json(model_config),
-            "train_config": config_to_json(config)})
-
-    writer = MetricsWriter(out_dir, resume_step=start, enabled=pid == 0)
-    tokens_per_step = global_rows * config.block_size
-    flops = flops_per_token(model_config, config.block_size) * tokens_per_step
-    peak = peak_flops(config.peak_flops)
-    end = min(config.max_steps, config.stop_after or config.max_steps)
-    summary = {"start_step": start, "stop_reason": "finished", "signal": None, "train_loss": None, "val_loss": None}
-    log(f"model: {model_config.num_params():,} parameters; data: {meta['train_tokens']:,} train / "
-        f"{meta['val_tokens']:,} val tokens; mesh {dict(mesh.shape)}, params + optimizer state "
-        f"{max(bytes_per_device((params, opt_state)).values()) / 2**20:.1f} MiB per device; steps {start} -> {end}")
-    if start >= end:
-        log(f"nothing to train: {out_dir} is at step {start} and this run ends at step {end} (raise --max_steps, "
-            f"with --resume_anyway, to train further)")
-
-    step, last_time, losses = start, time.perf_counter(), []
-    try:
-        with StopSignals() as stop, tqdm(total=end, initial=start, desc="train", unit="step",
-                                          disable=None if pid == 0 else True) as bar:
-            while step < end:
-                signum = _agreed(stop.received)
-                if signum is not None:
-                    summary.update(stop_reason=f"signal {signal.Signals(signum).name}", signal=signum)
-                    break
-                batch = global_batch(microbatch(train_batches[step]), rows_sharding,
-                                     (config.grad_accum, global_rows // config.grad_accum, config.block_size + 1))
-                params, opt_state, metrics = train_step(params, opt_state, batch, jax.random.key(config.seed * 7919 + step))
-                if not bool(metrics["finite"]):
-                    checkpoints.wait()  # a save in flight is of an earlier step, which was finite
-                    raise NonFiniteStep(_non_finite_message(step + 1, metrics, checkpoints))
-                checkpoints.check_for_errors()  # a save that failed in the background stops the run now
-                step += 1
-                losses.append(float(metrics["loss"]))
-                bar.update(1)
-                if step % config.log_interval == 0 or step == end:
-                    now = time.perf_counter()
-                    seconds = (now - last_time) / len(losses)
-                    record = {"step": step, "loss": float(np.mean(losses)), "lr": float(schedule(step - 1)),
-                              "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / seconds,
-                              "mfu": flops / seconds / (peak * jax.device_count()) if peak else None}
-                    writer.write(record)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                    summary["train_loss"], last_time, losses = record["loss"], now, []
-                if step % config.eval_interval == 0 or step == end:
-                    summary["val_loss"] = evaluate()
-                    writer.write({"step": step, "val_loss": summary["val_loss"]})
-                    bar.write(f"step {step}: val loss {summary['val_loss']:.4f}")
-                if step % config.checkpoint_interval == 0 or step == end:
-                    save(step)
-            if step > start and checkpoints.latest_step() != step:
-                save(step)
-        checkpoints.wait()
-    finally:
-        writer.close()
-    summary.update(step=step, params=params, model=nnx.merge(graphdef, params))
-    if summary["signal"] is not None:
-        log(f"stopped by {summary['stop_reason']} at step {step}; checkpoint saved, rerun to resume")
-    return summary

@@ -109,7 +109,7 @@ def test_one_writer_per_out_dir_and_a_killed_runs_lock_does_not_block_its_resume
     manager.close()
     resumed = run(tmp_path, corpus, max_steps=100000, stop_after=last + 2, checkpoint_interval=5, log_interval=1,
                   eval_interval=100000)
-    assert resumed["start_step"] == last and resumed["step"] == last + 2
+    assert resumed.start_step == last and resumed.step == last + 2
     assert logged_steps(out) == list(range(1, last + 3)), "the steps after the checkpoint were logged again, once"
 
 
@@ -142,7 +142,7 @@ def test_resume_of_a_different_run_is_refused_naming_the_field(tmp_path, corpus,
         run(tmp_path, changes.pop("corpus", corpus), max_steps=4, **changes)
     assert train_bin.read_bytes() == before, "the run's tokenized corpus must not be overwritten"
     if change == "lr":  # the one a user may mean: allowed when asked for
-        assert run(tmp_path, corpus, max_steps=4, lr=0.01, resume_anyway=True)["start_step"] == 2
+        assert run(tmp_path, corpus, max_steps=4, lr=0.01, resume_anyway=True).start_step == 2
 
 
 # ------------------------------------------------------------------------------------------ corruption
@@ -184,8 +184,8 @@ def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_run_resumes_from_the
     reports = [line for line in lines if "is corrupt" in line]
     assert len(reports) == 1 and "checkpoint step 4 is corrupt" in reports[0] and "\n" not in reports[0], lines
     assert (out / "corrupt_checkpoints" / "4").is_dir(), "moved aside, never deleted"
-    assert summary["start_step"] == 2 and summary["step"] == 6
-    for a, b in zip(flat(straight["params"]), flat(summary["params"])):
+    assert summary.start_step == 2 and summary.step == 6
+    for a, b in zip(flat(straight.params), flat(summary.params)):
         np.testing.assert_array_equal(a, b)  # the same as a run that never stopped (and so resumed from 2)
 
 
@@ -267,7 +267,7 @@ def test_newcomer_defaults_work(tmp_path, corpus, capsys):
     with pytest.raises(ConfigError, match=r"warmup_steps=10 must be in \[0, max_steps=10\)"):
         TrainConfig(warmup_steps=10, max_steps=10)  # no step left for the decay (optax would fail at compile)
     tiny = run(tmp_path / "tiny", corpus, model=GPTConfig.preset("tiny"), max_steps=2, block_size=None, warmup_steps=None)
-    assert tiny["step"] == 2  # the tiny preset's vocabulary is widened to the tokenizer's
+    assert tiny.step == 2  # the tiny preset's vocabulary is widened to the tokenizer's
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")

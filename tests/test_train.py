@@ -31,16 +31,16 @@ def test_validation_loss_falls_well_below_the_unigram_loss(tmp_path, prose_text)
     summary = run(tmp_path, str(path), max_steps=150, eval_interval=150, eval_iters=8, batch_size=16,
                   block_size=64, lr=6e-3, min_lr=6e-4)
     bound = unigram_loss(tmp_path / "run" / "data")
-    assert summary["val_loss"] < bound - 0.3, (summary["val_loss"], bound)
+    assert summary.val_loss < bound - 0.3, (summary.val_loss, bound)
 
 
 def test_resume_is_exact(tmp_path, corpus):
     straight = run(tmp_path / "a", corpus, max_steps=8)
     first = run(tmp_path / "b", corpus, max_steps=8, stop_after=4)
-    assert first["step"] == 4
+    assert first.step == 4
     resumed = run(tmp_path / "b", corpus, max_steps=8)
-    assert resumed["start_step"] == 4 and resumed["step"] == 8
-    for a, b in zip(flat(straight["params"]), flat(resumed["params"])):
+    assert resumed.start_step == 4 and resumed.step == 8
+    for a, b in zip(flat(straight.params), flat(resumed.params)):
         np.testing.assert_array_equal(a, b)  # bitwise: same batches, same float32 ops on CPU
 
 
@@ -72,21 +72,21 @@ def test_half_written_checkpoint_is_never_picked_up(tmp_path, corpus):
     partial.mkdir()
     (partial / "garbage").write_text("half a file")
     resumed = run(tmp_path, corpus, max_steps=8)
-    assert resumed["start_step"] == 4 and resumed["step"] == 8
+    assert resumed.start_step == 4 and resumed.step == 8
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 def test_checkpoint_moves_between_8_devices_and_1(tmp_path, corpus):
     eight = run(tmp_path / "a", corpus, max_steps=6, stop_after=3, mesh="data=2,fsdp=4")
     resumed_on_one = run(tmp_path / "a", corpus, max_steps=6, num_devices=1)
-    assert resumed_on_one["start_step"] == 3
+    assert resumed_on_one.start_step == 3
     one = run(tmp_path / "b", corpus, max_steps=6, stop_after=3, num_devices=1)
-    assert one["step"] == 3
+    assert one.step == 3
     one_more = run(tmp_path / "b", corpus, max_steps=6, mesh="data=2,fsdp=4")
-    assert one_more["start_step"] == 3
-    for a, b in zip(flat(resumed_on_one["params"]), flat(one_more["params"])):
+    assert one_more.start_step == 3
+    for a, b in zip(flat(resumed_on_one.params), flat(one_more.params)):
         np.testing.assert_allclose(a, b, atol=1e-5)  # same run, different device counts: reduction order differs
-    assert eight["step"] == 3
+    assert eight.step == 3
 
 
 def test_bad_inputs_get_clear_errors(tmp_path, corpus):
