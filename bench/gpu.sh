@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# One lent-GPU session's checks and benchmarks, in one command (see bench/RESULTS.md, "On a GPU").
+# One lent-GPU session's checks and benchmarks, in one device call (see bench/RESULTS.md, "On a GPU").
 #
+#   bash bench/gpu_wheels.sh    # here, first: the wheels of the packages the GPU machine lacks, into .whl/
+#   bash bench/gpu.sh all       # there (carry .whl): everything below, in this order, within ~9.5 minutes
+#   bash bench/gpu.sh check     # bench/gpu_check.py: cuDNN attention vs the plain path, bf16 vs f32, GPU vs CPU
+#   bash bench/gpu.sh train     # bench/gpu_bench.py: GPT-2 124M training, scan_layers x remat, the torch peer
 #   bash bench/gpu.sh tests     # the engine, generate, model and server tests on the GPU
 #   bash bench/gpu.sh sample    # sample_bench in bfloat16, batch 1 / 8 / 64, torch on CUDA beside it
 #   bash bench/gpu.sh serve     # serve_bench's load in bfloat16, transformers' continuous batching beside it
 #
-# The GPU machine has JAX, torch and transformers but not every package the server needs: wheels for the
-# rest may travel in .whl/ (ignored by git) and are installed into /tmp/site first. Logs go to $OUT.
+# Each job has a time budget (seconds, below) so that `all` ends inside one 10-minute call; a job cut off
+# at its budget leaves what it printed so far in $OUT/<job>.log. Logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -19,15 +23,25 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax, torch, transformers; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__, 'transformers', transformers.__version__)"
+git log -1 --format='commit %h %cd' 2>/dev/null || true
 
-for job in "$@"; do
+jobs=("$@")
+[ "${jobs[*]}" = all ] && jobs=(check train tests sample serve)
+status=0
+for job in "${jobs[@]}"; do
+  echo "== $job ($(date -u +%H:%M:%S))"
   case $job in
-    tests) timeout 290 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_generate.py \
-             tests/test_model.py tests/test_serve.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
-    sample) timeout 270 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
+    check) timeout 60 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
+    train) timeout 280 python3 bench/gpu_bench.py --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" ;;
+    tests) timeout 80 python3 -m pytest -q -x -p no:cacheprovider tests/test_model.py tests/test_engine.py \
+             tests/test_generate.py tests/test_serve.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    sample) timeout 60 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/sample.log" ;;
-    serve) timeout 400 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 2>&1 \
+    serve) timeout 90 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/serve.log" ;;
     *) echo "unknown job $job"; exit 2 ;;
   esac
+  code=${PIPESTATUS[0]}
+  [ "$code" = 0 ] || { echo "== $job exited $code"; status=1; }
 done
+exit $status

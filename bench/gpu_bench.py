@@ -1,0 +1,288 @@
+"""GPT-2 pretraining throughput on one GPU, against PyTorch in the same call: one command, one table.
+
+    python bench/gpu_bench.py                 # GPT-2 124M, bfloat16 compute / float32 params, block 1024,
+                                              # ~0.5M tokens a step; scan_layers x remat; the torch peer
+    python bench/gpu_bench.py --presets gpt2 gpt2-medium
+    python bench/gpu_bench.py --smoke         # the same code at tiny shapes on a CPU (the test suite runs it)
+
+Each configuration runs in a process of its own (so that one's out-of-memory and peak memory do not
+touch the next): for each, the largest micro-batch of `--micro_batches` that fits, then gradient
+accumulation up to `--tokens_per_step`. Ours is this project's jitted train step (forward, chunked
+cross-entropy, backward, accumulation, clipping, AdamW) dispatched back to back as the training loop does;
+the peer is nanoGPT's recipe in PyTorch: transformers' GPT2LMHeadModel with SDPA (flash) attention,
+bfloat16 autocast, fused AdamW and `torch.compile`, on the same token batches.
+
+Reported: tokens/s (best of `--rounds` rounds of `--steps` optimizer steps), MFU = tokens/s x
+flops_per_token / peak, with flops_per_token = 6 x matmul parameters + 12 x layers x width x block (the
+PaLM paper's formula; `gpt.step.flops_per_token`) and the device's dense bfloat16 peak
+(`gpt.step.PEAK_BF16_FLOPS`: H100 989 TFLOP/s), the first step's time (compile included) and the peak
+device memory. `--json PATH` also writes the rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+OOM_EXIT = 3  # a worker's exit status when its micro-batch does not fit
+
+
+@dataclasses.dataclass(frozen=True)
+class Bench:
+    smoke: bool = False
+    """Tiny shapes, float32 and a few steps, on whatever device there is (a CPU): the code path, not a figure."""
+    presets: tuple[str, ...] = ("gpt2",)
+    block_size: int = 1024
+    tokens_per_step: int = 524_288
+    """Tokens per optimizer step (micro-batch x block x accumulation), ~0.5M as GPT-2's recipe."""
+    micro_batches: tuple[int, ...] = (32, 16, 8, 4)
+    """Micro-batch sizes to try, largest first; the first that fits is used."""
+    scan_layers: tuple[bool, ...] = (False, True)
+    remat: tuple[bool, ...] = (False, True)
+    steps: int = 4
+    """Timed optimizer steps per round."""
+    rounds: int = 2
+    torch: bool = True
+    """Also run the PyTorch peer (with the micro-batch of our fastest configuration, halved until it fits)."""
+    torch_compile: bool = True
+    json: str | None = None
+    timeout_s: float = 600
+    """Per worker process."""
+
+    def shapes(self) -> Bench:
+        """`self`, or tiny shapes under --smoke."""
+        if not self.smoke:
+            return self
+        return dataclasses.replace(self, presets=("smoke",), block_size=64, tokens_per_step=4 * 64 * 2,
+                                   micro_batches=(4, 2), steps=2, rounds=1, timeout_s=300)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One configuration, run by a worker process."""
+
+    impl: str  # "jax" or "torch"
+    preset: str
+    block_size: int
+    micro_batch: int
+    accumulation: int
+    scan_layers: bool = False
+    remat: bool = False
+    steps: int = 4
+    rounds: int = 2
+    torch_compile: bool = True
+
+
+def model_config(preset: str, block_size: int, **runtime):
+    from gpt.config import GPTConfig
+
+    if preset == "smoke":
+        return GPTConfig.preset("small", n_layer=2, n_head=2, n_embd=64, block_size=block_size, vocab_size=50257,
+                                **runtime)
+    return GPTConfig.preset(preset, block_size=max(block_size, 1024), **runtime)
+
+
+def token_batches(job: Job, count: int = 2):
+    """`count` int32 arrays [accumulation, micro_batch, block + 1] of random GPT-2 ids (the same for both sides)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 50257, (job.accumulation, job.micro_batch, job.block_size + 1), dtype=np.int32)
+            for _ in range(count)]
+
+
+def timed(step, job: Job) -> dict:
+    """Run `step(i)` (which returns something to wait on) once for the compile, then `rounds` x `steps`."""
+    start = time.perf_counter()
+    step(0)()
+    first = time.perf_counter() - start
+    best = float("inf")
+    for r in range(job.rounds):
+        start = time.perf_counter()
+        wait = None
+        for i in range(job.steps):
+            wait = step(1 + r * job.steps + i)  # dispatched back to back, as the training loop does
+        wait()
+        best = min(best, (time.perf_counter() - start) / job.steps)
+    return {"first_step_s": first, "step_s": best}
+
+
+def jax_worker(job: Job) -> dict:
+    import jax
+    from flax import nnx
+
+    from gpt.model import GPT
+    from gpt.sharding import make_mesh
+    from gpt.step import OptimizerConfig, init_train_state, make_optimizer, make_train_step
+
+    dtype = "float32" if job.preset == "smoke" else "bfloat16"
+    config = model_config(job.preset, job.block_size, dtype=dtype, param_dtype="float32",
+                          scan_layers=job.scan_layers, remat=job.remat)
+    optimizer, _ = make_optimizer(OptimizerConfig(max_steps=10_000))
+    mesh = make_mesh(devices=jax.devices()[:1])
+    graphdef, params, opt_state, shardings = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
+    train_step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh, shardings=shardings)
+    batches = [jax.device_put(b) for b in token_batches(job)]
+    state = {"params": params, "opt_state": opt_state}
+    key = jax.random.key(0)
+
+    def step(i: int):
+        state["params"], state["opt_state"], metrics = train_step(state["params"], state["opt_state"],
+                                                                   batches[i % len(batches)], key)
+        return lambda: float(metrics["loss"])
+
+    result = timed(step, job)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {**result, "peak_bytes": stats.get("peak_bytes_in_use"), "device": jax.devices()[0].device_kind,
+            "dtype": config.dtype}
+
+
+def torch_worker(job: Job) -> dict:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = model_config(job.preset, job.block_size)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(
+        vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
+        n_head=config.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")).to(device)
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=6e-4, betas=(0.9, 0.95), fused=cuda)
+    forward = torch.compile(model) if job.torch_compile else model
+    batches = [torch.from_numpy(b.astype("int64")).to(device) for b in token_batches(job)]
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=job.preset != "smoke")
+
+    def step(i: int):
+        batch = batches[i % len(batches)]
+        for micro in batch:
+            with autocast:
+                logits = forward(input_ids=micro[:, :-1]).logits
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
+            (loss / job.accumulation).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return lambda: float(loss)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    result = timed(step, job)
+    return {**result, "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": "bfloat16 autocast" if
+            job.preset != "smoke" else "float32"}
+
+
+def is_oom(error: BaseException) -> bool:
+    text = f"{type(error).__name__}: {error}"
+    return any(sign in text for sign in ("RESOURCE_EXHAUSTED", "OutOfMemory", "out of memory", "Out of memory"))
+
+
+def worker(job: Job) -> int:
+    try:
+        result = (jax_worker if job.impl == "jax" else torch_worker)(job)
+    except Exception as error:
+        if is_oom(error):
+            return OOM_EXIT
+        raise
+    print("RESULT " + json.dumps({**dataclasses.asdict(job), **result}), flush=True)
+    return 0
+
+
+def run_job(job: Job, timeout_s: float) -> dict | None:
+    """The worker's result row, None when the micro-batch does not fit; raises on any other failure."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".92")}
+    command = [sys.executable, __file__, "--worker", json.dumps(dataclasses.asdict(job))]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode == OOM_EXIT:
+        return None
+    rows = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not rows:
+        raise RuntimeError(f"{job} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(rows[-1])
+
+
+def largest_that_fits(bench: Bench, make_job) -> dict | None:
+    for micro_batch in bench.micro_batches:
+        accumulation = max(1, bench.tokens_per_step // (micro_batch * bench.block_size))
+        row = run_job(make_job(micro_batch, accumulation), bench.timeout_s)
+        if row is not None:
+            return row
+        print(f"  micro-batch {micro_batch} does not fit", flush=True)
+    return None
+
+
+def add_rates(row: dict) -> dict:
+    from gpt.step import PEAK_BF16_FLOPS, flops_per_token
+
+    tokens = row["micro_batch"] * row["accumulation"] * row["block_size"]
+    peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in row["device"]), None)
+    rate = tokens / row["step_s"]
+    flops = flops_per_token(model_config(row["preset"], row["block_size"]), row["block_size"])
+    return {**row, "tokens_per_s": rate, "mfu": rate * flops / peak if peak else None}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| impl | preset | scan_layers | remat | micro-batch x accum | tokens/s | MFU | vs torch | "
+             "first step (s) | peak memory (GiB) |", "| --- " * 10 + "|"]
+    peers = {row["preset"]: row["tokens_per_s"] for row in rows if row["impl"] == "torch"}
+    for row in rows:
+        impl = "gpt (jax)" if row["impl"] == "jax" else "torch" + (" (compile)" if row["torch_compile"] else "")
+        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+        ratio = f"{row['tokens_per_s'] / peers[row['preset']]:.2f}x" if row["preset"] in peers else "-"
+        memory = f"{row['peak_bytes'] / 2**30:.1f}" if row["peak_bytes"] else "-"
+        knobs = ("-", "-") if row["impl"] == "torch" else (row["scan_layers"], row["remat"])
+        lines.append(f"| {impl} | {row['preset']} | {knobs[0]} | {knobs[1]} | {row['micro_batch']} x "
+                     f"{row['accumulation']} | {row['tokens_per_s']:,.0f} | {mfu} | {ratio} | "
+                     f"{row['first_step_s']:.1f} | {memory} |")
+    return "\n".join(lines)
+
+
+def main(bench: Bench) -> list[dict]:
+    bench = bench.shapes()
+    rows = []
+    for preset in bench.presets:
+        for scan_layers in bench.scan_layers:
+            for remat in bench.remat:
+                print(f"jax {preset} scan_layers={scan_layers} remat={remat}", flush=True)
+                row = largest_that_fits(bench, lambda mb, acc: Job(
+                    "jax", preset, bench.block_size, mb, acc, scan_layers, remat, bench.steps, bench.rounds))
+                if row is not None:
+                    rows.append(add_rates(row))
+                    print("  " + table(rows[-1:]).splitlines()[-1], flush=True)  # kept if a later job is cut off
+        ours = [row for row in rows if row["preset"] == preset]
+        if bench.torch and ours:
+            fastest = max(ours, key=lambda row: row["tokens_per_s"])
+            print(f"torch {preset}", flush=True)
+            sizes = [mb for mb in bench.micro_batches if mb <= fastest["micro_batch"]]
+            row = largest_that_fits(dataclasses.replace(bench, micro_batches=tuple(sizes)), lambda mb, acc: Job(
+                "torch", preset, bench.block_size, mb, acc, steps=bench.steps, rounds=bench.rounds,
+                torch_compile=bench.torch_compile))
+            if row is not None:
+                rows.append(add_rates(row))
+    device = rows[0]["device"] if rows else "?"
+    print(f"\n# {device}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; ~{bench.tokens_per_step:,} tokens "
+          f"a step, block {bench.block_size}; best of {bench.rounds} rounds of {bench.steps} steps")
+    print(table(rows), flush=True)
+    if bench.json:
+        Path(bench.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.exit(worker(Job(**json.loads(sys.argv[2]))))
+    main(tyro.cli(Bench))

@@ -1,0 +1,152 @@
+"""Numerical checks for a GPU run; prints each and exits 1 if any fails.
+
+    python bench/gpu_check.py            # GPT-2 124M shapes, random weights
+    python bench/gpu_check.py --smoke    # tiny shapes (runs anywhere: on a CPU the device is the host)
+
+- attention: `jax.nn.dot_product_attention` as the model calls it on this device (cuDNN's fused kernel on
+  a GPU) against the plain softmax(q k^T / sqrt(H)) v in float32 at the highest matmul precision, on the
+  same bfloat16 operands, forward and gradients;
+- logits: the model in float32 on the device against the same weights on the CPU (the reference), and
+  in bfloat16 on the device against float32 on the device;
+- a train step: its loss and gradient norm in float32 on the device against the CPU.
+
+Error is the normwise relative error ||got - want|| / ||want|| (2-norm over the whole array); the largest
+element's error, max |got - want| / max |want|, is printed beside it. Bounds on the first: 1e-4 in float32
+(well under 1e-3; the float32 matmuls run at the highest precision here), 1e-2 where the operands are
+bfloat16 (whose rounding is 2**-9 ~ 2e-3 per operation; on a CPU at GPT-2 shapes the bfloat16 logits
+differ from float32 by ~4e-3 normwise and ~1e-2 at their largest element).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+from flax import nnx
+
+from gpt.config import GPTConfig
+from gpt.model import GPT
+from gpt.sharding import make_mesh
+from gpt.step import OptimizerConfig, init_train_state, make_optimizer, make_train_step
+
+FLOAT32_BOUND, BFLOAT16_BOUND = 1e-4, 1e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    smoke: bool = False
+    batch: int = 2
+    block_size: int = 1024
+
+
+def relative_error(got, want) -> float:
+    """||got - want|| / ||want||."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def largest_error(got, want) -> float:
+    """max |got - want| / max |want|."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def plain_attention(q, k, v):
+    """float32 causal softmax attention at the highest precision: [B, T, N, H] -> [B, T, N, H]."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k, precision="highest") / np.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", weights, v, precision="highest")
+
+
+def attention_checks(check: Check) -> list[tuple]:
+    B, T, N, H = check.batch, check.block_size, 12, 64
+    q, k, v = (jax.random.normal(key, (B, T, N, H), jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 3))
+    implementation = "cudnn" if jax.default_backend() == "gpu" else None
+
+    def fused(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+    def summed(attention):
+        return lambda q, k, v: (attention(q, k, v).astype(jnp.float32) * jnp.cos(jnp.arange(H))).sum()
+
+    got = jax.jit(fused)(q, k, v)
+    want = jax.jit(plain_attention)(q, k, v)
+    grads_got = jax.jit(jax.grad(summed(fused), argnums=(0, 1, 2)))(q, k, v)
+    grads_want = jax.jit(jax.grad(summed(plain_attention), argnums=(0, 1, 2)))(q, k, v)
+    name = f"attention ({implementation or 'default'}, bfloat16 operands)"
+    return [(f"{name}, forward", got, want, BFLOAT16_BOUND)] + [
+        (f"{name}, d{x}", g, w, BFLOAT16_BOUND) for x, g, w in zip("qkv", grads_got, grads_want)]
+
+
+def model_config(check: Check, dtype: str) -> GPTConfig:
+    if check.smoke:
+        return GPTConfig.preset("small", n_layer=2, n_head=2, n_embd=64, block_size=check.block_size, dtype=dtype)
+    return GPTConfig.preset("gpt2", dtype=dtype)
+
+
+def logits_checks(check: Check) -> list[tuple]:
+    cpu = jax.devices("cpu")[0]
+    tokens = np.random.default_rng(0).integers(0, 50257, (check.batch, check.block_size), dtype=np.int32)
+    model = GPT(model_config(check, "float32"), rngs=nnx.Rngs(0))
+    _, state = nnx.split(model)
+
+    def logits(device, dtype):
+        config = model_config(check, dtype)
+        g, _ = nnx.split(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))  # this dtype's graph, model's weights
+        forward = jax.jit(lambda s, t: nnx.merge(g, s)(t))
+        with jax.default_matmul_precision("highest"):
+            return np.asarray(forward(jax.device_put(state, device), jax.device_put(tokens, device)), np.float32)
+
+    device = jax.devices()[0]
+    reference = logits(cpu, "float32")
+    on_device = logits(device, "float32")
+    in_bf16 = logits(device, "bfloat16")
+    return [(f"logits float32, {device.platform} vs cpu", on_device, reference, FLOAT32_BOUND),
+            (f"logits bfloat16 vs float32 on {device.platform}", in_bf16, on_device, BFLOAT16_BOUND)]
+
+
+def step_checks(check: Check) -> list[tuple]:
+    batch = np.random.default_rng(1).integers(0, 50257, (1, check.batch, check.block_size + 1), dtype=np.int32)
+
+    def one_step(device):
+        optimizer, _ = make_optimizer(OptimizerConfig(max_steps=100))
+        mesh = make_mesh(devices=[device])
+        graphdef, params, opt_state, shardings = init_train_state(
+            GPT(model_config(check, "float32"), rngs=nnx.Rngs(0)), optimizer, mesh)
+        step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh, shardings=shardings)
+        with jax.default_matmul_precision("highest"):
+            _, _, metrics = step(params, opt_state, jax.device_put(batch, device), jax.random.key(0))
+        return float(metrics["loss"]), float(metrics["grad_norm"])
+
+    device = jax.devices()[0]
+    (loss, norm), (loss_cpu, norm_cpu) = one_step(device), one_step(jax.devices("cpu")[0])
+    return [(f"train step loss float32, {device.platform} vs cpu", loss, loss_cpu, FLOAT32_BOUND),
+            (f"train step grad norm float32, {device.platform} vs cpu", norm, norm_cpu, FLOAT32_BOUND)]
+
+
+def main(check: Check) -> int:
+    if check.smoke:
+        check = dataclasses.replace(check, block_size=64)
+    results = attention_checks(check) + logits_checks(check) + step_checks(check)
+    print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; batch {check.batch} x block {check.block_size}")
+    print("| check | relative error | bound | ok | largest element's error |\n| --- | --- | --- | --- | --- |")
+    failed = []
+    for name, got, want, bound in results:
+        error = relative_error(got, want)
+        print(f"| {name} | {error:.2e} | {bound:.0e} | {'yes' if error <= bound else 'NO'} | "
+              f"{largest_error(got, want):.2e} |")
+        if not error <= bound:
+            failed.append(name)
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(tyro.cli(Check)))
