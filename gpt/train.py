@@ -9,7 +9,8 @@
 - `loop(run)`: the steps, which never wait on the host. Step n + 1 is dispatched before anything of step
   n is read; the next batches are read and placed on the mesh by a thread (`gpt.prefetch`); the metrics
   stay on the device until a log interval, when they are read one step late (the step after it already
-  runs). A checkpoint, an evaluation and the end are the only points where the loop waits for the device,
+  runs). The loop keeps two steps queued on the device, no more (so the batches in flight stay few);
+  a checkpoint, an evaluation and the end are the only points where it waits for the device to drain,
   and a step is saved only after its finiteness flag (and every earlier step's) has been read True.
 
 The pieces: `gpt.step` (the jitted step), `gpt.run_dir` (lock and identity), `gpt.checkpoint` (which
@@ -490,6 +491,9 @@ def _log(run: Run, pending: _Pending, step: int, bar) -> None:
     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
 
 
+_STEPS_IN_FLIGHT = 2
+
+
 class _Pending:
     """The metrics of steps dispatched but not yet read: they stay on the device until the loop must know
     them (a log record, a save, the end), then are read together, and the first non-finite step among
@@ -508,7 +512,11 @@ class _Pending:
         self.peak = peak_flops(c.peak_flops)
 
     def add(self, step: int, metrics: dict) -> None:
+        """Keep `step`'s metrics, and wait (reading nothing) until at most `_STEPS_IN_FLIGHT` steps are
+        queued on the device: it always has the next one, and the batches queued for it stay few."""
         self.steps.append((step, metrics))
+        if len(self.steps) > _STEPS_IN_FLIGHT:
+            self.steps[-_STEPS_IN_FLIGHT - 1][1]["finite"].block_until_ready()
 
     def read(self, through: int) -> None:
         """Read the metrics of every pending step up to `through` (one transfer); raise NonFiniteStep
