@@ -76,7 +76,7 @@ def test_no_float_copy_of_a_quantized_matrix_in_the_decode_loop():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, corpus):
-    return run(tmp_path_factory.mktemp("quantize"), corpus, max_steps=150)["model"]
+    return run(tmp_path_factory.mktemp("quantize"), corpus, max_steps=150).model
 
 
 # Greedy decoding follows the argmax; where the top two logits are close, any perturbation may swap them
