@@ -1,0 +1,206 @@
+"""Perplexity of a model on any corpus: Hugging Face's strided sliding window, in flat memory.
+
+    python -m gpt.eval --init_from out --data held_out/ [--stride 256] [--batch_size 8] [--json]
+
+`--init_from` is a training out_dir, a Hugging Face GPT-2 directory or a cached hub name; `--data` takes
+what the trainer reads (files, directories, globs; text, JSONL, Parquet, saved datasets, with
+`--text_field`). Each input's documents, each ended by `<|endoftext|>` as the trainer reads them, are one
+token stream, cut into windows of the model's context moved by `stride` tokens. Each window scores only
+the tokens the previous one did not (Hugging Face's "Perplexity of fixed-length models"), each with up to
+a context of tokens before it. `stride` = context (the default) is the fastest: windows do not overlap,
+the first tokens of each window see little context, and each window's first token is not scored. A
+smaller stride scores every token but the stream's first, each with at least context - stride tokens
+before it, at context / stride times the work.
+
+Reported per input and overall: nats per token, perplexity (exp of it), bits per byte (the same sum in
+bits over the UTF-8 bytes of the documents' text) and the tokens scored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+from flax import nnx
+from tqdm import tqdm
+
+from gpt.corpus import BadRecords, expand_inputs, read_sections
+from gpt.errors import ConfigError, cli_main
+from gpt.model import GPT
+from gpt.sample import load
+from gpt.tokenizer import get_tokenizer
+
+__all__ = ["EvalConfig", "evaluate", "windows", "Score"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """What `python -m gpt.eval` measures; `--help` lists these as flags."""
+
+    init_from: str = "out"
+    """A training out_dir, a Hugging Face GPT-2 directory, or a GPT-2 hub name in the local cache."""
+    data: tuple[str, ...] = ()
+    """Files, directories or globs to score (the formats the trainer reads)."""
+    text_field: str = "text"
+    """The field (JSONL) or column (Parquet, saved datasets) holding each document's text."""
+    stride: int | None = None
+    """Tokens each window moves by, in [1, context]; default: the model's context (windows that do not overlap)."""
+    batch_size: int = 8
+    """Windows scored together."""
+    dtype: str = "float32"
+    """Compute dtype: float32, bfloat16 or float16."""
+    json: bool = False
+    """Print the results as JSON instead of a table."""
+
+
+@dataclasses.dataclass
+class Score:
+    """A running sum: negative log-likelihood (nats), tokens scored, and the UTF-8 bytes they came from."""
+
+    nll: float = 0.0
+    tokens: int = 0
+    bytes: int = 0
+
+    def add(self, other: Score) -> None:
+        self.nll, self.tokens, self.bytes = self.nll + other.nll, self.tokens + other.tokens, self.bytes + other.bytes
+
+    def report(self) -> dict:
+        nats = self.nll / self.tokens
+        return {"nats_per_token": nats, "perplexity": math.exp(nats),
+                "bits_per_byte": self.nll / math.log(2) / self.bytes if self.bytes else None, "tokens": self.tokens}
+
+
+def windows(pieces: Iterable[np.ndarray], context: int, stride: int) -> Iterator[tuple[np.ndarray, int]]:
+    """The sliding windows over a token stream given in pieces, holding at most context + one piece.
+
+    Yields (window int32 [n <= context], scored): the window's targets to score are its last `scored`
+    tokens (each predicted from the tokens before it in the window). Each token is scored at most once:
+    with stride < context every token but the stream's first; with stride = context every token but the
+    first of each window, which no window holds with a token before it (as in Hugging Face's recipe).
+    """
+    buffer, start, begin, previous_end, done = np.zeros(0, np.int32), 0, 0, 0, False  # buffer[0] is token `start`
+    pieces = iter(pieces)
+    while True:
+        while not done and start + buffer.size < begin + context:
+            piece = next(pieces, None)
+            if piece is None:
+                done = True
+            else:
+                buffer = np.concatenate([buffer, np.asarray(piece, np.int32)])
+        end = min(begin + context, start + buffer.size)
+        if end - begin < 2 and previous_end == 0:
+            return  # a stream of one token (or none) has nothing to score
+        # A window's first token has nothing before it in the window to be scored from.
+        count = min(end - max(previous_end, 1), end - begin - 1)
+        if count > 0:
+            yield buffer[begin - start: end - start], count
+        if done and end == start + buffer.size:
+            return
+        previous_end, begin = end, begin + stride
+        buffer, start = buffer[begin - start:], begin
+
+
+def _token_pieces(path: Path, text_field: str, counted: Score) -> Iterator[np.ndarray]:
+    """The token ids of `path`'s documents, a section at a time, <|endoftext|> after each document;
+    counts the text's UTF-8 bytes into `counted.bytes`."""
+    tokenizer = get_tokenizer()
+    for section in read_sections(path, text_field, BadRecords()):
+        counted.bytes += len(section.text.encode("utf-8", errors="surrogatepass"))
+        ids = tokenizer.encode(section.text)
+        yield np.asarray(ids + [tokenizer.eot_id] if section.last else ids, np.int32)
+
+
+def _nll_function(graphdef: nnx.GraphDef):
+    """(state, tokens int32 [B, C], scored bool [B, C - 1]) -> summed NLL (float32 []) of the scored
+    targets tokens[:, 1:]."""
+
+    @jax.jit
+    def nll(state, tokens_BC, scored_BC):
+        logits_BCV = nnx.merge(graphdef, state)(tokens_BC)[:, :-1]
+        log_probs = jax.nn.log_softmax(logits_BCV, axis=-1)
+        target_log_probs = jnp.take_along_axis(log_probs, tokens_BC[:, 1:, None], axis=-1)[..., 0]
+        return -jnp.sum(jnp.where(scored_BC, target_log_probs, 0.0))
+
+    return nll
+
+
+def _score_stream(nll, state, pieces, context: int, stride: int, batch_size: int, bar) -> Score:
+    score = Score()
+    tokens = np.zeros((batch_size, context), np.int32)
+    scored = np.zeros((batch_size, context - 1), bool)
+    filled = 0
+
+    def flush():
+        nonlocal filled
+        if filled:
+            score.nll += float(nll(state, tokens, scored))
+            bar.update(filled)
+        tokens[:], scored[:], filled = 0, False, 0
+
+    for window, count in windows(pieces, context, stride):
+        tokens[filled, : window.size] = window
+        scored[filled, window.size - 1 - count: window.size - 1] = True  # target j is tokens[j + 1]
+        score.tokens += count
+        filled += 1
+        if filled == batch_size:
+            flush()
+    flush()
+    return score
+
+
+def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
+    """{"inputs": [{"path", "nats_per_token", "perplexity", "bits_per_byte", "tokens"}, ...], "overall": {...}}
+    of `config` (or of `model`, when given, instead of loading `config.init_from`)."""
+    if not config.data:
+        raise ConfigError("EvalConfig.data is empty: name the files, directories or globs to score (--data)")
+    if config.batch_size < 1:
+        raise ConfigError(f"EvalConfig.batch_size must be >= 1, got {config.batch_size}")
+    paths = expand_inputs(config.data)
+    model = model if model is not None else load(config.init_from, config.dtype)
+    context = model.config.block_size
+    stride = config.stride if config.stride is not None else context
+    if not 1 <= stride <= context:
+        raise ConfigError(f"EvalConfig.stride={stride} must be in [1, the model's context {context}]")
+    graphdef, state = nnx.split(model)
+    nll = _nll_function(graphdef)
+    results, overall = [], Score()
+    with tqdm(desc="eval", unit="window", disable=None) as bar:
+        for path in paths:
+            counted = Score()
+            score = _score_stream(nll, state, _token_pieces(path, config.text_field, counted), context, stride,
+                                  config.batch_size, bar)
+            score.bytes = counted.bytes
+            if score.tokens == 0:
+                raise ConfigError(f"data input {str(path)!r} has no tokens to score (it needs at least 2)")
+            overall.add(score)
+            results.append({"path": str(path), **score.report()})
+    return {"inputs": results, "overall": overall.report(), "stride": stride, "context": context}
+
+
+def _table(results: dict) -> str:
+    lines = [f"context {results['context']}, stride {results['stride']}",
+             "| input | tokens | nats/token | perplexity | bits/byte |", "| --- | --- | --- | --- | --- |"]
+    for name, row in [*((r["path"], r) for r in results["inputs"]), ("overall", results["overall"])]:
+        bpb = f"{row['bits_per_byte']:.4f}" if row["bits_per_byte"] is not None else "-"
+        lines.append(f"| {name} | {row['tokens']:,} | {row['nats_per_token']:.4f} | {row['perplexity']:.3f} | {bpb} |")
+    return "\n".join(lines)
+
+
+@cli_main
+def main(argv: list[str]) -> int:
+    config = tyro.cli(EvalConfig, args=argv, description=__doc__.split("\n\n")[0])
+    results = evaluate(config)
+    print(json.dumps(results, indent=1) if config.json else _table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

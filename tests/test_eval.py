@@ -1,0 +1,107 @@
+"""Perplexity (`gpt.eval`): the sliding windows score every token once, and the result is Hugging Face's
+strided recipe computed with transformers on the same weights."""
+
+import math
+
+import numpy as np
+import pytest
+
+from gpt import gpt2
+from gpt.errors import ConfigError, MissingInput
+from gpt.eval import EvalConfig, evaluate, main, windows
+from gpt.tokenizer import get_tokenizer
+
+torch = pytest.importorskip("torch")
+from hf_reference import random_hf_gpt2  # noqa: E402
+
+CONTEXT = 64
+
+
+@pytest.mark.parametrize("length, context, stride, piece", [(200, 16, 16, 7), (200, 16, 5, 50), (17, 16, 16, 3),
+                                                            (16, 16, 4, 16), (2, 16, 16, 1), (1000, 64, 63, 100)])
+def test_windows_score_each_token_once_within_the_context(length, context, stride, piece):
+    stream = np.arange(length, dtype=np.int32)
+    scored_ids = []
+    for window, count in windows((stream[i:i + piece] for i in range(0, length, piece)), context, stride):
+        assert 1 <= count < window.size <= context
+        assert window[0] + window.size - 1 == window[-1], "a window is a contiguous run of the stream"
+        scored_ids += list(window[window.size - count:])
+    window_starts = set(range(context, length, stride)) if stride == context else set()
+    assert scored_ids == [i for i in range(1, length) if i not in window_starts]
+
+
+def test_a_stream_of_one_token_has_no_window():
+    assert list(windows([np.array([5], np.int32)], 16, 16)) == []
+
+
+def transformers_strided_perplexity(model, ids: list[int], context: int, stride: int) -> float:
+    """Hugging Face's "Perplexity of fixed-length models", each window's mean loss weighed by the labels
+    it actually scored (after the model's internal shift)."""
+    ids = torch.tensor([ids])
+    nll_sum, count, previous_end = 0.0, 0, 0
+    for begin in range(0, ids.size(1), stride):
+        end = min(begin + context, ids.size(1))
+        target_length = end - previous_end
+        inputs = ids[:, begin:end]
+        targets = inputs.clone()
+        targets[:, :-target_length] = -100
+        with torch.no_grad():
+            loss = model(inputs, labels=targets).loss
+        scored = int((targets[:, 1:] != -100).sum())
+        if scored == 0:  # a last window of one token: its loss is a mean over nothing (NaN)
+            break
+        nll_sum, count, previous_end = nll_sum + float(loss) * scored, count + scored, end
+        if end == ids.size(1):
+            break
+    return math.exp(nll_sum / count)
+
+
+@pytest.mark.parametrize("stride", [CONTEXT, 24])
+def test_perplexity_equals_transformers_strided_recipe(tmp_path, corpus_text, stride):
+    hf_model, directory = random_hf_gpt2(tmp_path, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=2,
+                                         weight_scale=8.0)
+    text = corpus_text[:6000]
+    path = tmp_path / "held_out.txt"
+    path.write_text(text)
+    tokenizer = get_tokenizer()
+    ids = tokenizer.encode(text) + [tokenizer.eot_id]  # one document: its text, then <|endoftext|>
+    want = transformers_strided_perplexity(hf_model, ids, CONTEXT, stride)
+    got = evaluate(EvalConfig(init_from=str(directory), data=(str(path),), stride=stride, batch_size=4))
+    scored = got["overall"]["tokens"]
+    assert scored == (len(ids) - 1 if stride < CONTEXT else len(ids) - math.ceil(len(ids) / CONTEXT))
+    assert got["overall"]["perplexity"] == pytest.approx(want, rel=1e-4)
+    assert got["overall"]["bits_per_byte"] == pytest.approx(
+        math.log(want) * scored / math.log(2) / len(text.encode()), rel=1e-4)
+
+
+def test_per_input_and_overall_and_the_cli(tmp_path, corpus_text, capsys):
+    _, directory = random_hf_gpt2(tmp_path, n_positions=CONTEXT, n_embd=32, n_layer=1, n_head=2)
+    for name, part in [("a.txt", corpus_text[:3000]), ("b.txt", corpus_text[3000:5000])]:
+        (tmp_path / name).write_text(part)
+    model = gpt2.load(directory)
+    results = evaluate(EvalConfig(data=(str(tmp_path / "a.txt"), str(tmp_path / "b.txt"))), model=model)
+    a, b = results["inputs"]
+    overall = results["overall"]
+    assert overall["tokens"] == a["tokens"] + b["tokens"]
+    weighted = (a["nats_per_token"] * a["tokens"] + b["nats_per_token"] * b["tokens"]) / overall["tokens"]
+    assert overall["nats_per_token"] == pytest.approx(weighted, rel=1e-9)
+    assert main(["--init_from", str(directory), "--data", str(tmp_path / "a.txt"), "--json"]) == 0
+    assert '"perplexity"' in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line_before_any_compile(tmp_path):
+    _, directory = random_hf_gpt2(tmp_path, n_positions=CONTEXT, n_embd=32, n_layer=1, n_head=2)
+    text = tmp_path / "t.txt"
+    text.write_text("some words to score, and some more of them")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    base = dict(init_from=str(directory), data=(str(text),))
+    for stride in (0, CONTEXT + 1):
+        with pytest.raises(ConfigError, match=f"stride={stride} must be in \\[1, the model's context {CONTEXT}\\]"):
+            evaluate(EvalConfig(**base, stride=stride))
+    with pytest.raises(ConfigError, match="has no tokens to score"):
+        evaluate(EvalConfig(**{**base, "data": (str(empty),)}))
+    with pytest.raises(MissingInput, match="is not a training out_dir"):
+        evaluate(EvalConfig(**{**base, "init_from": str(tmp_path / "nothing")}))
+    with pytest.raises(ConfigError, match="data is empty"):
+        evaluate(EvalConfig(init_from=str(directory)))
