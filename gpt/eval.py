@@ -1,6 +1,7 @@
 """Perplexity of a model on any corpus: Hugging Face's strided sliding window, in flat memory.
 
     python -m gpt.eval --init_from out --data held_out/ [--stride 256] [--batch_size 8] [--json]
+    python -m gpt.eval --init_from out --split val      # a training run's own validation split
 
 `--init_from` is a training out_dir, a Hugging Face GPT-2 directory or a cached hub name; `--data` takes
 what the trainer reads (files, directories, globs; text, JSONL, Parquet, saved datasets, with
@@ -22,7 +23,7 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import jax
@@ -32,8 +33,10 @@ import tyro
 from flax import nnx
 from tqdm import tqdm
 
+from gpt.checkpoint import has_checkpoint
 from gpt.corpus import BadRecords, expand_inputs, read_sections
 from gpt.errors import ConfigError, cli_main
+from gpt.loader import shard_paths
 from gpt.model import GPT
 from gpt.sample import load
 from gpt.tokenizer import get_tokenizer
@@ -59,6 +62,9 @@ class EvalConfig:
     """Compute dtype: float32, bfloat16 or float16."""
     json: bool = False
     """Print the results as JSON instead of a table."""
+    split: str = ""
+    """'val' or 'train': score a training out_dir's own prepared split (`init_from/data`, each shard one
+    stream) instead of --data."""
 
 
 @dataclasses.dataclass
@@ -118,6 +124,32 @@ def _token_pieces(path: Path, text_field: str, counted: Score) -> Iterator[np.nd
         yield np.asarray(ids + [tokenizer.eot_id] if section.last else ids, np.int32)
 
 
+def _shard_pieces(path: Path, dtype: np.dtype, piece_tokens: int = 1 << 20) -> Iterator[np.ndarray]:
+    """A prepared token shard, memory-mapped, a piece at a time."""
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    for start in range(0, tokens.size, piece_tokens):
+        yield np.asarray(tokens[start: start + piece_tokens], np.int32)
+
+
+def _streams(config: EvalConfig) -> list[tuple[str, Callable[[Score], Iterator[np.ndarray]]]]:
+    """(name, pieces) of each token stream to score: `pieces(counted)` yields its token ids and counts the
+    text's bytes into `counted` (prepared shards have no text: none counted)."""
+    if config.split:
+        if config.data:
+            raise ConfigError("EvalConfig.split and EvalConfig.data are exclusive: score a run's own split, or files")
+        if config.split not in ("train", "val"):
+            raise ConfigError(f"EvalConfig.split must be 'train' or 'val', got {config.split!r}")
+        if not has_checkpoint(config.init_from):
+            raise ConfigError(f"EvalConfig.split needs a training out_dir as --init_from, got {config.init_from!r}")
+        paths, dtype = shard_paths(Path(config.init_from) / "data", config.split)
+        return [(str(path), lambda _, path=path: _shard_pieces(path, dtype)) for path in paths]
+    if not config.data:
+        raise ConfigError("EvalConfig.data is empty: name the files, directories or globs to score (--data), "
+                          "or a run's --split")
+    return [(str(path), lambda counted, path=path: _token_pieces(path, config.text_field, counted))
+            for path in expand_inputs(config.data)]
+
+
 def _nll_function(graphdef: nnx.GraphDef):
     """(state, tokens int32 [B, C], scored bool [B, C - 1]) -> summed NLL (float32 []) of the scored
     targets tokens[:, 1:]."""
@@ -159,11 +191,9 @@ def _score_stream(nll, state, pieces, context: int, stride: int, batch_size: int
 def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
     """{"inputs": [{"path", "nats_per_token", "perplexity", "bits_per_byte", "tokens"}, ...], "overall": {...}}
     of `config` (or of `model`, when given, instead of loading `config.init_from`)."""
-    if not config.data:
-        raise ConfigError("EvalConfig.data is empty: name the files, directories or globs to score (--data)")
     if config.batch_size < 1:
         raise ConfigError(f"EvalConfig.batch_size must be >= 1, got {config.batch_size}")
-    paths = expand_inputs(config.data)
+    streams = _streams(config)
     model = model if model is not None else load(config.init_from, config.dtype)
     context = model.config.block_size
     stride = config.stride if config.stride is not None else context
@@ -173,15 +203,14 @@ def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
     nll = _nll_function(graphdef)
     results, overall = [], Score()
     with tqdm(desc="eval", unit="window", disable=None) as bar:
-        for path in paths:
+        for name, pieces in streams:
             counted = Score()
-            score = _score_stream(nll, state, _token_pieces(path, config.text_field, counted), context, stride,
-                                  config.batch_size, bar)
+            score = _score_stream(nll, state, pieces(counted), context, stride, config.batch_size, bar)
             score.bytes = counted.bytes
             if score.tokens == 0:
-                raise ConfigError(f"data input {str(path)!r} has no tokens to score (it needs at least 2)")
+                raise ConfigError(f"data input {name!r} has no tokens to score (it needs at least 2)")
             overall.add(score)
-            results.append({"path": str(path), **score.report()})
+            results.append({"path": name, **score.report()})
     return {"inputs": results, "overall": overall.report(), "stride": stride, "context": context}
 
 

@@ -105,3 +105,29 @@ def test_bad_input_is_one_line_before_any_compile(tmp_path):
         evaluate(EvalConfig(**{**base, "init_from": str(tmp_path / "nothing")}))
     with pytest.raises(ConfigError, match="data is empty"):
         evaluate(EvalConfig(init_from=str(directory)))
+
+
+def test_a_runs_validation_split_scores_exp_of_its_loss_over_the_whole_split(tmp_path, corpus):
+    from gpt.checkpoint import load_model
+    from gpt.loader import shard_paths
+    from training import run
+
+    run(tmp_path, corpus, max_steps=4)
+    out = tmp_path / "run"
+    model = load_model(out)
+    context = model.config.block_size
+    nll, count = 0.0, 0
+    paths, dtype = shard_paths(out / "data", "val")
+    for path in paths:  # each shard in windows of the context that do not overlap, as stride = context scores it
+        tokens = np.asarray(np.memmap(path, dtype=dtype, mode="r"), np.int32)
+        for start in range(0, tokens.size - 1, context):
+            window = tokens[start: start + context]
+            if window.size < 2:
+                continue
+            loss = float(model.loss(window[None, :-1], window[None, 1:]))
+            nll, count = nll + loss * (window.size - 1), count + window.size - 1
+    results = evaluate(EvalConfig(init_from=str(out), split="val"))
+    assert results["overall"]["tokens"] == count
+    assert results["overall"]["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-4)
+    with pytest.raises(ConfigError, match="split and EvalConfig.data are exclusive"):
+        evaluate(EvalConfig(init_from=str(out), split="val", data=(corpus,)))
