@@ -19,6 +19,7 @@ bits over the UTF-8 bytes of the documents' text) and the tokens scored.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,15 +31,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
-from flax import nnx
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from gpt.checkpoint import has_checkpoint
+from gpt.config import GPTConfig
 from gpt.corpus import BadRecords, expand_inputs, read_sections
 from gpt.errors import ConfigError, cli_main
+from gpt.decoding import Decoder
 from gpt.loader import shard_paths
-from gpt.model import GPT
+from gpt.model import GPT, forward, lm_head
 from gpt.sample import load
+from gpt.sharding import make_mesh, parse_mesh
 from gpt.tokenizer import get_tokenizer
 
 __all__ = ["EvalConfig", "evaluate", "windows", "Score"]
@@ -62,6 +66,10 @@ class EvalConfig:
     """Compute dtype: float32, bfloat16 or float16."""
     json: bool = False
     """Print the results as JSON instead of a table."""
+    quantize: str = "none"
+    """Weights laid out as for decoding: none, int8 or bf16 (what quantization costs in perplexity)."""
+    mesh: str = ""
+    """Score sharded over a device mesh, e.g. 'tensor=4'; empty runs on one device."""
     split: str = ""
     """'val' or 'train': score a training out_dir's own prepared split (`init_from/data`, each shard one
     stream) instead of --data."""
@@ -150,18 +158,23 @@ def _streams(config: EvalConfig) -> list[tuple[str, Callable[[Score], Iterator[n
             for path in expand_inputs(config.data)]
 
 
-def _nll_function(graphdef: nnx.GraphDef):
-    """(state, tokens int32 [B, C], scored bool [B, C - 1]) -> summed NLL (float32 []) of the scored
-    targets tokens[:, 1:]."""
+def _nll_function(config: GPTConfig, mesh: Mesh | None):
+    """(weights, tokens int32 [B, C], scored bool [B, C - 1]) -> summed NLL (float32 []) of the scored
+    targets tokens[:, 1:], through the model's one forward over `weights` in any layout."""
 
     @jax.jit
-    def nll(state, tokens_BC, scored_BC):
-        logits_BCV = nnx.merge(graphdef, state)(tokens_BC)[:, :-1]
-        log_probs = jax.nn.log_softmax(logits_BCV, axis=-1)
+    def nll(weights, tokens_BC, scored_BC):
+        positions_BC = jnp.broadcast_to(jnp.arange(tokens_BC.shape[1], dtype=jnp.int32), tokens_BC.shape)
+        hidden_BCD, _ = forward(config, weights, tokens_BC, positions_BC)
+        log_probs = jax.nn.log_softmax(lm_head(weights, hidden_BCD[:, :-1]), axis=-1)
         target_log_probs = jnp.take_along_axis(log_probs, tokens_BC[:, 1:, None], axis=-1)[..., 0]
         return -jnp.sum(jnp.where(scored_BC, target_log_probs, 0.0))
 
-    return nll
+    def call(*args):
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            return nll(*args)
+
+    return call
 
 
 def _score_stream(nll, state, pieces, context: int, stride: int, batch_size: int, bar) -> Score:
@@ -194,13 +207,14 @@ def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
     if config.batch_size < 1:
         raise ConfigError(f"EvalConfig.batch_size must be >= 1, got {config.batch_size}")
     streams = _streams(config)
+    mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     model = model if model is not None else load(config.init_from, config.dtype)
     context = model.config.block_size
     stride = config.stride if config.stride is not None else context
     if not 1 <= stride <= context:
         raise ConfigError(f"EvalConfig.stride={stride} must be in [1, the model's context {context}]")
-    graphdef, state = nnx.split(model)
-    nll = _nll_function(graphdef)
+    decoder = Decoder.of(model, config.quantize, mesh)
+    nll, state = _nll_function(decoder.config, mesh), decoder.weights
     results, overall = [], Score()
     with tqdm(desc="eval", unit="window", disable=None) as bar:
         for name, pieces in streams:

@@ -131,3 +131,19 @@ def test_a_runs_validation_split_scores_exp_of_its_loss_over_the_whole_split(tmp
     assert results["overall"]["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-4)
     with pytest.raises(ConfigError, match="split and EvalConfig.data are exclusive"):
         evaluate(EvalConfig(init_from=str(out), split="val", data=(corpus,)))
+
+
+def test_a_mesh_scores_as_one_device_and_int8_costs_little(tmp_path, corpus_text):
+    _, directory = random_hf_gpt2(tmp_path, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4, weight_scale=4.0)
+    path = tmp_path / "t.txt"
+    path.write_text(corpus_text[:4000])
+    base = dict(init_from=str(directory), data=(str(path),), stride=32)
+    one = evaluate(EvalConfig(**base))["overall"]
+    sharded = evaluate(EvalConfig(**base, mesh="data=2,tensor=4"))["overall"]
+    int8 = evaluate(EvalConfig(**base, quantize="int8"))["overall"]
+    assert sharded["tokens"] == one["tokens"] == int8["tokens"]
+    assert sharded["nats_per_token"] == pytest.approx(one["nats_per_token"], rel=1e-5)
+    assert int8["nats_per_token"] == pytest.approx(one["nats_per_token"], rel=2e-2)
+    assert int8["nats_per_token"] != one["nats_per_token"], "int8 weights are not the float32 ones"
+    with pytest.raises(ConfigError, match="quantize must be one of none"):
+        evaluate(EvalConfig(**base, quantize="int4"))
