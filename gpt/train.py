@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import signal
 import time
@@ -193,8 +194,6 @@ class TrainResult:
     """The step it started from (0, or the checkpoint it resumed)."""
     step: int
     """The step it stopped at (saved)."""
-    stop_reason: str
-    """'finished', or 'signal SIGTERM' / 'signal SIGINT'."""
     signal: int | None
     """The stopping signal's number, or None."""
     train_loss: float | None
@@ -204,6 +203,11 @@ class TrainResult:
     params: dict
     """The trained parameters, a pure dict."""
     model: GPT
+
+    @property
+    def stop_reason(self) -> str:
+        """'finished', or 'signal SIGTERM' / 'signal SIGINT'."""
+        return "finished" if self.signal is None else f"signal {signal.Signals(self.signal).name}"
 
 
 # ------------------------------------------------------------------------------------------ plan: before anything
@@ -340,12 +344,16 @@ class Run:
     start: int
     end: int
 
+    @functools.cached_property
+    def _rows_sharding(self) -> jax.sharding.NamedSharding:
+        return batch_sharding(self.mesh, (None, "batch", None))  # [accumulation, rows, T + 1]
+
     def batch(self, step: int) -> jax.Array:
         """Step `step`'s global batch, int32 [grad_accum, batch_size, block_size + 1], placed on the mesh."""
         c = self.config
         local = self.train_batches[step]
         return jax.make_array_from_process_local_data(
-            batch_sharding(self.mesh, (None, "batch", None)), local.reshape(c.grad_accum, -1, local.shape[-1]),
+            self._rows_sharding, local.reshape(c.grad_accum, -1, local.shape[-1]),
             (c.grad_accum, c.batch_size, c.block_size + 1))
 
     def key(self, step: int) -> jax.Array:
@@ -468,12 +476,11 @@ def loop(run: Run, log=print) -> TrainResult:
         run.checkpoints.wait()
     finally:
         run.writer.close()
+    result = TrainResult(start_step=run.start, step=step, signal=stop_signal, train_loss=pending.last_loss,
+                         val_loss=val_loss, params=run.params, model=nnx.merge(run.graphdef, run.params))
     if stop_signal is not None:
-        log(f"stopped by signal {signal.Signals(stop_signal).name} at step {step}; checkpoint saved, rerun to resume")
-    return TrainResult(
-        start_step=run.start, step=step, signal=stop_signal,
-        stop_reason="finished" if stop_signal is None else f"signal {signal.Signals(stop_signal).name}",
-        train_loss=pending.last_loss, val_loss=val_loss, params=run.params, model=nnx.merge(run.graphdef, run.params))
+        log(f"stopped by {result.stop_reason} at step {step}; checkpoint saved, rerun to resume")
+    return result
 
 
 def _stop_signal(stop: StopSignals, step: int, log_interval: int) -> int | None:
