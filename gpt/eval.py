@@ -124,7 +124,7 @@ def windows(pieces: Iterable[np.ndarray], context: int, stride: int) -> Iterator
 
 def _token_pieces(path: Path, text_field: str, counted: Score) -> Iterator[np.ndarray]:
     """The token ids of `path`'s documents, a section at a time, <|endoftext|> after each document;
-    counts the text's UTF-8 bytes into `counted.bytes`."""
+    adds the text's UTF-8 bytes to `counted.bytes`."""
     tokenizer = get_tokenizer()
     for section in read_sections(path, text_field, BadRecords()):
         counted.bytes += len(section.text.encode("utf-8", errors="surrogatepass"))
@@ -177,28 +177,37 @@ def _nll_function(config: GPTConfig, mesh: Mesh | None):
     return call
 
 
-def _score_stream(nll, state, pieces, context: int, stride: int, batch_size: int, bar) -> Score:
-    score = Score()
-    tokens = np.zeros((batch_size, context), np.int32)
-    scored = np.zeros((batch_size, context - 1), bool)
-    filled = 0
+_CALLS_AHEAD = 16
 
-    def flush():
-        nonlocal filled
+
+def _score_stream(nll, state, windows_: Iterable[tuple[np.ndarray, int]], context: int, batch_size: int,
+                  score: Score, bar) -> None:
+    """Add the NLL and the count of every scored target of `windows_` into `score`, `batch_size` windows
+    a call. The calls' results are read `_CALLS_AHEAD` at a time, so the host cuts the next windows while
+    the device scores."""
+    sums = []
+
+    def batches() -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+        tokens, scored, filled = None, None, 0
+        for window, count in windows_:
+            if filled == 0:  # fresh arrays: a dispatched call may still be reading the last ones
+                tokens, scored = np.zeros((batch_size, context), np.int32), np.zeros((batch_size, context - 1), bool)
+            tokens[filled, : window.size] = window
+            scored[filled, window.size - 1 - count: window.size - 1] = True  # target j is tokens[j + 1]
+            score.tokens += count
+            filled += 1
+            if filled == batch_size:
+                yield tokens, scored, filled
+                filled = 0
         if filled:
-            score.nll += float(nll(state, tokens, scored))
-            bar.update(filled)
-        tokens[:], scored[:], filled = 0, False, 0
+            yield tokens, scored, filled
 
-    for window, count in windows(pieces, context, stride):
-        tokens[filled, : window.size] = window
-        scored[filled, window.size - 1 - count: window.size - 1] = True  # target j is tokens[j + 1]
-        score.tokens += count
-        filled += 1
-        if filled == batch_size:
-            flush()
-    flush()
-    return score
+    for tokens, scored, filled in batches():
+        sums.append(nll(state, tokens, scored))
+        bar.update(filled)
+        if len(sums) == _CALLS_AHEAD:  # read now and then: the list (and the arrays it keeps) stays short
+            score.nll, sums = score.nll + sum(float(x) for x in sums), []
+    score.nll += sum(float(x) for x in sums)
 
 
 def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
@@ -218,9 +227,8 @@ def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
     results, overall = [], Score()
     with tqdm(desc="eval", unit="window", disable=None) as bar:
         for name, pieces in streams:
-            counted = Score()
-            score = _score_stream(nll, state, pieces(counted), context, stride, config.batch_size, bar)
-            score.bytes = counted.bytes
+            score = Score()
+            _score_stream(nll, state, windows(pieces(score), context, stride), context, config.batch_size, score, bar)
             if score.tokens == 0:
                 raise ConfigError(f"data input {name!r} has no tokens to score (it needs at least 2)")
             overall.add(score)
