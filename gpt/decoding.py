@@ -1,6 +1,7 @@
 """The engine's device side: weights laid out for decoding, the slots' state, and the jitted functions
 the engine runs: `prefill` (requests enter slots), `extend` (a long prompt's chunks before that) and
-`decode` (steps for every live slot).
+`decode` (steps for every live slot). A prompt's own tokens are scored (`PromptScores`) in the prefill
+and extend calls that run them, for the rows that ask.
 
 Everything here is a pure function of pytrees; `gpt.engine` decides what runs when. A prompt longer than
 the engine's prefill chunk runs a chunk at a time (`extend`, between decode calls) into a `Prefix`, and
@@ -29,11 +30,11 @@ from gpt.model import GPT, Weights, forward, lm_head, unstack
 from gpt.sampling import SamplingParams, choose
 from gpt.sharding import shard_state
 
-__all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "Emitted", "init_slots",
+__all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted", "init_slots",
            "init_prefix", "extend", "prefill", "decode", "compiled_programs", "TOP_LOGPROBS", "NO_TOKEN"]
 
 TOP_LOGPROBS = 5  # J: the most alternatives a request may ask logprobs for (the OpenAI API's own bound)
-NO_TOKEN = -1  # an Emitted entry where a slot produced nothing (free, finished, or a stop token)
+NO_TOKEN = -1  # an Emitted entry where a slot produced nothing (free or finished)
 
 # How many leading axes of each kernel (after the layer axis) are its inputs.
 _KERNEL_INPUT_AXES = {"qkv_kernel": 1, "out_kernel": 2, "fc_kernel": 1, "proj_kernel": 1}
@@ -182,12 +183,15 @@ class Admission:
 
     tokens: int32 [b, P], prompts (or, after a `Prefix`, their last pieces) right-padded; lengths: int32
     [b], their real lengths (>= 1 without a Prefix; a row whose prompt ended in an earlier chunk has 0);
-    slots: int32 [b], where each goes (S or more for a padding row). max_tokens: int32 [b]. settings:
-    what each asked for.
+    targets: int32 [b, P], the prompt token after each of `tokens` (what `PromptScores` scores; anything
+    past a prompt's end); score: bool [b], the rows whose prompts are scored. slots: int32 [b], where each
+    goes (S or more for a row that enters no slot). max_tokens: int32 [b]. settings: what each asked for.
     """
 
     tokens: jax.Array
     lengths: jax.Array
+    targets: jax.Array
+    score: jax.Array
     slots: jax.Array
     max_tokens: jax.Array
     settings: Settings
@@ -219,9 +223,53 @@ def init_prefix(config: GPTConfig, rows: int, length: int) -> Prefix:
                   last_hidden=jnp.zeros((rows, config.n_embd), config.compute_dtype))
 
 
-def extend(config: GPTConfig, weights: Weights, prefix: Prefix, tokens_bP: jax.Array, lengths_b: jax.Array) -> Prefix:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptScores:
+    """How likely each of a piece's prompt tokens was, given those before it ([b, P, ...] each).
+
+    logprob: float32 [b, P], at position p the log-probability of the prompt's next token (the piece's
+    `targets`[p]) after tokens <= p. top_ids, top_logprobs: [b, P, J], the J most likely next tokens
+    there. Zeros unless a row asked (`score`), the alternatives unless a scored row wants them too.
+    """
+
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def score_prompt(weights: Weights, x_bPD: jax.Array, targets_bP: jax.Array, score_b: jax.Array,
+                 top_b: jax.Array) -> PromptScores:
+    """`PromptScores` from the final hidden states x_bPD of a piece: the LM head at every position, run
+    only when some row is scored (`score_b`; bool [b]), the top J only when one of those wants them
+    (`top_b`). A token's logprob and its top-J entry come from the same logits, so they are equal when
+    it is the most likely (how lm-evaluation-harness tells a greedy continuation)."""
+    b, P = targets_bP.shape
+    J = TOP_LOGPROBS
+
+    def scores():
+        logits_bPV = lm_head(weights, x_bPD)
+        logsumexp_bP1 = jax.nn.logsumexp(logits_bPV, axis=-1, keepdims=True)
+        logprob_bP = (jnp.take_along_axis(logits_bPV, targets_bP[..., None], axis=-1) - logsumexp_bP1)[..., 0]
+
+        def top():
+            top_logits_bPJ, top_ids_bPJ = jax.lax.top_k(logits_bPV, J)
+            return top_ids_bPJ, top_logits_bPJ - logsumexp_bP1
+
+        top_ids, top_logprobs = jax.lax.cond(jnp.any(score_b & top_b), top,
+                                             lambda: (jnp.zeros((b, P, J), jnp.int32), jnp.zeros((b, P, J))))
+        return PromptScores(logprob_bP, top_ids, top_logprobs)
+
+    nothing = lambda: PromptScores(jnp.zeros((b, P)), jnp.zeros((b, P, J), jnp.int32), jnp.zeros((b, P, J)))  # noqa: E731
+    return jax.lax.cond(jnp.any(score_b), scores, nothing)
+
+
+def extend(config: GPTConfig, weights: Weights, prefix: Prefix, tokens_bP: jax.Array, lengths_b: jax.Array,
+           targets_bP: jax.Array, score_b: jax.Array, top_b: jax.Array) -> tuple[Prefix, PromptScores]:
     """Run the next piece of each row's prompt, tokens_bP int32 [b, P] right-padded to its real length
-    lengths_b int32 [b] (0 for a row with nothing left), at the row's next positions."""
+    lengths_b int32 [b] (0 for a row with nothing left), at the row's next positions; score it for the
+    rows in score_b (bool [b]) against targets_bP (int32 [b, P], each token's successor in the prompt),
+    with the top alternatives where top_b (bool [b]) asks."""
     b, P = tokens_bP.shape
     start_b, rows_b = prefix.cache.lengths, jnp.arange(b)
     x_bPD, cache = forward(config, weights, tokens_bP, prefix.cache.next_positions(P), prefix.cache)
@@ -231,7 +279,8 @@ def extend(config: GPTConfig, weights: Weights, prefix: Prefix, tokens_bP: jax.A
     real_bP = jnp.arange(P)[None, :] < lengths_b[:, None]
     seen_bV = prefix.seen.at[rows_b[:, None], tokens_bP].max(real_bP)
     last_bD = jnp.where((lengths_b > 0)[:, None], x_bPD[rows_b, jnp.maximum(lengths_b - 1, 0)], prefix.last_hidden)
-    return Prefix(cache=cache, seen=seen_bV, last_hidden=last_bD)
+    scores = score_prompt(weights, x_bPD, targets_bP, score_b, top_b)
+    return Prefix(cache=cache, seen=seen_bV, last_hidden=last_bD), scores
 
 
 @jax.tree_util.register_dataclass
@@ -239,13 +288,15 @@ def extend(config: GPTConfig, weights: Weights, prefix: Prefix, tokens_bP: jax.A
 class Emitted:
     """What steps produced, [M, R] each for M steps over R rows (slots, or a prefill's rows).
 
-    token: int32, NO_TOKEN where a row emitted nothing; logprob: float32, the token's log-probability
-    under the model (before any sampling knob); top_ids, top_logprobs: [M, R, J], the J most likely
-    tokens (zeros unless some row asked for them); live: bool [R], whether each row is still generating
-    after the last step; steps: int32, how many of the M steps ran.
+    token: int32, NO_TOKEN where a row chose nothing; stopped: bool, the token is a stop token, which ends
+    its row unemitted; logprob: float32, the token's log-probability under the model (before any
+    sampling knob); top_ids, top_logprobs: [M, R, J], the J most likely tokens (zeros unless some row
+    asked for them); live: bool [R], whether each row is still generating after the last step; steps:
+    int32, how many of the M steps ran.
     """
 
     token: jax.Array
+    stopped: jax.Array
     logprob: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
@@ -256,7 +307,8 @@ class Emitted:
     def empty(cls, max_steps: int, live_R: jax.Array) -> Emitted:
         """Nothing emitted yet by `max_steps` steps over rows whose liveness is `live_R` [R]."""
         M, R, J = max_steps, live_R.shape[0], TOP_LOGPROBS
-        return cls(token=jnp.full((M, R), NO_TOKEN, jnp.int32), logprob=jnp.zeros((M, R)),
+        return cls(token=jnp.full((M, R), NO_TOKEN, jnp.int32), stopped=jnp.zeros((M, R), jnp.bool_),
+                   logprob=jnp.zeros((M, R)),
                    top_ids=jnp.zeros((M, R, J), jnp.int32), top_logprobs=jnp.zeros((M, R, J)), live=live_R,
                    steps=jnp.int32(0))
 
@@ -284,7 +336,8 @@ def _keys(settings: Settings, generated_R: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class _Choice:
-    token: jax.Array  # int32 [R], the chosen token or NO_TOKEN
+    token: jax.Array  # int32 [R], the chosen token (a live row's) or NO_TOKEN
+    stopped: jax.Array  # bool [R], the token is a stop token
     logprob: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
@@ -316,23 +369,25 @@ def _choose_next(weights: Weights, x_RD: jax.Array, live_R: jax.Array, remaining
     emitted_R = live_R & ~is_stop_R
     remaining_R = remaining_R - emitted_R
     seen_RV = seen_RV.at[jnp.arange(R), token_R].max(emitted_R)
-    return _Choice(token=jnp.where(emitted_R, token_R, NO_TOKEN), logprob=logprob_R, top_ids=top_ids_RJ,
+    return _Choice(token=jnp.where(live_R, token_R, NO_TOKEN), stopped=live_R & is_stop_R, logprob=logprob_R,
+                   top_ids=top_ids_RJ,
                    top_logprobs=top_logprobs_RJ, live=emitted_R & (remaining_R > 0), remaining=remaining_R,
                    seen=seen_RV)
 
 
 def prefill(config: GPTConfig, weights: Weights, slots: Slots, admission: Admission,
-            prefix: Prefix | None = None) -> tuple[Slots, Emitted]:
+            prefix: Prefix | None = None) -> tuple[Slots, Emitted, PromptScores]:
     """Run b prompts (or their last pieces, after `prefix`), choose each one's first token, and move them
     into their slots.
 
     Without a prefix the prompts run over a fresh cache of P positions (a request always starts at
-    position 0). Their keys and values are then copied into the slots' rows. Returns the new slots and
-    an Emitted [1, b].
+    position 0). Their keys and values are then copied into the slots' rows. Returns the new slots, an
+    Emitted [1, b] and the pieces' PromptScores.
     """
     b, P = admission.tokens.shape
     prefix = init_prefix(config, b, P) if prefix is None else prefix
-    prefix = extend(config, weights, prefix, admission.tokens, admission.lengths)
+    prefix, scores = extend(config, weights, prefix, admission.tokens, admission.lengths, admission.targets,
+                            admission.score, admission.settings.top_logprobs)
     admitted_b = admission.slots < slots.live.shape[0]
     c = _choose_next(weights, prefix.last_hidden, admitted_b, admission.max_tokens, prefix.seen, admission.settings,
                      jnp.zeros((b,), jnp.int32))
@@ -345,9 +400,9 @@ def prefill(config: GPTConfig, weights: Weights, slots: Slots, admission: Admiss
         remaining=put(slots.remaining, c.remaining), generated=put(slots.generated, jnp.ones((b,), jnp.int32)),
         seen=put(slots.seen, c.seen), settings=jax.tree.map(put, slots.settings, admission.settings),
     )
-    emitted = Emitted(token=c.token[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
+    emitted = Emitted(token=c.token[None], stopped=c.stopped[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
                       top_logprobs=c.top_logprobs[None], live=c.live, steps=jnp.int32(1))
-    return slots, emitted
+    return slots, emitted, scores
 
 
 def decode(config: GPTConfig, weights: Weights, slots: Slots, cancel_S: jax.Array, num_steps: jax.Array,
@@ -396,10 +451,11 @@ def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: j
         c = _choose_next(weights, x_S1D[:, 0], slots.live, slots.remaining, slots.seen, slots.settings,
                          slots.generated)
         slots = dataclasses.replace(
-            slots, cache=new_cache, last_token=jnp.where(slots.live, jnp.maximum(c.token, 0), slots.last_token),
+            slots, cache=new_cache, last_token=jnp.where(c.live, c.token, slots.last_token),
             live=c.live, remaining=c.remaining, generated=slots.generated + slots.live, seen=c.seen)
         i = out.steps
-        out = Emitted(token=out.token.at[i].set(c.token), logprob=out.logprob.at[i].set(c.logprob),
+        out = Emitted(token=out.token.at[i].set(c.token), stopped=out.stopped.at[i].set(c.stopped),
+                      logprob=out.logprob.at[i].set(c.logprob),
                       top_ids=out.top_ids.at[i].set(c.top_ids), top_logprobs=out.top_logprobs.at[i].set(c.top_logprobs),
                       live=c.live, steps=i + 1)
         return slots, out

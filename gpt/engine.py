@@ -66,6 +66,9 @@ class Request:
       end it once its decoded output contains one (`Completion.text` is cut before it).
     logprobs: how many most likely alternatives to report for each token (0..5); the chosen token's own
       log-probability is always recorded.
+    prompt_logprobs: score the prompt too: each of its tokens' log-probability given those before it
+      (and its `logprobs` alternatives), computed in the prefill that runs it. With it, max_tokens may
+      be 0: the prompt is scored and nothing generated.
     """
 
     prompt: Sequence[int]
@@ -80,6 +83,7 @@ class Request:
     stop_tokens: int | Sequence[int] = ()
     stop_strings: Sequence[str] | str = ()
     logprobs: int = 0
+    prompt_logprobs: bool = False
 
 
 # A prefill's row that goes nowhere: over a mesh's data axis a prefill runs rows_per_prefill rows.
@@ -90,7 +94,11 @@ class Completion:
     """A request's progress, written by the engine's thread and read by anyone.
 
     tokens, logprobs: the emitted tokens and their log-probabilities; top_logprobs: per token, a list of
-    (id, logprob) for the request's `logprobs` most likely alternatives. text: a `TextStream` of the
+    (id, logprob) for the request's `logprobs` most likely alternatives. prompt_logprobs,
+    prompt_top_logprobs: the same for the prompt's tokens when the request asked (`Request.prompt_logprobs`),
+    None for its first token (nothing comes before it); complete once the first token is (or, with
+    max_tokens 0, once the request is done). stop_token: (id, logprob, alternatives) of the stop token
+    that ended it, which is in neither `tokens` nor `text`; else None. text: a `TextStream` of the
     output (stop strings applied). finish_reason: None while running, then "stop" (a stop token or
     string), "length" (max_tokens reached) or "cancelled". `done` is set when it ends. `on_update`,
     when given, is called on the engine's thread after each batch of new tokens and at the end.
@@ -103,6 +111,9 @@ class Completion:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.stop_token: tuple[int, float, list[tuple[int, float]]] | None = None
+        self.prompt_logprobs: list[float | None] = [None] if request.prompt_logprobs else []
+        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = [None] if request.prompt_logprobs else []
         self.text = TextStream(request.stop_strings)
         self.finish_reason: str | None = None
         self.done = threading.Event()
@@ -119,6 +130,19 @@ class Completion:
         if self.request.logprobs:
             self.top_logprobs.append(top[: self.request.logprobs])
         return self.text.push(token) and bool(self.request.stop_strings)
+
+    def _score_prompt(self, start: int, logprob_P: np.ndarray, top_ids_PJ: np.ndarray | None,
+                      top_logprobs_PJ: np.ndarray | None) -> None:
+        """Record the scores of the prompt's tokens start+1 .. (a piece of `PromptScores`, from position
+        `start` on: position p scored the token after it)."""
+        end = min(len(self.request.prompt), start + 1 + len(logprob_P))
+        for p in range(end - start - 1):
+            self.prompt_logprobs.append(float(logprob_P[p]))
+            if self.request.logprobs:
+                top = zip(top_ids_PJ[p, : self.request.logprobs], top_logprobs_PJ[p, : self.request.logprobs])
+                self.prompt_top_logprobs.append([(int(t), float(lp)) for t, lp in top])
+            else:
+                self.prompt_top_logprobs.append([])
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
@@ -254,8 +278,12 @@ class Engine:
         fails here, on its own thread, never in a round, where it would end every running request."""
         config = self.config
         ids = check_prompt(request.prompt, config.vocab_size)
-        if not is_int(request.max_tokens) or request.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
+        if not isinstance(request.prompt_logprobs, (bool, np.bool_)):
+            raise ConfigError(f"prompt_logprobs must be true or false, got {request.prompt_logprobs!r}")
+        if not is_int(request.max_tokens) or request.max_tokens < 1 - request.prompt_logprobs:
+            only = "; 0 only when the prompt is scored (prompt_logprobs)" if not request.prompt_logprobs else ""
+            raise ConfigError(f"max_tokens must be an integer >= {1 - request.prompt_logprobs}, "
+                              f"got {request.max_tokens!r}{only}")
         if ids.size + request.max_tokens > self.cache_length:
             raise ConfigError(
                 f"the prompt has {ids.size} tokens; with max_tokens={request.max_tokens} that is "
@@ -328,7 +356,7 @@ class Engine:
 
         Each shape runs for real, not only compiles: XLA's CPU runtime readies an op on its first run
         (~0.2 s over a GPT-2 124M decode step), and decode's loop runs no step while every slot is free.
-        So a placeholder request (asking for logprobs, which take a branch of their own) enters slot 0
+        So a placeholder request (asking for logprobs and its prompt's, which take branches of their own) enters slot 0
         at every bucket, steps once at every width, and is cancelled: the slots end as they began, free.
         """
         if self._thread is not None or any(self._owners):
@@ -344,7 +372,7 @@ class Engine:
 
         def placeholder(prompt_length: int) -> Completion:
             steps = max(1, min(len(self.decode_widths) + 1, self.cache_length - prompt_length))  # within the cache
-            request = Request([0] * prompt_length, steps, temperature=0.0, logprobs=1)
+            request = Request([0] * prompt_length, steps, temperature=0.0, logprobs=1, prompt_logprobs=True)
             return Completion(request, settings=self.check(request))
 
         for length in buckets:
@@ -481,24 +509,52 @@ class Engine:
                  start: int = 0):
         """One prefill of `rows_per_prefill` rows (entries, then padding rows that go nowhere): their
         prompts from token `start` on (all of them, after `prefix`), in `length` positions. An entry whose
-        slot is None goes nowhere too (a chunked request cancelled: its row of `prefix` stays in place)."""
+        slot is None goes nowhere too (a chunked request cancelled: its row of `prefix` stays in place),
+        and so does one that only scores its prompt (max_tokens 0). Returns the Emitted; the prompt
+        scores go to the entries that asked."""
         b = self.rows_per_prefill
         requests = self._rows(entries)
         settings = [c.settings for _, c in entries]
         if len(entries) < b:  # only over a mesh's data axis
             settings += [self._settings(_PADDING, ())] * (b - len(entries))
         tokens, lengths = self._piece(entries, start, length)
-        slots = [slot for slot, _ in entries if slot is not None]
-        self._cancel_S[slots] = False  # the prefill makes the slots' device state new
-        slots = [self.num_slots if slot is None else slot for slot, _ in entries]
+        entering = [None if slot is None or c.request.max_tokens == 0 else slot for slot, c in entries]
+        self._cancel_S[[slot for slot in entering if slot is not None]] = False  # their device state is new
+        slots = [self.num_slots if slot is None else slot for slot in entering]
         slots += [self.num_slots] * (b - len(entries))  # past the end: dropped
         admission = Admission(
-            tokens=tokens, lengths=lengths, slots=np.asarray(slots, np.int32),
+            tokens=tokens, lengths=lengths, targets=self._piece(entries, start + 1, length)[0],
+            score=np.asarray([r.prompt_logprobs for r in requests], np.bool_), slots=np.asarray(slots, np.int32),
             max_tokens=np.asarray([r.max_tokens for r in requests], np.int32),
             settings=jax.tree.map(lambda *rows: np.stack(rows), *settings))
         with self._on_mesh():
-            self._slots, emitted = compiled_prefill(self.config, self.weights, self._slots, admission, prefix)
+            self._slots, emitted, scores = compiled_prefill(self.config, self.weights, self._slots, admission, prefix)
+        self._deliver_scores(entries, start, scores)
         return emitted
+
+    def _extend(self, group: _Chunked) -> None:
+        """Run the next chunk of a group's prompts into its prefix, and deliver its prompt scores."""
+        entries, start, chunk = group.entries, group.done, self.prefill_chunk
+        requests = self._rows(entries)
+        with self._on_mesh():
+            group.prefix, scores = compiled_extend(
+                self.config, self.weights, group.prefix, *self._piece(entries, start, chunk),
+                self._piece(entries, start + 1, chunk)[0], np.asarray([r.prompt_logprobs for r in requests], np.bool_),
+                np.asarray([r.logprobs > 0 for r in requests], np.bool_))
+        group.done += chunk
+        self._deliver_scores(entries, start, scores)
+
+    def _deliver_scores(self, entries: list[tuple[int | None, Completion]], start: int, scores) -> None:
+        """Hand each entry that asked its prompt's `PromptScores` for the piece from token `start` on
+        (row i is entries[i]); read from the device only when one asked."""
+        asked = [(row, c) for row, (_, c) in enumerate(entries) if c.request.prompt_logprobs]
+        if not asked:
+            return
+        logprob = np.asarray(scores.logprob)
+        top = any(c.request.logprobs for _, c in asked)
+        top_ids, top_lps = (np.asarray(scores.top_ids), np.asarray(scores.top_logprobs)) if top else (None, None)
+        for row, c in asked:
+            c._score_prompt(start, logprob[row], top_ids[row] if top else None, top_lps[row] if top else None)
 
     def _chunk_group(self, entries: list[tuple[int, Completion]]) -> _Chunked:
         with self._on_mesh():
@@ -519,10 +575,7 @@ class Engine:
             return False
         chunk, longest = self.prefill_chunk, max(len(c.request.prompt) for _, c in group.entries)
         if group.done + chunk < longest:
-            with self._on_mesh():
-                group.prefix = compiled_extend(self.config, self.weights, group.prefix,
-                                               *self._piece(group.entries, group.done, chunk))
-            group.done += chunk
+            self._extend(group)
             return True
         self._chunked.popleft()
         emitted = self._prefill(entries, chunk, group.prefix, group.done)
@@ -545,7 +598,7 @@ class Engine:
         """Hand each slot's new tokens to its request (row i of `emitted` is slot slots[i], or nowhere for
         None); free the slots whose request ended. Slots whose prompts are still running their chunks are
         left alone."""
-        token = np.asarray(emitted.token)
+        token, stop_token = np.asarray(emitted.token), np.asarray(emitted.stopped)
         steps = int(emitted.steps)
         logprob, live = np.asarray(emitted.logprob), np.asarray(emitted.live)
         prefilling = self._prefilling()
@@ -562,6 +615,9 @@ class Engine:
                     break
                 top = ([(int(t), float(lp)) for t, lp in zip(top_ids[i, row], top_lps[i, row])]
                        if top_ids is not None else [])
+                if stop_token[i, row]:  # it ends the request unemitted; the device's slot is free already
+                    owner.stop_token = (int(token[i, row]), float(logprob[i, row]), top[: owner.request.logprobs])
+                    break
                 if owner._add(int(token[i, row]), float(logprob[i, row]), top):
                     stopped = True
                     break

@@ -2,13 +2,20 @@
 
     POST /v1/completions   prompt (a string, strings, token ids, or lists of them), max_tokens,
                            temperature, top_p, n, stop, seed, stream (server-sent events), logprobs,
-                           and the extras top_k, min_p, repetition_penalty
+                           echo (the prompt before the completion, its tokens scored when logprobs is
+                           given; with max_tokens 0 the prompt is only scored), and the extras top_k,
+                           min_p, repetition_penalty
     GET  /v1/models        the one model served (and /v1/models/NAME: it, or 404)
+    GET  /tokenizer_info   the tokenizer's special tokens and the context (as vLLM answers it)
+    POST /tokenize         {"prompt": text} -> {"tokens": ids, "count", "max_model_len"}
+    POST /detokenize       {"tokens": ids} -> {"prompt": text}   (all three under /v1 too)
     GET  /health           200 while serving, 503 while shutting down
     GET  /metrics          Prometheus: queue depth, live slots, tokens, tokens/s, time to first token,
                            inter-token latency
 
-Starlette (through FastAPI) on uvicorn does the HTTP; the engine runs on a thread of its own and each
+Text becomes tokens as Hugging Face's GPT-2 tokenizer makes them (`<|endoftext|>` in a prompt is the
+special token, 50256), the same in completions and /tokenize, so that a client that counts tokens
+(lm-evaluation-harness) counts what is scored. Starlette (through FastAPI) on uvicorn does the HTTP; the engine runs on a thread of its own and each
 request waits on an asyncio queue that the engine's thread feeds. A bad request gets OpenAI's error JSON
 with status 400 naming the field; a full queue gets 429; a body over the size limit gets 413. A client
 that disconnects cancels its requests. SIGTERM: uvicorn stops accepting connections and waits up to the
@@ -42,7 +49,7 @@ from gpt.config import DType
 from gpt.engine import MIN_PROMPT_BUCKET, Completion, Engine, EngineStopped, QueueFull, Request, is_int
 from gpt.errors import ConfigError
 from gpt.sharding import make_mesh, parse_mesh
-from gpt.tokenizer import get_tokenizer
+from gpt.tokenizer import EOT, get_tokenizer
 
 __all__ = ["ServeConfig", "create_app", "serve"]
 
@@ -99,10 +106,10 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
 
 
 _FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "n",
-           "stop", "seed", "stream", "logprobs", "stop_tokens")
+           "stop", "seed", "stream", "logprobs", "stop_tokens", "echo")
 # OpenAI's fields this server does not implement, with the values that ask for nothing: any other value is
 # refused (a 400 naming the field), not silently ignored.
-_UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0),
+_UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0),
                 "frequency_penalty": (None, 0), "logit_bias": (None, {})}
 
 
@@ -138,6 +145,16 @@ async def _read_body(http: HTTPRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def _json_body(http: HTTPRequest, limit: int):
+    """The request's body parsed as JSON; _TooLarge past `limit` bytes, _BadRequest when it is not JSON."""
+    try:
+        return json.loads(await _read_body(http, limit))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _BadRequest(None, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # Python's parser recurses per nesting level
+        raise _BadRequest(None, "the request body nests JSON arrays or objects too deeply") from None
+
+
 def _prompt_list(body: dict) -> list[str | list[int]]:
     """The request's prompts, each a string or a token-id list: from a string, a list of strings, a list of
     ids, or a list of id lists."""
@@ -154,9 +171,9 @@ def _prompt_list(body: dict) -> list[str | list[int]]:
 
 
 def _tokenized(prompts: list[str | list[int]]) -> list[list[int]]:
-    """Each prompt as token ids (strings through GPT-2's tokenizer)."""
+    """Each prompt as token ids (strings through GPT-2's tokenizer, `<|endoftext|>` its special id)."""
     tokenizer = get_tokenizer()
-    ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    ids = [tokenizer.encode(p, allow_special=True) if isinstance(p, str) else p for p in prompts]
     if any(len(p) == 0 for p in ids):
         raise _BadRequest("prompt", "prompt is empty: a completion needs at least one prompt token")
     return ids
@@ -199,10 +216,11 @@ class _Metrics:
 
 
 class _Choice:
-    """One (prompt, sample) pair of a request: its engine Completion and what has been sent of it."""
+    """One (prompt, sample) pair of a request: its engine Completion and what has been sent of it.
+    prompt_text: what `echo` puts before the completion (the prompt as sent, or its ids decoded)."""
 
-    def __init__(self, index: int, prompt: list[int]):
-        self.index, self.prompt = index, prompt
+    def __init__(self, index: int, prompt: list[int], prompt_text: str):
+        self.index, self.prompt, self.prompt_text = index, prompt, prompt_text
         self.completion: Completion | None = None
         self.sent_tokens = 0
         self.seen_tokens = 0  # tokens the metrics have counted
@@ -210,20 +228,39 @@ class _Choice:
         self.last_token_at: float | None = None
 
 
-def _logprobs(choice: _Choice, start: int, end: int, text_offset: int, top: int) -> dict:
-    """OpenAI's legacy completions logprobs object for tokens start..end of a choice."""
-    tokenizer, completion = get_tokenizer(), choice.completion
-    tokens = completion.tokens[start:end]
-    strings = [tokenizer.decode([t]) for t in tokens]
+# A scored token: (id, logprob, alternatives as (id, logprob)); the prompt's first has (id, None, None).
+_Scored = tuple[int, float | None, list[tuple[int, float]] | None]
+
+
+def _prompt_scores(choice: _Choice) -> list[_Scored]:
+    """The prompt's tokens with their scores (`Request.prompt_logprobs`)."""
+    c = choice.completion
+    return list(zip(choice.prompt, c.prompt_logprobs, c.prompt_top_logprobs))
+
+
+def _completion_scores(choice: _Choice, start: int, end: int, done: bool) -> list[_Scored]:
+    """Tokens start..end of the completion with their scores, and once it is done, the stop token that
+    ended it (in no text: as OpenAI and vLLM report it, so that a client scoring the prompt with
+    `echo` and one generated token always finds the last token its own)."""
+    c = choice.completion
+    tops = c.top_logprobs[start:end] if c.request.logprobs else [None] * (end - start)
+    scored = list(zip(c.tokens[start:end], c.logprobs[start:end], tops))
+    return scored + [c.stop_token] if done and c.stop_token is not None else scored
+
+
+def _logprobs(scored: list[_Scored], text_offset: int, top: int) -> dict:
+    """OpenAI's legacy completions logprobs object for `scored` tokens, the first at `text_offset`."""
+    tokenizer = get_tokenizer()
+    strings = [tokenizer.decode([t]) for t, _, _ in scored]
     offsets, at = [], text_offset
     for s in strings:
         offsets.append(at)
         at += len(s)
     return {
         "tokens": strings,
-        "token_logprobs": completion.logprobs[start:end],
-        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in alternatives}
-                         for alternatives in completion.top_logprobs[start:end]] if top else None,
+        "token_logprobs": [lp for _, lp, _ in scored],
+        "top_logprobs": [None if alternatives is None else {tokenizer.decode([t]): lp for t, lp in alternatives}
+                         for _, _, alternatives in scored] if top else None,
         "text_offset": offsets,
     }
 
@@ -252,7 +289,8 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(http: HTTPRequest, error: StarletteHTTPException):  # an unknown route or method
-        routes = "POST /v1/completions, GET /v1/models, GET /health and GET /metrics"
+        routes = ("POST /v1/completions, GET /v1/models, GET /tokenizer_info, POST /tokenize, POST /detokenize, "
+                  "GET /health and GET /metrics")
         reply = _error(error.status_code, f"{http.method} {http.url.path}: {error.detail}; this server answers {routes}")
         reply.headers.update(error.headers or {})  # a 405's Allow
         return reply
@@ -280,6 +318,55 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
         return Response(prometheus_client.generate_latest(metrics.registry),
                         media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
+    def refusal(e: Exception) -> JSONResponse:
+        """A bad request's reply: 413 for a body over the limit, else 400 naming the field."""
+        if isinstance(e, _TooLarge):
+            return _error(413, f"the request body is over {max_request_bytes} bytes (the server's max_request_mb)")
+        if isinstance(e, _BadRequest):
+            return _error(400, str(e), e.param)
+        return _error(400, str(e), _field_of(str(e)))
+
+    async def tokenizer_body(http: HTTPRequest, field: str, check: Callable[[object], bool], shape: str):
+        """A /tokenize or /detokenize body whose `field` passes `check`; _BadRequest naming it if not."""
+        body = await _json_body(http, max_request_bytes)
+        if not isinstance(body, dict) or not check(body.get(field)):
+            value = json.dumps(body.get(field) if isinstance(body, dict) else body)[:80]
+            raise _BadRequest(field, f"{http.url.path} takes {{{json.dumps(field)}: {shape}}}, got {value}")
+        if body.get("model") not in (None, model_name):
+            raise _BadRequest("model", f"model {body['model']!r} is not served here; the model is {model_name!r}")
+        return body
+
+    tokenizer, special = get_tokenizer(), EOT if eot is not None else None
+    tokenizer_info = {"tokenizer_class": "GPT2Tokenizer", "bos_token": special, "eos_token": special,
+                      "unk_token": special, "pad_token": None, "model_max_length": engine.cache_length,
+                      "vocab_size": engine.config.vocab_size}
+
+    @app.get("/tokenizer_info")
+    @app.get("/v1/tokenizer_info")
+    async def tokenizer_info_():
+        return tokenizer_info
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(http: HTTPRequest):
+        try:
+            body = await tokenizer_body(http, "prompt", lambda p: isinstance(p, str), "text")
+        except (_TooLarge, _BadRequest) as e:
+            return refusal(e)
+        ids = await asyncio.to_thread(tokenizer.encode, body["prompt"], True)  # off the event loop: it may be long
+        return {"count": len(ids), "max_model_len": engine.cache_length, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(http: HTTPRequest):
+        in_vocabulary = lambda ids: isinstance(ids, list) and all(  # noqa: E731
+            is_int(t) and 0 <= t < tokenizer.vocab_size for t in ids)
+        try:
+            body = await tokenizer_body(http, "tokens", in_vocabulary, f"a list of token ids in [0, {tokenizer.vocab_size})")
+        except (_TooLarge, _BadRequest) as e:
+            return refusal(e)
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body["tokens"])}
+
     def parse(body) -> tuple[list[Request], list[_Choice], dict]:
         if not isinstance(body, dict):
             raise _BadRequest(None, "the request body must be a JSON object")
@@ -288,27 +375,35 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
         for name, inert in _UNSUPPORTED.items():
             if body.get(name) not in inert:
                 raise _BadRequest(name, f"{name} is not supported by this server (got {json.dumps(body[name])[:80]})")
-        prompts = _prompt_list(body)
+        raw = _prompt_list(body)
         n = _number(body, "n", 1, int)
         if not 1 <= n <= engine.max_queue:
             raise _BadRequest("n", f"n must be in [1, {engine.max_queue}], got {n}")
-        if len(prompts) * n > engine.max_queue:  # more than the queue holds could never be admitted
-            raise _BadRequest("n", f"{len(prompts)} prompts x n={n} is {len(prompts) * n} completions; at most "
+        if len(raw) * n > engine.max_queue:  # more than the queue holds could never be admitted
+            raise _BadRequest("n", f"{len(raw)} prompts x n={n} is {len(raw) * n} completions; at most "
                                    f"{engine.max_queue} (the server's max_queue) fit in one request")
-        prompts = _tokenized(prompts)  # after the count: a request of many prompts is refused untokenized
+        prompts = _tokenized(raw)  # after the count: a request of many prompts is refused untokenized
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop or []
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise _BadRequest("stop", f"stop must be a non-empty string or a list of at most 4, got {json.dumps(stop)[:80]}")
         logprobs = _number(body, "logprobs", None, int)  # None: none; 0: the chosen tokens' own; k: and top k
+        echo = False if body.get("echo") is None else body["echo"]
+        if not isinstance(echo, bool):
+            raise _BadRequest("echo", f"echo must be true or false, got {json.dumps(body['echo'])[:80]}")
+        max_tokens = _number(body, "max_tokens", 16, int)
+        if max_tokens == 0 and not echo:
+            raise _BadRequest("max_tokens", "max_tokens must be >= 1, got 0; 0 only with echo: true, which scores "
+                                            "the prompt and generates nothing")
         seed = _number(body, "seed", None, int)
         if seed is None:
             seed = secrets.randbits(32)
         knobs = dict(
-            max_tokens=_number(body, "max_tokens", 16, int), temperature=_number(body, "temperature", 1.0),
+            max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
             top_p=_number(body, "top_p", None), top_k=_number(body, "top_k", None, int),
             min_p=_number(body, "min_p", None), repetition_penalty=_number(body, "repetition_penalty", 1.0),
-            seed=seed, stop_strings=tuple(stop), logprobs=logprobs or 0, stop_tokens=(eot,) if eot is not None else ())
+            seed=seed, stop_strings=tuple(stop), logprobs=logprobs or 0, stop_tokens=(eot,) if eot is not None else (),
+            prompt_logprobs=echo and (logprobs is not None or max_tokens == 0))
         if knobs["top_k"] == 0:
             knobs["top_k"] = None  # a common way to say "no top-k"
         stream = False if body.get("stream") is None else body["stream"]
@@ -319,13 +414,14 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             raise _BadRequest("stream_options", "stream_options must be an object like {\"include_usage\": true}, "
                                                 f"got {json.dumps(body.get('stream_options'))[:80]}")
         requests, choices = [], []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, sent) in enumerate(zip(prompts, raw)):
+            text = sent if isinstance(sent, str) else get_tokenizer().decode(prompt) if echo else ""
             for j in range(n):
                 requests.append(Request(prompt, stream=j, **knobs))
-                choices.append(_Choice(i * n + j, prompt))
+                choices.append(_Choice(i * n + j, prompt, text))
         for request in requests:
             engine.check(request)
-        options = {"stream": stream, "logprobs": logprobs, "prompt_tokens": sum(map(len, prompts)),
+        options = {"stream": stream, "logprobs": logprobs, "echo": echo, "prompt_tokens": sum(map(len, prompts)),
                    "include_usage": stream_options.get("include_usage", False)}
         return requests, choices, options
 
@@ -333,24 +429,11 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
     async def completions(http: HTTPRequest):
         arrived = time.monotonic()
         try:
-            body = json.loads(await _read_body(http, max_request_bytes))
-        except _TooLarge:
-            metrics.requests.labels("413").inc()
-            return _error(413, f"the request body is over {max_request_bytes} bytes (the server's max_request_mb)")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            metrics.requests.labels("400").inc()
-            return _error(400, f"the request body is not valid JSON: {e}")
-        except RecursionError:  # Python's parser recurses per nesting level
-            metrics.requests.labels("400").inc()
-            return _error(400, "the request body nests JSON arrays or objects too deeply")
-        try:
-            requests, choices, options = parse(body)
-        except _BadRequest as e:
-            metrics.requests.labels("400").inc()
-            return _error(400, str(e), e.param)
-        except ConfigError as e:
-            metrics.requests.labels("400").inc()
-            return _error(400, str(e), _field_of(str(e)))
+            requests, choices, options = parse(await _json_body(http, max_request_bytes))
+        except (_TooLarge, _BadRequest, ConfigError) as e:
+            reply = refusal(e)
+            metrics.requests.labels(str(reply.status_code)).inc()
+            return reply
 
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
@@ -397,13 +480,13 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             for choice in choices:
                 if not choice.completion.done.is_set():
                     choice.completion.cancel()
-        out = []
+        out, echo = [], options["echo"]
         for choice in choices:
             c = choice.completion
-            text = c.text.finish()
-            out.append({"text": text, "index": choice.index, "finish_reason": c.finish_reason,
-                        "logprobs": _logprobs(choice, 0, len(c.tokens), 0, options["logprobs"])
-                        if options["logprobs"] is not None else None})
+            scored = (_prompt_scores(choice) if echo else []) + _completion_scores(choice, 0, len(c.tokens), True)
+            out.append({"text": (choice.prompt_text if echo else "") + c.text.finish(), "index": choice.index,
+                        "finish_reason": c.finish_reason,
+                        "logprobs": _logprobs(scored, 0, options["logprobs"]) if options["logprobs"] is not None else None})
         return {**header, "choices": out, "usage": _usage(choices, options["prompt_tokens"])}
 
     return app
@@ -432,9 +515,10 @@ async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updat
     """Server-sent events: a chunk per choice per batch of new text, a last chunk per choice with its
     finish_reason, a chunk with the usage and no choices if the client asked for it, then [DONE]. Leaving
     early (the client went away) cancels every choice."""
-    logprobs = options["logprobs"]
+    logprobs, echo = options["logprobs"], options["echo"]
     finished: set[int] = set()
     offsets = {c.index: 0 for c in choices}
+    echoed: set[int] = set()  # the choices whose prompt went out (with `echo`, in their first chunk)
     try:
         while len(finished) < len(choices):
             choice = await _next_update(http, updates)
@@ -446,10 +530,13 @@ async def _stream(http: HTTPRequest, header: dict, choices: list[_Choice], updat
             done = c.done.is_set()
             end = len(c.tokens)
             text = c.text.finish() if done else c.text.take()
+            scored = _completion_scores(choice, choice.sent_tokens, end, done)
+            if echo and choice.index not in echoed:
+                echoed.add(choice.index)
+                text, scored = choice.prompt_text + text, (_prompt_scores(choice) if logprobs is not None else []) + scored
             if text or done:
                 chunk = {"text": text, "index": choice.index, "finish_reason": c.finish_reason if done else None,
-                         "logprobs": _logprobs(choice, choice.sent_tokens, end, offsets[choice.index], logprobs)
-                         if logprobs is not None else None}
+                         "logprobs": _logprobs(scored, offsets[choice.index], logprobs) if logprobs is not None else None}
                 choice.sent_tokens = end
                 offsets[choice.index] += len(text)
                 yield f"data: {json.dumps({**header, 'choices': [chunk]})}\n\n"

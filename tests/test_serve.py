@@ -14,52 +14,14 @@ import httpx
 import jax
 import openai
 import pytest
-import uvicorn
-from flax import nnx
 
-from gpt import GPT, GPTConfig, gpt2
-from gpt.engine import Engine
+from gpt import gpt2
 from gpt.generate import generate_text
-from gpt.serve import create_app
 from gpt.tokenizer import get_tokenizer
+from serving import Server, decisive_model
 from training import ROOT
 
 EOT = 50256
-
-
-def decisive_model() -> GPT:
-    """A tiny model with GPT-2's vocabulary (so text round-trips) and scaled weights (no greedy ties)."""
-    model = GPT(GPTConfig.preset("tiny", vocab_size=50257, block_size=128), rngs=nnx.Rngs(0))
-    state = nnx.state(model, nnx.Param)
-    nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, state))
-    return model
-
-
-class Server:
-    """uvicorn on a thread, on an ephemeral port; `delay_s` slows each engine round (to hold requests
-    in flight); stop() always ends it."""
-
-    def __init__(self, model, **engine_args):
-        self.engine = Engine(model, **engine_args)
-        self.delay_s = 0.0
-        step = self.engine.step
-        self.engine.step = lambda: (time.sleep(self.delay_s), step())[1]
-        self.lines = []
-        app = create_app(self.engine, "tiny", log=self.lines.append, shutdown_deadline_s=2)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            assert self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +161,9 @@ def test_a_short_request_finishes_while_a_long_one_decodes(server):
     ({"model": "tiny", "prompt": "x", "logprobs": 9}, "logprobs", r"logprobs must be an integer in \[0, 5\], got 9"),
     ({"model": "tiny", "prompt": "x", "stop": 3}, "stop", "stop must be"),
     ({"model": "tiny", "prompt": ["a", "b", "c"], "n": 6}, "n", r"3 prompts x n=6 is 18 completions; at most 16"),
-    ({"model": "tiny", "prompt": "x", "echo": True}, "echo", "echo is not supported"),
+    ({"model": "tiny", "prompt": "x", "echo": 1}, "echo", "echo must be true or false, got 1"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0; 0 only with echo"),
+    ({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 6}, "logprobs", r"logprobs must be an integer in \[0, 5\]"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias", "logit_bias is not supported"),
     ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": [1]}, "stream_options", "must be an object"),
     ([1, 2], None, "must be a JSON object"),

@@ -1,0 +1,49 @@
+"""A server on 127.0.0.1 with an ephemeral port, for the tests that drive it with real clients."""
+
+import socket
+import threading
+import time
+
+import jax
+import openai
+import uvicorn
+from flax import nnx
+
+from gpt import GPT, GPTConfig
+from gpt.engine import Engine
+from gpt.serve import create_app
+
+
+def decisive_model() -> GPT:
+    """A tiny model with GPT-2's vocabulary (so text round-trips) and scaled weights (no greedy ties)."""
+    model = GPT(GPTConfig.preset("tiny", vocab_size=50257, block_size=128), rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, state))
+    return model
+
+
+class Server:
+    """uvicorn on a thread, on an ephemeral port; `delay_s` slows each engine round (to hold requests
+    in flight); stop() always ends it."""
+
+    def __init__(self, model, **engine_args):
+        self.engine = Engine(model, **engine_args)
+        self.delay_s = 0.0
+        step = self.engine.step
+        self.engine.step = lambda: (time.sleep(self.delay_s), step())[1]
+        self.lines = []
+        app = create_app(self.engine, "tiny", log=self.lines.append, shutdown_deadline_s=2)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
