@@ -28,6 +28,7 @@ from safetensors.numpy import load_file, save_file
 from gpt.config import GPTConfig
 from gpt.errors import ConfigError, MissingInput, RunFailed
 from gpt.model import GPT
+from gpt.tokenizer import hf_tokenizer_files
 
 __all__ = ["load", "save", "config_from_hf", "resolve"]
 
@@ -301,13 +302,14 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
     return model
 
 
-_EXPORT_FILES = {"config.json", "model.safetensors"}
+_TOKENIZER_FILES = {"vocab.json", "merges.txt", "tokenizer_config.json"}
+_EXPORT_FILES = {"config.json", "model.safetensors"}  # and the tokenizer's (an export before they were written lacks them)
 
 
 def _check_export_destination(out_dir: Path) -> None:
     """Refuse a destination whose contents an export would destroy: the working directory or one of its
     parents, a training run's out_dir, or a non-empty directory that is not a previous export (exactly
-    config.json + model.safetensors of a GPT-2)."""
+    config.json + model.safetensors of a GPT-2, with or without the tokenizer's files)."""
     target, cwd = out_dir.resolve(), Path.cwd().resolve()
     if target == cwd or target in cwd.parents:
         raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is the working directory or one of its "
@@ -321,7 +323,7 @@ def _check_export_destination(out_dir: Path) -> None:
                           f"directory")
     names = {entry.name for entry in target.iterdir()}
     try:
-        previous = names == _EXPORT_FILES and json.loads((target / "config.json").read_text()).get("model_type") == "gpt2"
+        previous = names in (_EXPORT_FILES, _EXPORT_FILES | _TOKENIZER_FILES) and json.loads((target / "config.json").read_text()).get("model_type") == "gpt2"
     except (OSError, ValueError):
         previous = False
     if not previous:
@@ -330,7 +332,9 @@ def _check_export_destination(out_dir: Path) -> None:
 
 
 def save(model: GPT, out_dir: str | os.PathLike) -> Path:
-    """Write `model` as a Hugging Face GPT-2 checkpoint (config.json + model.safetensors, float32).
+    """Write `model` as a Hugging Face GPT-2 checkpoint (config.json + model.safetensors, float32) with
+    GPT-2's tokenizer (vocab.json, merges.txt, tokenizer_config.json: `gpt.tokenizer.hf_tokenizer_files`),
+    so that transformers' `AutoModelForCausalLM` and `AutoTokenizer` load the directory offline.
 
     Never destroys: the destination must be new, empty, or a previous export (see
     `_check_export_destination`). The directory is written beside its destination and renamed into
@@ -361,6 +365,8 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
     try:
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        for name, text in hf_tokenizer_files(config.block_size).items():
+            (staging / name).write_text(text, encoding="utf-8")
         for file in staging.iterdir():
             file.chmod(0o666 & ~umask)
         staging.chmod(0o777 & ~umask)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-__all__ = ["Tokenizer", "get_tokenizer", "EOT"]
+__all__ = ["Tokenizer", "get_tokenizer", "EOT", "hf_tokenizer_files"]
 
 _RANKS = Path(__file__).parent / "assets" / "gpt2.tiktoken"
 _RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -59,6 +60,44 @@ class Tokenizer:
         if allow_special:
             return {"allowed_special": {EOT}}
         return {"allowed_special": set(), "disallowed_special": ()}
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character (printable Latin-1 bytes as
+    themselves, the others as the characters from U+0100 on, in byte order), as its vocab.json spells tokens."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def _split(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The two tokens whose merge made `token`: byte-pair encoding of its bytes with only the merges
+    ranked before it ends in exactly two parts."""
+    parts, rank = [bytes([b]) for b in token], ranks[token]
+    while len(parts) > 2:
+        pairs = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        best, i = min(pairs)
+        if best >= rank:
+            break
+        parts[i: i + 2] = [parts[i] + parts[i + 1]]
+    assert len(parts) == 2, f"token {token!r} is not one merge of two earlier tokens"
+    return parts[0], parts[1]
+
+
+def hf_tokenizer_files(model_max_length: int) -> dict[str, str]:
+    """GPT-2's tokenizer as the files Hugging Face's `GPT2Tokenizer(Fast)` reads (vocab.json, merges.txt,
+    tokenizer_config.json), made from the vendored ranks: an exported directory then loads with
+    `AutoTokenizer.from_pretrained` offline, and tokenizes as tiktoken does."""
+    ranks = load_tiktoken_bpe(str(_RANKS), expected_hash=_RANKS_SHA256)
+    spell = _byte_to_unicode()
+    text = lambda token: "".join(spell[b] for b in token)  # noqa: E731
+    vocab = {text(token): rank for token, rank in ranks.items()} | {EOT: len(ranks)}
+    merges = [_split(token, ranks) for token, _ in sorted(ranks.items(), key=lambda item: item[1]) if len(token) > 1]
+    config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": model_max_length, "bos_token": EOT,
+              "eos_token": EOT, "unk_token": EOT, "add_prefix_space": False}
+    return {"vocab.json": json.dumps(vocab, ensure_ascii=False),
+            "merges.txt": "#version: 0.2\n" + "".join(f"{text(a)} {text(b)}\n" for a, b in merges),
+            "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
 
 _shared: Tokenizer | None = None

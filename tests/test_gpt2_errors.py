@@ -196,6 +196,8 @@ def test_export_refuses_what_it_would_destroy(tmp_path, monkeypatch):
 
 def test_export_replaces_a_previous_export_and_honours_the_umask(tmp_path):
     first = gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(0)), tmp_path / "hf")
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):  # as exports were before they carried them
+        (first / name).unlink()
     previous = os.umask(0o022)
     try:
         gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(1)), first)
@@ -206,6 +208,7 @@ def test_export_replaces_a_previous_export_and_honours_the_umask(tmp_path):
     assert (first.stat().st_mode & 0o777) == 0o755
     assert ((first / "model.safetensors").stat().st_mode & 0o777) == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "no staging or retired directory left behind"
+    assert (first / "merges.txt").exists()
 
 
 def test_an_export_that_cannot_be_written_is_one_error_and_changes_nothing(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import tiktoken
 
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -35,6 +36,16 @@ def test_save_round_trips_through_transformers(tmp_path):
     tokens = np.random.default_rng(1).integers(0, 997, (3, 20)).astype(np.int32)
     np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens))
     assert np.abs(np.asarray(gpt2.load(out)(tokens)) - hf_logits(hf_model, tokens)).max() <= 1e-4
+
+
+def test_an_export_carries_a_tokenizer_that_transformers_loads_and_that_tokenizes_as_tiktoken(tmp_path, prose_text):
+    hf_model, directory = random_hf_gpt2(tmp_path, **SHAPES["small-odd"])
+    out = gpt2.save(gpt2.load(directory), tmp_path / "exported")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = prose_text + " héllo wörld 日本語 <|endoftext|> end  \n\n\t x"
+    expected = tiktoken.get_encoding("gpt2").encode(text, allowed_special="all")
+    assert tokenizer.encode(text) == expected and tokenizer.decode(expected) == text
+    assert tokenizer.eos_token_id == tokenizer.bos_token_id == 50256 and tokenizer.model_max_length == 48
 
 
 def test_pytorch_bin_is_read_without_pickles(tmp_path):
