@@ -191,11 +191,13 @@ def decode_widths(num_slots: int, mesh: Mesh | None) -> list[int]:
 
 
 def prompt_buckets(longest: int) -> list[int]:
-    """The prompt lengths a prefill is compiled for: powers of two from 16, and `longest` (the cache
-    length, or the prefill chunk)."""
+    """The prompt lengths a prefill is compiled for: 16, 32, then each power of two and one and a half
+    times it (48, 64, 96, 128, 192, ...) below `longest` (the cache length, or the prefill chunk), and
+    `longest`. A prompt runs in the smallest that holds it: at most a third of a prefill is padding
+    (with powers of two alone, up to half), for a few more programs to compile."""
     buckets, n = [], MIN_PROMPT_BUCKET
     while n < longest:
-        buckets.append(n)
+        buckets += [n] + ([n * 3 // 2] if n >= 2 * MIN_PROMPT_BUCKET and n * 3 // 2 < longest else [])
         n *= 2
     return buckets + [longest]
 

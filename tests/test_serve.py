@@ -332,3 +332,17 @@ def test_sigterm_finishes_running_requests_and_exits(tmp_path, model):
         process.communicate()  # reaps it and closes its pipes
     with pytest.raises(httpx.ConnectError):
         httpx.get(url.rsplit("/v1", 1)[0] + "/health")
+
+
+def test_connections_send_small_replies_at_once():
+    """serve.py's connections inherit TCP_NODELAY from its listener: with Nagle's algorithm on, a reply
+    written as headers then body waited for the client's delayed ACK (40 ms a request, on the asyncio loop
+    serve.py runs uvicorn on)."""
+    from gpt.serve import _listen
+
+    with _listen("127.0.0.1", 0) as listener:
+        listener.listen()
+        with socket.create_connection(listener.getsockname()):
+            accepted, _ = listener.accept()
+            with accepted:
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
