@@ -11,7 +11,9 @@ the Python documentation's topics), as JSONL with lm-eval task configs:
   rolling perplexity   --documents documents of 300-700 words (loglikelihood_rolling: one window each
                        under both backends, whose windows differ in length by two tokens)
 Ours: serve.py in a process of its own (--slots slots, float32), lm-eval's `local-completions` with its
-default tokenizer (the server's /tokenize), token-id requests, --concurrent requests at a time. The peer:
+default tokenizer (the server's /tokenize), token-id requests, --concurrent requests at a time; once per
+--prefix-cache-tokens (default 0, then 32768: scored prompts' blocks kept, so that the choices of an item
+run their shared context once). The peer:
 `hf` with --hf-batch-size, float32, on this process's threads. The server is warmed up before timing
 (its compile is a cost paid once per start, not per evaluation); each task is timed on its own.
 Prints a Markdown table for bench/RESULTS.md.
@@ -85,11 +87,12 @@ def write_tasks(directory: Path, text: str, items: int, documents: int, seed: in
     return {name: kind for name, (kind, _, _) in configs.items()}
 
 
-def start_server(directory: Path, slots: int) -> tuple[subprocess.Popen, str]:
+def start_server(directory: Path, slots: int, prefix_cache_tokens: int) -> tuple[subprocess.Popen, str]:
     """serve.py on a free port, warmed up; returns the process and its /v1 URL."""
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "serve.py"), "--init_from", str(directory), "--port", "0", "--slots", str(slots),
-         "--max_queue", "256", "--model_name", "gpt2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--max_queue", "256", "--model_name", "gpt2", "--prefix_cache_tokens", str(prefix_cache_tokens)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in process.stdout:
         found = re.search(r"on (http://\S+/v1)", line)
         if found:
@@ -120,6 +123,8 @@ def main():
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--concurrent", type=int, default=8)
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--prefix-cache-tokens", type=int, nargs="+", default=[0, 32768],
+                        help="serve.py's --prefix_cache_tokens, a run of ours for each")
     args = parser.parse_args()
 
     import torch
@@ -143,14 +148,17 @@ def main():
         kinds = write_tasks(tmp, source_text(args.text), args.items, args.documents)
         manager = TaskManager(include_path=str(tmp))
 
-        process, url = start_server(tmp / "model", args.slots)
-        try:
-            ours = LocalCompletionsAPI(base_url=url + "/completions", model="gpt2", max_length=1024,
-                                       num_concurrent=args.concurrent, max_retries=1, timeout=600)
-            runs = {task: {"ours": evaluate(ours, task, manager)} for task in kinds}
-        finally:
-            process.terminate()
-            process.wait()
+        runs = {task: {} for task in kinds}
+        for pool in args.prefix_cache_tokens:
+            process, url = start_server(tmp / "model", args.slots, pool)
+            try:
+                ours = LocalCompletionsAPI(base_url=url + "/completions", model="gpt2", max_length=1024,
+                                           num_concurrent=args.concurrent, max_retries=1, timeout=600)
+                for task in kinds:
+                    runs[task][f"ours, --prefix_cache_tokens {pool}"] = evaluate(ours, task, manager)
+            finally:
+                process.terminate()
+                process.wait()
         hf = HFLM(pretrained=str(tmp / "model"), device="cpu", batch_size=args.hf_batch_size, max_length=1024,
                   dtype="float32")
         for task in kinds:
@@ -160,10 +168,11 @@ def main():
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for task, kind in kinds.items():
         requests = loglikelihoods(runs[task]["hf"][0], task).size
-        gap = np.abs(loglikelihoods(runs[task]["ours"][0], task) - loglikelihoods(runs[task]["hf"][0], task)).max()
+        gap = max(np.abs(loglikelihoods(results, task) - loglikelihoods(runs[task]["hf"][0], task)).max()
+                  for results, _ in runs[task].values())
         metric = "acc,none" if kind == "multiple_choice" else "bits_per_byte,none"
-        for impl, name in (("ours", "ours: serve.py + local-completions"), ("hf", "lm-eval hf backend (torch)")):
-            results, wall = runs[task][impl]
+        for impl, (results, wall) in runs[task].items():
+            name = f"{impl}: serve.py + local-completions" if impl != "hf" else "lm-eval hf backend (torch)"
             score = results["results"][task][metric]
             print(f"| {task} ({kind}) | {requests} | {name} | {wall:.1f} | {requests / wall:.1f} | "
                   f"{metric.split(',')[0]} {score:.4f} | {gap:.2e} |", flush=True)

@@ -30,7 +30,8 @@ from gpt.model import GPT, Weights, forward, lm_head, unstack
 from gpt.sampling import SamplingParams, choose
 from gpt.sharding import shard_state
 
-__all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted", "init_slots",
+__all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
+           "PrefixPool", "init_pool", "save_blocks", "load_prefix", "PREFIX_BLOCK", "init_slots",
            "init_prefix", "extend", "prefill", "decode", "compiled_programs", "TOP_LOGPROBS", "NO_TOKEN"]
 
 TOP_LOGPROBS = 5  # J: the most alternatives a request may ask logprobs for (the OpenAI API's own bound)
@@ -376,20 +377,24 @@ def _choose_next(weights: Weights, x_RD: jax.Array, live_R: jax.Array, remaining
 
 
 def prefill(config: GPTConfig, weights: Weights, slots: Slots, admission: Admission,
-            prefix: Prefix | None = None) -> tuple[Slots, Emitted, PromptScores]:
+            prefix: Prefix | None = None) -> tuple[Slots, Emitted, PromptScores, Prefix]:
     """Run b prompts (or their last pieces, after `prefix`), choose each one's first token, and move them
     into their slots.
 
     Without a prefix the prompts run over a fresh cache of P positions (a request always starts at
     position 0). Their keys and values are then copied into the slots' rows. Returns the new slots, an
-    Emitted [1, b] and the pieces' PromptScores.
+    Emitted [1, b], the pieces' PromptScores and, after a given prefix, the prompts' Prefix (whose blocks a
+    `PrefixPool` keeps; None without one).
     """
     b, P = admission.tokens.shape
+    given = prefix is not None
     prefix = init_prefix(config, b, P) if prefix is None else prefix
     prefix, scores = extend(config, weights, prefix, admission.tokens, admission.lengths, admission.targets,
                             admission.score, admission.settings.top_logprobs)
-    admitted_b = admission.slots < slots.live.shape[0]
-    c = _choose_next(weights, prefix.last_hidden, admitted_b, admission.max_tokens, prefix.seen, admission.settings,
+    # A row chooses its first token when it asked for any: whether it then enters a slot (it does not when
+    # that token is its last) is `admission.slots`' business.
+    choosing_b = admission.max_tokens > 0
+    c = _choose_next(weights, prefix.last_hidden, choosing_b, admission.max_tokens, prefix.seen, admission.settings,
                      jnp.zeros((b,), jnp.int32))
 
     at = admission.slots
@@ -402,7 +407,65 @@ def prefill(config: GPTConfig, weights: Weights, slots: Slots, admission: Admiss
     )
     emitted = Emitted(token=c.token[None], stopped=c.stopped[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
                       top_logprobs=c.top_logprobs[None], live=c.live, steps=jnp.int32(1))
-    return slots, emitted, scores
+    return slots, emitted, scores, prefix if given else None
+
+
+PREFIX_BLOCK = 16  # positions per block of a PrefixPool
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixPool:
+    """Keys and values of prompts' blocks of PREFIX_BLOCK positions, kept after their prefills so that a
+    prompt that begins with the same tokens (a multiple-choice item's choices, one context each) runs
+    only the rest. Which block holds what is the host's business (`gpt.prefix_cache`).
+
+    k, v: per layer, [blocks * N, PREFIX_BLOCK, H] in the compute dtype: block i is rows i*N .. i*N+N-1.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def init_pool(config: GPTConfig, blocks: int) -> PrefixPool:
+    """An empty pool of `blocks` blocks."""
+    def layers():
+        return tuple(jnp.zeros((blocks * config.n_head, PREFIX_BLOCK, config.head_dim), config.compute_dtype)
+                     for _ in range(config.n_layer))
+    return PrefixPool(k=layers(), v=layers())
+
+
+def save_blocks(pool: PrefixPool, prefix: Prefix, starts_M: jax.Array, ids_M: jax.Array) -> PrefixPool:
+    """The pool with blocks of row 0 of `prefix` (a one-row Prefix of one page) copied in: the block at
+    position starts_M[m] into pool block ids_M[m] (int32 [M]; an id past the pool's end is skipped)."""
+    heads = prefix.cache.k[0][0].shape[0]  # one row: its N heads
+    rows_MN = (ids_M[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
+
+    def put(pool_layer, page_NCH):
+        blocks_MNBH = jax.vmap(lambda start: jax.lax.dynamic_slice_in_dim(page_NCH, start, PREFIX_BLOCK, axis=1))(starts_M)
+        return pool_layer.at[rows_MN].set(blocks_MNBH.reshape(-1, PREFIX_BLOCK, page_NCH.shape[-1]), mode="drop")
+
+    return PrefixPool(k=tuple(put(p, c[0]) for p, c in zip(pool.k, prefix.cache.k)),
+                      v=tuple(put(p, c[0]) for p, c in zip(pool.v, prefix.cache.v)))
+
+
+def load_prefix(config: GPTConfig, pool: PrefixPool, ids_M: jax.Array, tokens_C: jax.Array,
+                length: jax.Array) -> Prefix:
+    """A one-row Prefix of C = len(tokens_C) positions whose first `length` hold a prompt's keys and values
+    from pool blocks ids_M (int32 [ceil(C / PREFIX_BLOCK)], block m for positions 16m..16m+15; ids of
+    blocks past `length` may be anything in the pool). tokens_C: int32 [C], the prompt (its first `length`
+    tokens are what the prefix has seen)."""
+    C, heads = tokens_C.shape[0], config.n_head
+    rows_MN = (ids_M[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
+
+    def page(pool_layer):
+        blocks_MNBH = pool_layer[rows_MN].reshape(ids_M.shape[0], heads, PREFIX_BLOCK, -1)
+        return blocks_MNBH.transpose(1, 0, 2, 3).reshape(heads, -1, blocks_MNBH.shape[-1])[:, :C]
+
+    cache = KVCache(k=tuple((page(p),) for p in pool.k), v=tuple((page(p),) for p in pool.v),
+                    lengths=jnp.reshape(length, (1,)).astype(jnp.int32))
+    seen = jnp.zeros((1, config.vocab_size), jnp.bool_).at[0, tokens_C].max(jnp.arange(C) < length)
+    return Prefix(cache=cache, seen=seen, last_hidden=jnp.zeros((1, config.n_embd), config.compute_dtype))
 
 
 def decode(config: GPTConfig, weights: Weights, slots: Slots, cancel_S: jax.Array, num_steps: jax.Array,
@@ -471,9 +534,13 @@ compiled_extend = jax.jit(extend, static_argnames="config", donate_argnames="pre
 compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
 compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps"), donate_argnames="slots")
 compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3))
+compiled_init_pool = jax.jit(init_pool, static_argnums=(0, 1))
+compiled_save_blocks = jax.jit(save_blocks, donate_argnames="pool")
+compiled_load_prefix = jax.jit(load_prefix, static_argnames="config")
 
 
 def compiled_programs() -> int:
     """How many programs the jitted functions that serve requests hold (for tests: none compiles after an
     engine's warm-up)."""
-    return sum(f._cache_size() for f in (compiled_prefill, compiled_extend, compiled_init_prefix, compiled_decode))
+    return sum(f._cache_size() for f in (compiled_prefill, compiled_extend, compiled_init_prefix, compiled_decode,
+                                         compiled_save_blocks, compiled_load_prefix))

@@ -3,9 +3,11 @@
 Each round (`step`), on the thread that owns the engine:
   1. cancelled requests give up their slots;
   2. waiting requests enter free slots, first come first served: their prompts run shortest first
-     (`gpt.decoding.prefill`, prompt lengths in power-of-two buckets) and each gets its first token; a
-     prompt longer than `prefill_chunk` tokens takes its slot but runs one chunk per round instead
-     (`gpt.decoding.extend`), so that the other slots go on decoding between its chunks;
+     (`gpt.decoding.prefill`, prompt lengths in buckets: `prompt_buckets`) and each gets its first token;
+     a prompt longer than `prefill_chunk` tokens takes its slot but runs one chunk per round instead
+     (`gpt.decoding.extend`), so that the other slots go on decoding between its chunks; with a prefix
+     pool (`prefix_cache_tokens`), a scored prompt takes that path too, starting after what the pool
+     holds of its beginning;
   3. one call of `gpt.decoding.decode` runs up to `steps_per_call` steps for every live slot (over the
      fewest compiled rows that hold them: `decode_widths`);
   4. new tokens go to their requests; finished slots become free.
@@ -31,11 +33,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from gpt.decoding import (NO_TOKEN, TOP_LOGPROBS, Admission, Decoder, Prefix, Settings, compiled_decode,
-                          compiled_extend, compiled_init_prefix, compiled_init_slots, compiled_prefill,
-                          compiled_programs)
+from gpt.decoding import (NO_TOKEN, PREFIX_BLOCK, TOP_LOGPROBS, Admission, Decoder, Prefix, Settings,
+                          compiled_decode, compiled_extend, compiled_init_pool, compiled_init_prefix,
+                          compiled_init_slots, compiled_load_prefix, compiled_prefill, compiled_programs,
+                          compiled_save_blocks)
 from gpt.errors import ConfigError
 from gpt.model import GPT
+from gpt.prefix_cache import PrefixIndex
 from gpt.sampling import SamplingParams
 from gpt.sharding import data_parallel_size
 from gpt.text_stream import TextStream
@@ -206,12 +210,14 @@ def prompt_buckets(longest: int) -> list[int]:
 class _Chunked:
     """Requests whose prompts run a chunk per round before they enter their slots (`Engine._advance`).
 
-    entries: (slot, completion) per row; prefix: their prompts' cache so far; done: how many tokens of
-    each prompt have run (of a shorter one, all)."""
+    entries: (slot, completion) per row; prefix: their prompts' cache so far (None for a pooled group
+    until its turn: `Engine._load`); done: how many tokens of each prompt have run (of a shorter one,
+    all); pooled: one scored prompt, loaded from the prefix pool and its blocks put there."""
 
     entries: list[tuple[int, Completion]]
-    prefix: Prefix
+    prefix: Prefix | None
     done: int = 0
+    pooled: bool = False
 
 
 class Engine:
@@ -228,6 +234,10 @@ class Engine:
         many tokens, one per round, so that the live slots wait at most one chunk's time for it (and
         no prefill longer than it is compiled). At least 16; the cache length or more turns it off.
       max_stop_tokens: the most stop tokens a request may give.
+      prefix_cache_tokens: positions of scored prompts (`Request.prompt_logprobs`) kept after their
+        prefills (`gpt.prefix_cache`), so that one that begins like an earlier one runs only the rest;
+        0 keeps none. Costs their keys and values (GPT-2 124M in float32: 72 KB a position), and scored
+        prompts then run over a cache of the full length. Not over a mesh's data axis.
       quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
         (`gpt.decoding.decoding_weights`); a Decoder's own.
       mesh: run sharded over this mesh (`gpt.sharding.make_mesh`); a Decoder's own.
@@ -235,7 +245,8 @@ class Engine:
 
     def __init__(self, model: GPT | Decoder, *, slots: int = 8, cache_length: int | None = None,
                  max_queue: int = 64, steps_per_call: int = 1, max_stop_tokens: int = 8,
-                 prefill_chunk: int = 256, quantize: str | None = None, mesh: Mesh | None = None):
+                 prefill_chunk: int = 256, prefix_cache_tokens: int = 0, quantize: str | None = None,
+                 mesh: Mesh | None = None):
         config = model.config
         cache_length = config.block_size if cache_length is None else cache_length
         if not is_int(cache_length) or not 1 <= cache_length <= config.block_size:
@@ -245,6 +256,8 @@ class Engine:
                                 max_stop_tokens=max_stop_tokens).items():
             if not is_int(value) or value < 1:
                 raise ConfigError(f"Engine {name} must be an integer >= 1, got {value!r}")
+        if not is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
+            raise ConfigError(f"Engine prefix_cache_tokens must be an integer >= 0, got {prefix_cache_tokens!r}")
         if not is_int(prefill_chunk) or prefill_chunk < MIN_PROMPT_BUCKET:
             raise ConfigError(
                 f"Engine prefill_chunk must be an integer >= {MIN_PROMPT_BUCKET}, got {prefill_chunk!r}")
@@ -262,6 +275,11 @@ class Engine:
         with self._on_mesh():
             self._slots = compiled_init_slots(config, slots, cache_length, max_stop_tokens)
         self.decode_widths = decode_widths(slots, mesh)
+        blocks = int(prefix_cache_tokens) // PREFIX_BLOCK if self.rows_per_prefill == 1 else 0
+        self._index = PrefixIndex(blocks, PREFIX_BLOCK) if blocks else None
+        self._index_size = blocks
+        with self._on_mesh():
+            self._pool = compiled_init_pool(config, blocks) if blocks else None
         self._owners: list[Completion | None] = [None] * slots
         self._queue: collections.deque[Completion] = collections.deque()
         self._chunked: collections.deque[_Chunked] = collections.deque()  # the oldest runs its next chunk
@@ -271,6 +289,7 @@ class Engine:
         self._cancel_S = np.zeros((slots,), np.bool_)  # slots to stop at the next decode call
         get_tokenizer()  # each Completion's text stream needs it: load it now, not on a request's clock
         self.tokens_emitted = 0  # a running total, for tokens/s
+        self.prompt_tokens_reused = 0  # prompt positions loaded from the prefix pool instead of run
 
     # ------------------------------------------------------------------------------ clients (any thread)
 
@@ -365,8 +384,18 @@ class Engine:
             raise RuntimeError("warmup runs before the engine serves: its placeholder borrows slot 0")
         buckets, chunk = self.prompt_buckets, self.prefill_chunk
         chunked = self.cache_length > chunk + 1  # a prompt of chunk + 1 tokens and one more fit
+        # The last pieces that run over a prefix (prefix length, piece length): a chunked prompt's (at most
+        # what follows its first chunk: the one of chunk + 1 tokens below runs the shortest), a pooled one's
+        # (any, over either length its prefix may have).
+        last = [(self.cache_length, b) for b in buckets[1: buckets.index(
+            self._bucket(min(chunk, self.cache_length - chunk))) + 1]] if chunked else []
+        pooled = sorted({self._pooled_length(1), self._pooled_length(self.cache_length)}) if self._index else []
+        last += [(length, b) for length in pooled for b in buckets
+                 if (length, b) not in last and not (chunked and (length, b) == (self.cache_length, buckets[0]))]
         shapes = [("prefill", f"prompts up to {length} tokens") for length in buckets]
         shapes += [("prefill", f"a longer prompt's chunks of {chunk} tokens")] * chunked
+        shapes += [("prefill", f"last pieces of up to {b} tokens after {length}") for length, b in last]
+        shapes += [("prefix pool", f"loading and keeping {length} positions") for length in pooled]
         shapes += [("decode", f"{width} of {self.num_slots} slots") for width in self.decode_widths]
         progress = iter(f"warm-up: compiling {kind} {i + 1}/{len(shapes)} ({what})"
                         for i, (kind, what) in enumerate(shapes))
@@ -382,9 +411,21 @@ class Engine:
             self._prefill([(0, placeholder(1))], length)
         if chunked:
             log(next(progress))
-            self._chunked.append(self._chunk_group([(0, placeholder(chunk + 1))]))
+            self._chunked.append(self._chunk_group([(0, placeholder(chunk + 1))]))  # its last piece: 1 token
             while self._chunked:
                 self._advance(warmup=True)
+        for length, b in last:
+            log(next(progress))
+            self._chunked.append(self._chunk_group([(0, placeholder(b))], length))  # one piece, the last
+            self._advance(warmup=True)
+        for length in pooled:
+            log(next(progress))
+            blocks = -(-length // PREFIX_BLOCK)
+            with self._on_mesh():
+                prefix = compiled_load_prefix(self.config, self._pool, np.zeros((blocks,), np.int32),
+                                              np.zeros((length,), np.int32), np.int32(1))
+                self._pool = compiled_save_blocks(self._pool, prefix, np.zeros((blocks,), np.int32),
+                                                  np.full((blocks,), self._index_size, np.int32))  # skips them all
         for width in self.decode_widths:
             log(next(progress))
             jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 1, False, width, []))
@@ -467,11 +508,13 @@ class Engine:
             for i in range(0, len(entries), self.rows_per_prefill):
                 group = entries[i: i + self.rows_per_prefill]
                 longest = max(len(c.request.prompt) for _, c in group)
+                if self._index is not None and group[0][1].request.prompt_logprobs:  # one row: no mesh
+                    self._chunked.append(_Chunked(group, None, pooled=True))  # loaded at its turn: `_advance`
+                    continue
                 if longest > self.prefill_chunk:  # its slots wait, owned, until its last chunk (`_advance`)
                     self._chunked.append(self._chunk_group(group))
                     continue
-                length = next(b for b in self.prompt_buckets if b >= longest)
-                self._deliver([slot for slot, _ in group], self._prefill(group, length))
+                self._deliver([slot for slot, _ in group], self._prefill(group, self._bucket(longest))[0])
             admitted = True
 
     def _decode(self, cancel_S: np.ndarray, num_steps: int, stop_at_finish: bool, width: int, decoding: list[int]):
@@ -512,15 +555,16 @@ class Engine:
         """One prefill of `rows_per_prefill` rows (entries, then padding rows that go nowhere): their
         prompts from token `start` on (all of them, after `prefix`), in `length` positions. An entry whose
         slot is None goes nowhere too (a chunked request cancelled: its row of `prefix` stays in place),
-        and so does one that only scores its prompt (max_tokens 0). Returns the Emitted; the prompt
-        scores go to the entries that asked."""
+        and so does one that asked for at most one token (it never decodes). Returns the Emitted and the rows'
+        Prefix; the prompt scores go to the entries that asked."""
         b = self.rows_per_prefill
         requests = self._rows(entries)
         settings = [c.settings for _, c in entries]
         if len(entries) < b:  # only over a mesh's data axis
             settings += [self._settings(_PADDING, ())] * (b - len(entries))
         tokens, lengths = self._piece(entries, start, length)
-        entering = [None if slot is None or c.request.max_tokens == 0 else slot for slot, c in entries]
+        # A request of at most one token ends with this prefill: it never decodes, so it enters no slot.
+        entering = [None if slot is None or c.request.max_tokens <= 1 else slot for slot, c in entries]
         self._cancel_S[[slot for slot in entering if slot is not None]] = False  # their device state is new
         slots = [self.num_slots if slot is None else slot for slot in entering]
         slots += [self.num_slots] * (b - len(entries))  # past the end: dropped
@@ -530,9 +574,10 @@ class Engine:
             max_tokens=np.asarray([r.max_tokens for r in requests], np.int32),
             settings=jax.tree.map(lambda *rows: np.stack(rows), *settings))
         with self._on_mesh():
-            self._slots, emitted, scores = compiled_prefill(self.config, self.weights, self._slots, admission, prefix)
+            self._slots, emitted, scores, prefix = compiled_prefill(self.config, self.weights, self._slots, admission,
+                                                                    prefix)
         self._deliver_scores(entries, start, scores)
-        return emitted
+        return emitted, prefix
 
     def _extend(self, group: _Chunked) -> None:
         """Run the next chunk of a group's prompts into its prefix, and deliver its prompt scores."""
@@ -558,9 +603,59 @@ class Engine:
         for row, c in asked:
             c._score_prompt(start, logprob[row], top_ids[row] if top else None, top_lps[row] if top else None)
 
-    def _chunk_group(self, entries: list[tuple[int, Completion]]) -> _Chunked:
+    def _bucket(self, length: int) -> int:
+        """The prefill length that a piece of `length` tokens runs in."""
+        return next(b for b in self.prompt_buckets if b >= length)
+
+    def _pooled_length(self, prompt_length: int) -> int:
+        """The length of a pooled prompt's prefix: the prefill chunk for a prompt that fits one (a cache of
+        the full length would cost each of them a copy of it), else the cache length."""
+        return self.prefill_chunk if prompt_length <= self.prefill_chunk else self.cache_length
+
+    def _load(self, group: _Chunked) -> None:
+        """A pooled group's prefix, at its turn (so that the choices of one item, admitted together, find
+        the blocks the first of them leaves): loaded from the prefix pool as far as the pool holds the
+        prompt's beginning (the last token held, or the prompt's last, runs again: what follows it needs
+        its output); `_advance` runs the rest."""
+        completion = group.entries[0][1]
+        request = completion.request
+        length = self._pooled_length(len(request.prompt))
+        held = self._index.match(request.prompt, request.logprobs)
+        group.done = min(len(held) * PREFIX_BLOCK - 1, len(request.prompt) - 1) if held else 0
+        done = group.done
         with self._on_mesh():
-            return _Chunked(entries, compiled_init_prefix(self.config, self.rows_per_prefill, self.cache_length))
+            if done <= 0:
+                group.prefix = compiled_init_prefix(self.config, 1, length)
+                return
+            self.prompt_tokens_reused += done
+            for logprob, top in [score for _, scores in held for score in scores][1: done + 1]:
+                completion.prompt_logprobs.append(logprob)
+                completion.prompt_top_logprobs.append(top)
+            blocks = -(-length // PREFIX_BLOCK)
+            ids = np.zeros((blocks,), np.int32)
+            ids[: len(held)] = [block for block, _ in held]
+            tokens = np.zeros((length,), np.int32)
+            tokens[: len(request.prompt)] = request.prompt
+            group.prefix = compiled_load_prefix(self.config, self._pool, ids, tokens, np.int32(done))
+
+    def _keep(self, completion: Completion, prefix: Prefix) -> None:
+        """Put a scored prompt's whole blocks (row 0 of `prefix`, run to its end) in the prefix pool."""
+        request = completion.request
+        scores = list(zip(completion.prompt_logprobs, completion.prompt_top_logprobs))
+        added = self._index.add(request.prompt, request.logprobs, scores)
+        if not added:
+            return
+        blocks = -(-prefix.cache.length // PREFIX_BLOCK)
+        starts, ids = np.zeros((blocks,), np.int32), np.full((blocks,), self._index_size, np.int32)  # past the end: skipped
+        starts[: len(added)], ids[: len(added)] = zip(*added)
+        with self._on_mesh():
+            self._pool = compiled_save_blocks(self._pool, prefix, starts, ids)
+
+    def _chunk_group(self, entries: list[tuple[int, Completion]], length: int | None = None) -> _Chunked:
+        """A group whose prompts run after a fresh prefix of `length` positions (default: the cache's)."""
+        length = self.cache_length if length is None else length
+        with self._on_mesh():
+            return _Chunked(entries, compiled_init_prefix(self.config, self.rows_per_prefill, length))
 
     def _advance(self, warmup: bool = False) -> bool:
         """Run the next chunk of the oldest chunked prompts; with their last, they enter their slots and
@@ -575,12 +670,16 @@ class Engine:
             self._chunked.popleft()
         else:
             return False
+        if group.prefix is None:
+            self._load(group)
         chunk, longest = self.prefill_chunk, max(len(c.request.prompt) for _, c in group.entries)
         if group.done + chunk < longest:
             self._extend(group)
             return True
         self._chunked.popleft()
-        emitted = self._prefill(entries, chunk, group.prefix, group.done)
+        emitted, prefix = self._prefill(entries, self._bucket(longest - group.done), group.prefix, group.done)
+        if group.pooled and entries[0][0] is not None and not warmup:
+            self._keep(entries[0][1], prefix)
         if not warmup:
             self._deliver([slot for slot, _ in entries], emitted)
         return True

@@ -140,7 +140,7 @@ def test_a_decode_over_some_slots_equals_one_over_all():
     admission = Admission(tokens=tokens, lengths=jnp.asarray(lengths, jnp.int32), targets=tokens,
                           score=jnp.zeros((4,), jnp.bool_), slots=jnp.arange(4, dtype=jnp.int32),
                           max_tokens=jnp.full((4,), 50, jnp.int32), settings=Settings.empty(4, 2))
-    slots, _, _ = jax.jit(prefill, static_argnames="config")(config, weights, init_slots(config, 4, 320, 2), admission)
+    slots, _, _, _ = jax.jit(prefill, static_argnames="config")(config, weights, init_slots(config, 4, 320, 2), admission)
     assert len(slots.cache.k[0]) == 3  # pages of 128, 128 and 64 slots
     run = jax.jit(decode, static_argnames=("config", "max_steps"))
     cancel = jnp.asarray([True, False, True, False])

@@ -27,7 +27,9 @@ def tasks(directory) -> list[str]:
     with open(directory / "mc.jsonl", "w") as f:
         for i in range(12):
             choices = [str(c) for c in rng.choice(ANIMALS, 4, replace=False)]
-            f.write(json.dumps({"question": f"Question {i}: the farm animal that says {'moo' if i % 2 else 'baa'} is a",
+            question = (f"Question {i}: on the farm by the river, where the old barn stands beside the mill and the "
+                        f"fields run to the hills, the animal that says {'moo' if i % 2 else 'baa'} is a")
+            f.write(json.dumps({"question": question,
                                 "choices": [f" {c}" for c in choices], "answer": int(rng.integers(4))}) + "\n")
     with open(directory / "rolling.jsonl", "w") as f:
         for i in range(6):
@@ -66,7 +68,8 @@ def setup(tmp_path_factory):
     _, directory = random_hf_gpt2(root, seed=5, weight_scale=3.0, n_layer=2, n_head=4, n_embd=32, n_positions=CONTEXT)
     exported = gpt2.save(gpt2.load(directory), root / "exported")
     names = tasks(root)
-    server = Server(gpt2.load(exported), slots=4, max_queue=32, cache_length=CONTEXT, prefill_chunk=32)
+    server = Server(gpt2.load(exported), slots=4, max_queue=32, cache_length=CONTEXT, prefill_chunk=32,
+                    prefix_cache_tokens=2048)
     manager = TaskManager(include_path=str(root))
     reference = evaluate(HFLM(pretrained=str(exported), device="cpu", batch_size=4, max_length=CONTEXT,
                               dtype="float32"), names, manager)
@@ -89,7 +92,9 @@ def test_local_completions_scores_what_the_hf_backend_scores(setup, tokenized_re
     lm = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model="tiny", max_length=CONTEXT,
                              tokenized_requests=tokenized_requests, num_concurrent=4, max_retries=1)
     assert lm.tokenizer_backend == "remote"  # the default `auto` found /tokenizer_info and /tokenize
+    reused = server.engine.prompt_tokens_reused
     ours = evaluate(lm, names, manager)
+    assert server.engine.prompt_tokens_reused > reused  # the choices shared their contexts' prefills
 
     for ours_mc, theirs_mc in zip(responses(ours, "tiny_mc"), responses(reference, "tiny_mc")):
         np.testing.assert_allclose([ll for ll, _ in ours_mc], [ll for ll, _ in theirs_mc], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,93 @@
+"""The prefix pool: its host index (no JAX), and scored prompts that share a beginning giving what they give
+alone while running only the rest."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gpt import GPT, GPTConfig
+from gpt.engine import Engine, Request
+from gpt.errors import ConfigError
+from gpt.prefix_cache import PrefixIndex
+
+
+def scores(n):
+    return [(None, None)] + [(-float(i), [(i, -float(i))]) for i in range(1, n)]
+
+
+def test_the_index_finds_the_longest_run_of_whole_blocks_from_the_start():
+    index = PrefixIndex(blocks=8, block=4)
+    prompt = list(range(10))
+    assert index.add(prompt, 1, scores(10)) == [(0, 0), (4, 1)]  # two whole blocks; the last two tokens are not one
+    assert [block for block, _ in index.match(prompt[:9] + [99], 1)] == [0, 1]
+    assert [block for block, _ in index.match(prompt[:6] + [99] * 4, 1)] == [0]  # block 1 differs
+    assert index.match([99] + prompt[1:], 1) == []  # a block is found only after the very same tokens
+    assert index.match(prompt, 2) == []  # another variant (more alternatives asked) is another entry
+    assert index.match(prompt, 1)[1][1] == scores(10)[4:8]
+    assert index.add(prompt + [10, 11], 1, scores(12)) == [(8, 2)]  # held blocks are not added twice
+
+
+def test_a_full_index_lets_the_least_recently_used_blocks_go():
+    index = PrefixIndex(blocks=4, block=2)
+    index.add([1, 2, 3, 4], 0, scores(4))  # blocks 0, 1
+    index.add([5, 6, 7, 8], 0, scores(4))  # blocks 2, 3
+    index.match([1, 2, 3, 4], 0)  # [1, 2, ...] is now the most recently used
+    assert index.add([9, 10], 0, scores(2)) == [(0, 2)]  # takes [5, 6]'s block
+    assert index.match([5, 6, 7, 8], 0) == []  # [5, 6, 7, 8] now begins with a block that is gone
+    assert len(index.match([1, 2, 3, 4], 0)) == 2
+    assert index.add(list(range(20, 30)), 0, scores(10)) == []  # five blocks never fit in four
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = GPT(GPTConfig.preset("tiny", block_size=128), rngs=nnx.Rngs(0))
+    nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, nnx.state(model, nnx.Param)))
+    return model
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one-by-one", "together"])
+@pytest.mark.parametrize("pool_tokens", [4096, 64], ids=["roomy", "evicting"])
+def test_scored_prompts_that_share_a_beginning_give_what_they_give_without_the_pool(model, pool_tokens, together):
+    """Choices after one context, in an order that mixes in other prompts, scored with and without the pool:
+    the same prompt logprobs (within float rounding: the rest runs over a longer cache), alternatives and
+    first tokens, the context's positions loaded rather than run, and nothing compiled after warm-up.
+    Submitted together, they load at their turns, after the blocks of those before them are in."""
+    rng = np.random.default_rng(0)
+    context, other = rng.integers(0, 256, 50).tolist(), rng.integers(0, 256, 40).tolist()
+    prompts = [context + rng.integers(0, 256, n).tolist() for n in (3, 7, 20, 1)]
+    prompts = [prompts[0], other, prompts[1], prompts[2], other + [5], prompts[3], context[:33], context[:31]]
+    results = {}
+    for tokens in (0, pool_tokens):
+        engine = Engine(model, slots=2, max_queue=8, cache_length=128, prefill_chunk=16, prefix_cache_tokens=tokens)
+        engine.warmup(log=lambda line: None)
+        compiled = engine.compiled_shapes()
+        completions = []
+        for prompt in prompts:
+            completions.append(engine.submit(Request(prompt, 2, temperature=0.0, logprobs=2, prompt_logprobs=True)))
+            if not together:
+                engine.run(completions[-1:])
+        engine.run(completions)
+        assert engine.compiled_shapes() == compiled
+        results[tokens] = completions, engine.prompt_tokens_reused
+    (alone, none_reused), (pooled, reused) = results[0], results[pool_tokens]
+    assert none_reused == 0
+    # Roomy: each later choice loads the context's 3 whole blocks but their last token (47), `other` + [5]
+    # its 2 (31), context[:33] 2 (31), context[:31] 1 (15). Four blocks: the others' blocks push the
+    # context's out, and only the fourth prompt (47), context[:33] (31) and context[:31] (15) find theirs.
+    # Together, each round's entrants run shortest first, an order of the engine's own.
+    assert reused == (47 + 47 + 31 + 47 + 31 + 15 if pool_tokens == 4096 else 47 + 31 + 15) or together and reused > 0
+    for prompt, a, b in zip(prompts, alone, pooled):
+        assert len(b.prompt_logprobs) == len(prompt) and b.prompt_logprobs[0] is None
+        np.testing.assert_allclose(b.prompt_logprobs[1:], a.prompt_logprobs[1:], rtol=1e-5, atol=1e-5)
+        assert [[t for t, _ in top] for top in b.prompt_top_logprobs[1:]] == \
+               [[t for t, _ in top] for top in a.prompt_top_logprobs[1:]]
+        assert b.tokens == a.tokens
+        want = jax.nn.log_softmax(model(jnp.asarray([prompt]))[0], -1)
+        np.testing.assert_allclose(b.prompt_logprobs[1:], want[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-5)
+
+
+def test_a_bad_pool_size_is_refused(model):
+    with pytest.raises(ConfigError, match="prefix_cache_tokens must be an integer >= 0, got -1"):
+        Engine(model, prefix_cache_tokens=-1)
