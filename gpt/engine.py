@@ -206,6 +206,11 @@ def prompt_buckets(longest: int) -> list[int]:
     return buckets + [longest]
 
 
+def _blocks(length: int) -> int:
+    """How many prefix-pool blocks cover `length` positions (a load or a save of a prefix that long)."""
+    return -(-length // PREFIX_BLOCK)
+
+
 @dataclasses.dataclass
 class _Chunked:
     """Requests whose prompts run a chunk per round before they enter their slots (`Engine._advance`).
@@ -237,7 +242,8 @@ class Engine:
       prefix_cache_tokens: positions of scored prompts (`Request.prompt_logprobs`) kept after their
         prefills (`gpt.prefix_cache`), so that one that begins like an earlier one runs only the rest;
         0 keeps none. Costs their keys and values (GPT-2 124M in float32: 72 KB a position), and scored
-        prompts then run over a cache of the full length. Not over a mesh's data axis.
+        prompts then run after a prefix of the prefill chunk's length (or the cache's, for a longer
+        prompt). Not over a mesh's data axis.
       quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
         (`gpt.decoding.decoding_weights`); a Decoder's own.
       mesh: run sharded over this mesh (`gpt.sharding.make_mesh`); a Decoder's own.
@@ -277,7 +283,6 @@ class Engine:
         self.decode_widths = decode_widths(slots, mesh)
         blocks = int(prefix_cache_tokens) // PREFIX_BLOCK if self.rows_per_prefill == 1 else 0
         self._index = PrefixIndex(blocks, PREFIX_BLOCK) if blocks else None
-        self._index_size = blocks
         with self._on_mesh():
             self._pool = compiled_init_pool(config, blocks) if blocks else None
         self._owners: list[Completion | None] = [None] * slots
@@ -420,12 +425,12 @@ class Engine:
             self._advance(warmup=True)
         for length in pooled:
             log(next(progress))
-            blocks = -(-length // PREFIX_BLOCK)
+            blocks = _blocks(length)
             with self._on_mesh():
                 prefix = compiled_load_prefix(self.config, self._pool, np.zeros((blocks,), np.int32),
                                               np.zeros((length,), np.int32), np.int32(1))
                 self._pool = compiled_save_blocks(self._pool, prefix, np.zeros((blocks,), np.int32),
-                                                  np.full((blocks,), self._index_size, np.int32))  # skips them all
+                                                  np.full((blocks,), self._index.blocks, np.int32))  # skips them all
         for width in self.decode_widths:
             log(next(progress))
             jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 1, False, width, []))
@@ -631,8 +636,7 @@ class Engine:
             for logprob, top in [score for _, scores in held for score in scores][1: done + 1]:
                 completion.prompt_logprobs.append(logprob)
                 completion.prompt_top_logprobs.append(top)
-            blocks = -(-length // PREFIX_BLOCK)
-            ids = np.zeros((blocks,), np.int32)
+            ids = np.zeros((_blocks(length),), np.int32)
             ids[: len(held)] = [block for block, _ in held]
             tokens = np.zeros((length,), np.int32)
             tokens[: len(request.prompt)] = request.prompt
@@ -645,8 +649,8 @@ class Engine:
         added = self._index.add(request.prompt, request.logprobs, scores)
         if not added:
             return
-        blocks = -(-prefix.cache.length // PREFIX_BLOCK)
-        starts, ids = np.zeros((blocks,), np.int32), np.full((blocks,), self._index_size, np.int32)  # past the end: skipped
+        blocks = _blocks(prefix.cache.length)
+        starts, ids = np.zeros((blocks,), np.int32), np.full((blocks,), self._index.blocks, np.int32)  # past the end: skipped
         starts[: len(added)], ids[: len(added)] = zip(*added)
         with self._on_mesh():
             self._pool = compiled_save_blocks(self._pool, prefix, starts, ids)

@@ -30,7 +30,7 @@ class PrefixIndex:
     """
 
     def __init__(self, blocks: int, block: int):
-        self.block = block
+        self.block, self.blocks = block, blocks
         self._free = list(range(blocks - 1, -1, -1))
         self._entries: collections.OrderedDict[bytes, tuple[int, list[TokenScore]]] = collections.OrderedDict()
 

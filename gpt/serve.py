@@ -77,7 +77,7 @@ class ServeConfig:
     prefix_cache_tokens: int = 0
     """Positions of scored prompts (echo + logprobs) to keep, so that one that begins like an earlier one
     (a multiple-choice item's choices) runs only the rest; 0 keeps none. GPT-2 124M keeps 72 KB a position
-    in float32: 32768 (2.4 GB) holds what lm-evaluation-harness's multiple-choice tasks share."""
+    in float32: 32768 (2.4 GB) held the contexts of bench/eval_bench.py's 200-item multiple-choice task."""
     model_name: str | None = None
     """The name clients pass as `model`; default: the last part of init_from."""
     dtype: DType = "float32"
