@@ -128,6 +128,7 @@ def _generate(path: Path, corpus_text: str, megabytes: int) -> None:
             written, number = written + len(line), number + 1
 
 
+@pytest.mark.slow
 def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, corpus_text):
     peaks = {}
     for megabytes in (10, 100):
@@ -142,6 +143,7 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, corpus_text):
     assert peaks[100] < 1 << 30, peaks
 
 
+@pytest.mark.slow
 def test_a_preparation_killed_after_its_first_shard_resumes_to_the_same_bytes(tmp_path, corpus_text):
     source = tmp_path / "corpus.jsonl"
     _generate(source, corpus_text, 12)
@@ -222,6 +224,7 @@ def test_non_utf8_bytes_become_replacement_characters(tmp_path):
     assert meta["replaced_invalid_utf8"] == 5000
 
 
+@pytest.mark.slow
 def test_the_cli_prepares_what_train_reads(tmp_path, corpus):
     result = subprocess.run([sys.executable, "-m", "gpt.data", "--data", corpus, "--out_dir", str(tmp_path / "d"),
                              "--workers", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)

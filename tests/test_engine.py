@@ -107,6 +107,7 @@ def test_a_request_cancelled_between_its_chunks_frees_its_slot(model):
     assert not engine.step() and engine.live_slots == 0  # nothing left over: no chunk runs for the cancelled one
 
 
+@pytest.mark.slow
 def test_chunked_prompts_sharing_a_prefill_over_a_mesh_give_what_each_gives_alone(model):
     """Over a mesh's data axis two prompts run each prefill and chunk together; the shorter one ends a chunk
     before the other, and is chosen from where it ended; and when one is cancelled between chunks, the

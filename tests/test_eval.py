@@ -74,6 +74,7 @@ def test_perplexity_equals_transformers_strided_recipe(tmp_path, corpus_text, st
         math.log(want) * scored / math.log(2) / len(text.encode()), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_per_input_and_overall_and_the_cli(tmp_path, corpus_text, capsys):
     _, directory = random_hf_gpt2(tmp_path, n_positions=CONTEXT, n_embd=32, n_layer=1, n_head=2)
     for name, part in [("a.txt", corpus_text[:3000]), ("b.txt", corpus_text[3000:5000])]:
@@ -107,6 +108,7 @@ def test_bad_input_is_one_line_before_any_compile(tmp_path):
         evaluate(EvalConfig(init_from=str(directory)))
 
 
+@pytest.mark.slow
 def test_a_runs_validation_split_scores_exp_of_its_loss_over_the_whole_split(tmp_path, corpus):
     from gpt.checkpoint import load_model
     from gpt.loader import shard_paths

@@ -17,6 +17,9 @@ from gpt.generate import generate, generate_text
 from gpt.sampling import SamplingParams, choose, filter_logits, penalize_repetition
 
 POSITIONS = ("learned", "sinusoidal", "rope")
+# The quick tier decodes with rotary positions, whose cache keys rotate by position (the others: slow).
+MODEL_POSITIONS = [pytest.param("learned", marks=pytest.mark.slow), pytest.param("sinusoidal", marks=pytest.mark.slow),
+                   "rope"]
 
 
 def scaled_model(position: str, scale: float = 4.0, seed: int = 0, **fields) -> GPT:
@@ -28,7 +31,7 @@ def scaled_model(position: str, scale: float = 4.0, seed: int = 0, **fields) -> 
     return model
 
 
-@pytest.fixture(scope="module", params=POSITIONS)
+@pytest.fixture(scope="module", params=MODEL_POSITIONS)
 def model(request):
     return scaled_model(request.param)
 

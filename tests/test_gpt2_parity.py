@@ -61,6 +61,7 @@ def test_pytorch_bin_is_read_without_pickles(tmp_path):
     assert np.abs(np.asarray(gpt2.load(directory)(tokens)) - hf_logits(hf_model, tokens)).max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(tmp_path):
     """64 greedy tokens at the real gpt2 shapes. The matrices are scaled x2 so that the top-2 logit gap
     along the path stays far above float noise (random init gives near-ties); the test checks the gaps,

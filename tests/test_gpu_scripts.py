@@ -6,11 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from training import ROOT
 
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
 
 
+@pytest.mark.slow
 def test_gpu_bench_smoke_measures_every_configuration_and_the_torch_peer(tmp_path):
     rows_path = tmp_path / "rows.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--smoke", "--json", str(rows_path)],
@@ -28,6 +31,7 @@ def test_gpu_bench_smoke_measures_every_configuration_and_the_torch_peer(tmp_pat
     assert "| gpt (jax) | smoke | True | True | 4 x 2 |" in done.stdout
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_passes_and_reports_every_check():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke"], env=ENV,
                           capture_output=True, text=True, timeout=300)

@@ -86,6 +86,7 @@ def responses(results, task) -> list:
     return [sample["filtered_resps"] for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokenized_requests", [True, False])
 def test_local_completions_scores_what_the_hf_backend_scores(setup, tokenized_requests):
     server, names, manager, reference = setup

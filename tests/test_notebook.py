@@ -15,6 +15,7 @@ def test_notebook_is_committed_without_outputs():
     assert not stale, f"cells {stale} carry outputs: clear them (jupyter nbconvert --clear-output --inplace)"
 
 
+@pytest.mark.slow
 def test_notebook_runs_clean(tmp_path):
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError

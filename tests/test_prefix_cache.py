@@ -47,6 +47,7 @@ def model():
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("together", [False, True], ids=["one-by-one", "together"])
 @pytest.mark.parametrize("pool_tokens", [4096, 64], ids=["roomy", "evicting"])
 def test_scored_prompts_that_share_a_beginning_give_what_they_give_without_the_pool(model, pool_tokens, together):

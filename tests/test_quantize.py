@@ -55,6 +55,7 @@ def test_logits_stay_close_to_float32(quantize, bound):
     assert float(jnp.abs(got - reference).max()) < bound * float(reference.max() - reference.min())
 
 
+@pytest.mark.slow
 def test_no_float_copy_of_a_quantized_matrix_in_the_decode_loop():
     # Distinctive sizes: D = 48, qkv 144, MLP 192, vocabulary 300. A float32 array of any quantized
     # matrix's shape (either orientation) in the compiled decode program would be a dequantized copy.
@@ -84,6 +85,7 @@ def trained(tmp_path_factory, corpus):
 AGREE_STEPS = 24
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize", ["int8", "bf16"])
 def test_greedy_tokens_agree_with_float32_on_a_trained_model(trained, quantize):
     from gpt.tokenizer import get_tokenizer
@@ -94,6 +96,7 @@ def test_greedy_tokens_agree_with_float32_on_a_trained_model(trained, quantize):
     assert got == want
 
 
+@pytest.mark.slow
 def test_engine_guarantees_hold_with_int8():
     model = GPT(GPTConfig.preset("tiny", block_size=128), rngs=nnx.Rngs(0))
     nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, nnx.state(model, nnx.Param)))

@@ -55,6 +55,7 @@ def stop(process: subprocess.Popen) -> None:
 
 # ------------------------------------------------------------------------------------------ finite only
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_and_every_saved_checkpoint_is_finite(tmp_path, corpus):
     with pytest.raises(NonFiniteStep, match=r"step \d+ gave a non-finite .*it was not saved"):
         run(tmp_path, corpus, max_steps=30, lr=1e4, min_lr=1.0, checkpoint_interval=1)
@@ -74,6 +75,7 @@ def test_a_diverging_run_stops_and_every_saved_checkpoint_is_finite(tmp_path, co
 
 # ------------------------------------------------------------------------------------------ one writer
 
+@pytest.mark.slow
 def test_one_writer_per_out_dir_and_a_killed_runs_lock_does_not_block_its_resume(tmp_path, corpus):
     out = tmp_path / "run"
     flags = cli_flags(data=(corpus,), out_dir=str(out), max_steps=100000, checkpoint_interval=5, log_interval=1,
@@ -113,6 +115,7 @@ def test_one_writer_per_out_dir_and_a_killed_runs_lock_does_not_block_its_resume
     assert logged_steps(out) == list(range(1, last + 3)), "the steps after the checkpoint were logged again, once"
 
 
+@pytest.mark.slow
 def test_a_second_run_in_the_same_process_is_refused_while_the_first_holds_the_lock(tmp_path, corpus):
     from gpt.run_dir import RunLock
 
@@ -124,6 +127,7 @@ def test_a_second_run_in_the_same_process_is_refused_while_the_first_holds_the_l
 
 # ------------------------------------------------------------------------------------------ identity
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, field", [
     ("corpus", "corpus.sha256"),
     ("width", "model.n_embd: 64 -> 32"),
@@ -172,6 +176,7 @@ def _edit_checksum(step_dir: Path) -> None:
     path.write_text(json.dumps(metadata))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [_flip_bytes, _truncate, _edit_checksum], ids=["flipped", "truncated", "checksum"])
 def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_run_resumes_from_the_previous(tmp_path, corpus, damage):
     straight = run(tmp_path / "a", corpus, max_steps=6)
@@ -189,6 +194,7 @@ def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_run_resumes_from_the
         np.testing.assert_array_equal(a, b)  # the same as a run that never stopped (and so resumed from 2)
 
 
+@pytest.mark.slow
 def test_sampling_skips_a_corrupt_checkpoint_without_moving_it(tmp_path, corpus, capsys):
     run(tmp_path, corpus, max_steps=4, checkpoint_interval=2)
     out = tmp_path / "run"
@@ -209,6 +215,7 @@ def _tmpfs(path: Path, size: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path, corpus):
     disk = tmp_path / "small_disk"
     if not _tmpfs(disk, "40m"):
@@ -234,6 +241,7 @@ def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path,
 
 # ------------------------------------------------------------------------------------------ clear failures
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, flags, message", [
     ("train.py", ["--data", "/no/such/file.txt"], "'/no/such/file.txt' is not a file, a directory or a matching glob"),
     ("train.py", ["--data", "/bin/ls"], "'/bin/ls' is binary (a NUL byte in its first 8192 bytes)"),
@@ -262,6 +270,7 @@ def test_user_errors_are_one_line_exit_2_and_come_before_any_compile(tmp_path, s
     assert "Compiling" not in result.stderr and "Finished XLA compilation" not in result.stderr, "compiled first"
 
 
+@pytest.mark.slow
 def test_newcomer_defaults_work(tmp_path, corpus, capsys):
     assert TrainConfig(max_steps=10).warmup == 1 and TrainConfig().warmup == 30  # short runs clamp the warmup
     with pytest.raises(ConfigError, match=r"warmup_steps=10 must be in \[0, max_steps=10\)"):
@@ -309,6 +318,7 @@ def test_every_flag_has_help(capsys):
 
 # ------------------------------------------------------------------------------------------ signals, multi-host
 
+@pytest.mark.slow
 def test_two_processes_one_device_each_stop_together_when_only_one_gets_sigterm(tmp_path, corpus):
     out = tmp_path / "run"
     port = free_port()
@@ -331,6 +341,7 @@ def test_two_processes_one_device_each_stop_together_when_only_one_gets_sigterm(
     assert is_finite(jax.tree.leaves(load_model(out)))
 
 
+@pytest.mark.slow
 def test_a_process_that_waits_too_long_for_the_corpus_stops_with_a_clear_error(tmp_path, corpus_text):
     """Process 0 prepares the corpus while the others wait at a barrier; past --prepare_timeout_s they
     stop with a one-line error naming the directory and the bound, and no checkpoint is written."""
@@ -389,6 +400,7 @@ main(sys.argv[1])
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where, status, name", [("body", 130, "SIGINT"), ("finalizer", 143, "SIGTERM")])
 def test_a_signal_stops_a_cli_at_once_with_one_line(where, status, name):
     result = subprocess.run([sys.executable, "-c", _SIGNALLED_CLI, where], capture_output=True, text=True,
@@ -398,6 +410,7 @@ def test_a_signal_stops_a_cli_at_once_with_one_line(where, status, name):
     assert "never here" not in result.stdout
 
 
+@pytest.mark.slow
 def test_when_a_process_dies_the_other_says_which_in_one_line_and_a_restart_resumes(tmp_path, corpus):
     out = tmp_path / "run"
     env = {**ENV, "JAX_PLATFORMS": "cpu"}

@@ -100,6 +100,7 @@ def test_sixteen_concurrent_clients_get_their_single_request_results(server, mod
     assert got == [alone(model, p, m) for p, m in zip(prompts, max_tokens)]
 
 
+@pytest.mark.slow
 def test_a_server_over_a_device_mesh_answers_as_one_device_does(model):
     from gpt.sharding import make_mesh
 
@@ -260,6 +261,7 @@ def test_metrics_are_exported(server):
     assert float(tokens.split()[1]) >= 6
 
 
+@pytest.mark.slow
 def test_a_full_queue_gets_429_and_a_disconnect_frees_the_slot(model):
     server = Server(model, slots=1, max_queue=1, cache_length=128)
     try:
@@ -285,6 +287,7 @@ def test_a_full_queue_gets_429_and_a_disconnect_frees_the_slot(model):
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_signal_during_warm_up_stops_the_server_at_once(tmp_path, model):
     gpt2.save(model, tmp_path / "model")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
@@ -301,6 +304,7 @@ def test_a_signal_during_warm_up_stops_the_server_at_once(tmp_path, model):
         process.communicate()  # reaps it and closes its pipes
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_running_requests_and_exits(tmp_path, model):
     gpt2.save(model, tmp_path / "model")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}

@@ -30,7 +30,7 @@ def reference(tmp_path_factory):
     return hf, gpt2.load(directory)
 
 
-@pytest.fixture(scope="module", params=[256, 16], ids=["whole-prefill", "chunked-prefill"])
+@pytest.fixture(scope="module", params=[256, pytest.param(16, marks=pytest.mark.slow)], ids=["whole-prefill", "chunked-prefill"])
 def server(request, reference):
     server = Server(reference[1], slots=4, max_queue=16, cache_length=128, prefill_chunk=request.param)
     yield server
@@ -99,6 +99,7 @@ def test_echo_streams_what_it_answers_whole(server):
     assert plain.choices[0].text == whole.choices[0].text and plain.choices[0].logprobs is None
 
 
+@pytest.mark.slow
 def test_a_stop_token_is_reported_in_the_logprobs_and_not_in_the_text(tmp_path):
     """A model that always predicts <|endoftext|>: an echo request with max_tokens 1 generates nothing (the
     stop token ends it), and its logprobs still end with that token, as OpenAI and vLLM report it, so that

@@ -23,7 +23,9 @@ from gpt.train import TrainConfig, train
 from training import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4), (1, 1, 8)]  # (data, fsdp, tensor)
+# (data, fsdp, tensor); the quick tier runs the one with all three axes.
+MESHES = [pytest.param((8, 1, 1), marks=pytest.mark.slow), (2, 2, 2), pytest.param((1, 2, 4), marks=pytest.mark.slow),
+          pytest.param((1, 1, 8), marks=pytest.mark.slow)]
 # Every sharded dimension divides by every mesh above: 8 heads, width 64, MLP 256, vocabulary 256.
 CONFIG = GPTConfig.preset("tiny", n_head=8, n_embd=64)
 
@@ -148,6 +150,7 @@ def test_greedy_generate_matches_one_device(shape, decisive_model):
     assert len(set(map(tuple, want))) == 3  # the rows differ, so a mixed-up row would show
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_process_with_four_devices(tmp_path, corpus_text):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(corpus_text[:100_000])

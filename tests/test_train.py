@@ -20,6 +20,7 @@ from gpt.tokenizer import get_tokenizer
 from training import MODEL, ROOT, cli_flags, flat, run
 
 
+@pytest.mark.slow
 def test_validation_loss_falls_well_below_the_unigram_loss(tmp_path, prose_text):
     # The bound: the validation loss of the best model that ignores context (the training split's unigram
     # frequencies, 6.22 nats on this prose). Beating it by 0.3 nats (perplexity 505 -> under 374) can only
@@ -34,6 +35,7 @@ def test_validation_loss_falls_well_below_the_unigram_loss(tmp_path, prose_text)
     assert summary.val_loss < bound - 0.3, (summary.val_loss, bound)
 
 
+@pytest.mark.slow
 def test_resume_is_exact(tmp_path, corpus):
     straight = run(tmp_path / "a", corpus, max_steps=8)
     first = run(tmp_path / "b", corpus, max_steps=8, stop_after=4)
@@ -44,6 +46,7 @@ def test_resume_is_exact(tmp_path, corpus):
         np.testing.assert_array_equal(a, b)  # bitwise: same batches, same float32 ops on CPU
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_a_restorable_checkpoint(tmp_path, corpus):
     out = tmp_path / "run"
     command = [sys.executable, str(ROOT / "train.py"), *cli_flags(data=(corpus,), out_dir=str(out), max_steps=100000,
@@ -65,6 +68,7 @@ def test_sigterm_leaves_a_restorable_checkpoint(tmp_path, corpus):
     assert load_model(out).config.n_layer == 2
 
 
+@pytest.mark.slow
 def test_half_written_checkpoint_is_never_picked_up(tmp_path, corpus):
     run(tmp_path, corpus, max_steps=8, stop_after=4)
     checkpoints = tmp_path / "run" / "checkpoints"
@@ -75,6 +79,7 @@ def test_half_written_checkpoint_is_never_picked_up(tmp_path, corpus):
     assert resumed.start_step == 4 and resumed.step == 8
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 def test_checkpoint_moves_between_8_devices_and_1(tmp_path, corpus):
     eight = run(tmp_path / "a", corpus, max_steps=6, stop_after=3, mesh="data=2,fsdp=4")
@@ -104,6 +109,7 @@ def test_bad_inputs_get_clear_errors(tmp_path, corpus):
         run(tmp_path, corpus, block_size=512)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
     run(tmp_path, corpus, max_steps=8, stop_after=4)
     with pytest.raises(NonFiniteStep, match=r"step [0-9]+ gave a non-finite .*it was not saved. The newest checkpoint, step 4"):
@@ -113,6 +119,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corp
     manager.close()
 
 
+@pytest.mark.slow
 def test_metrics_are_logged(tmp_path, corpus):
     run(tmp_path, corpus, max_steps=10, eval_interval=5)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -122,6 +129,7 @@ def test_metrics_are_logged(tmp_path, corpus):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "run" / "tensorboard").iterdir())
 
 
+@pytest.mark.slow
 def test_sample_and_export_from_a_training_run(tmp_path, corpus):
     import io
 

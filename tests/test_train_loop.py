@@ -69,6 +69,7 @@ def test_leaving_a_prefetch_early_stops_its_thread():
 
 # ------------------------------------------------------------------------------------------ the loop
 
+@pytest.mark.slow
 def test_a_step_that_turns_non_finite_while_the_loop_runs_ahead_is_named_and_nothing_after_it_is_saved(
         tmp_path, corpus, monkeypatch):
     # Step 5's input parameters are made NaN on the device (no host sync). Steps 1-3 log at 3 (read after
@@ -99,6 +100,7 @@ def test_a_step_that_turns_non_finite_while_the_loop_runs_ahead_is_named_and_not
     assert logged == [3], "nothing after the non-finite step is logged"
 
 
+@pytest.mark.slow
 def test_the_logged_losses_are_those_of_a_synchronous_run_of_the_same_config(tmp_path, corpus):
     config = TrainConfig(**{**TINY, "data": (corpus,), "out_dir": str(tmp_path / "run"), "max_steps": 9,
                             "log_interval": 4, "eval_interval": 100, "checkpoint_interval": 100})
@@ -122,6 +124,7 @@ def test_the_logged_losses_are_those_of_a_synchronous_run_of_the_same_config(tmp
     assert [r["loss"] for r in logged] == [float(np.mean(losses[0:4])), float(np.mean(losses[4:8])), losses[8]]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git, to take the synchronous loop from history")
 def test_a_run_directory_written_by_the_synchronous_loop_resumes_bitwise(tmp_path, corpus):
     old = tmp_path / "old-code"
