@@ -1,5 +1,5 @@
 """The decoding engine on the caller's thread: continuous batching, per-request seeds, cancellation,
-the queue bound, no compile after warm-up; and incremental detokenization with stop strings."""
+the queue bound, no compile after warm-up."""
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +12,6 @@ from gpt.decoding import Admission, Decoder, Settings, decode, init_slots, prefi
 from gpt.engine import Engine, QueueFull, Request
 from gpt.errors import ConfigError
 from gpt.generate import generate
-from gpt.text_stream import TextStream
-from gpt.tokenizer import get_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -309,24 +307,3 @@ def test_extreme_knobs_run_beside_other_requests(model):
     assert running.tokens == generate(model, [[3, 4, 5]], 12, temperature=0)[0]
     assert extreme.tokens == generate(model, [[1, 2]], 8, temperature=0)[0]
 
-
-def test_text_stream_releases_whole_characters_and_holds_back_stop_strings():
-    tokenizer = get_tokenizer()
-    text = "naïve café — 東京 and more"
-    tokens = tokenizer.encode(text)
-    stream, pieces = TextStream(), []
-    for token in tokens:
-        stream.push(token)
-        pieces.append(stream.take())
-    pieces.append(stream.finish())
-    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
-    assert len(tokens) > len([p for p in pieces if p])  # some characters took several tokens
-
-    stream, shown = TextStream(["and m"]), ""
-    for token in tokens:
-        stopped = stream.push(token)
-        shown += stream.take()
-        assert "and" not in shown  # the start of the stop string is never shown early
-        if stopped:
-            break
-    assert stopped and shown + stream.finish() == "naïve café — 東京 "

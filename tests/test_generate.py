@@ -1,8 +1,7 @@
-"""KV-cache decoding against the plain forward, ragged batches, bucketing, sampling rules and bad input."""
+"""generate: KV-cache decoding against the plain forward, ragged batches, bucketing, stops, streaming and bad input."""
 
 import concurrent.futures
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,11 +9,9 @@ from flax import nnx
 
 from gpt import GPT, GPTConfig, KVCache
 from gpt.errors import ConfigError
-from gpt.attention import attend, attend_paged
 from gpt.decoding import compiled_programs
 from gpt.engine import Engine
 from gpt.generate import generate, generate_text
-from gpt.sampling import SamplingParams, choose, filter_logits, penalize_repetition
 
 POSITIONS = ("learned", "sinusoidal", "rope")
 # The quick tier decodes with rotary positions, whose cache keys rotate by position (the others: slow).
@@ -58,49 +55,6 @@ def test_cached_decoding_equals_plain_forward(model):
     for row in range(2):
         plain = np.asarray(model(jnp.asarray(rows[row][None])))[0]
         np.testing.assert_allclose(np.concatenate(cached[row]), plain, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("page_length", [320, 128, 48, 13])
-@pytest.mark.parametrize("furthest", [39, 150, 319])
-def test_paged_decode_attention_equals_masked_attention(page_length, furthest):
-    # attend_paged reads page 0 and every page that the furthest row has reached (one page: the whole
-    # cache under the mask; 13: 25 pages, the last 8 slots long); either way it must equal plain attention
-    # under the mask "slots 0..position", whatever the cache holds beyond each row's position.
-    rng = np.random.default_rng(0)
-    B, N, S, H = 4, 3, 320, 8
-    q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
-    k, v = (jnp.asarray(rng.normal(size=(B * N, S, H)), jnp.float32) for _ in range(2))
-    positions = jnp.asarray([[0], [17], [furthest], [31]], jnp.int32)
-    mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
-    starts = range(0, S, page_length)
-    k_pages, v_pages = (tuple(x[:, start:start + page_length] for start in starts) for x in (k, v))
-    np.testing.assert_allclose(np.asarray(jax.jit(attend_paged)(q, k_pages, v_pages, positions)),
-                               np.asarray(attend(q, k, v, mask)), atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("page_length", [None, 8, 5])
-def test_paged_cache_writes_and_inserts_like_one_buffer(page_length):
-    # A prefill's cache inserted into some rows, then a decode write at each row's own position: every
-    # page holds exactly the slots that one buffer would, and `layer` joins them back.
-    config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=8)
-    rng = np.random.default_rng(1)
-    B, N, H, S = 3, config.n_head, config.head_dim, 21
-    fresh = KVCache.init(config, 2, 7)
-    k_new, v_new = (jnp.asarray(rng.normal(size=(2, 7, N, H)), jnp.float32) for _ in range(2))
-    fresh = fresh.write(1, k_new, v_new, jnp.broadcast_to(jnp.arange(7), (2, 7)))
-    cache = KVCache.init(config, B, S, page_length).insert(fresh, jnp.asarray([2, 0]), jnp.asarray([7, 4]))
-    k_step, v_step = (jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32) for _ in range(2))
-    positions = jnp.asarray([[4], [19], [7]], jnp.int32)
-    cache = cache.write(1, k_step, v_step, positions)
-
-    want_k = np.zeros((B, N, S, H), np.float32)
-    want_k[[2, 0], :, :7] = np.asarray(k_new).transpose(0, 2, 1, 3)
-    want_k[np.arange(B), :, positions[:, 0]] = np.asarray(k_step)[:, 0]
-    np.testing.assert_array_equal(np.asarray(cache.layer(1)[0]), want_k.reshape(B * N, S, H))
-    np.testing.assert_array_equal(np.asarray(cache.layer(0)[0]), 0)
-    assert [page.shape[1] for page in cache.pages(1)[0]] == (
-        [S] if page_length is None else [page_length] * (S // page_length) + [S % page_length] * (S % page_length > 0))
-    np.testing.assert_array_equal(np.asarray(cache.lengths), [4, 0, 7])
 
 
 def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
@@ -155,56 +109,6 @@ def test_seeds_reproduce(model):
     sample = lambda seed: generate(model, [[1, 2, 3], [4]], 20, temperature=1.0, seed=seed)  # noqa: E731
     assert sample(3) == sample(3)
     assert sample(3) != sample(4)
-
-
-def _draws(logits_V, params, n=4000):
-    logits = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, len(logits_V)))
-    seen = jnp.zeros(logits.shape, bool)
-    return np.asarray(choose(logits, seen, params, jax.random.split(jax.random.key(0), n)))
-
-
-LOGITS = np.log(np.array([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02]))
-
-
-@pytest.mark.parametrize(
-    "knobs, allowed",
-    [
-        (dict(top_k=3), {0, 1, 2}),
-        (dict(top_p=0.6), {0, 1, 2}),  # 0.30 + 0.25 < 0.6, adding 0.15 reaches it
-        (dict(top_p=0.25), {0}),
-        (dict(min_p=0.45), {0, 1, 2}),  # p >= 0.45 * 0.30 = 0.135
-        # top-k renormalizes over 5 tokens (0.90 in all), so the mass before token 4 is 0.82 / 0.90 > 0.9.
-        (dict(top_k=5, top_p=0.9, min_p=0.3), {0, 1, 2, 3}),
-    ],
-)
-def test_filters_never_emit_excluded_tokens(knobs, allowed):
-    draws = _draws(LOGITS, SamplingParams.create(temperature=1.0, **knobs))
-    assert set(draws.tolist()) == allowed  # every allowed token appears, no other one does
-
-
-@pytest.mark.parametrize("extreme, meaning", [
-    (dict(top_k=10**13), dict()),  # past int32: every token kept, as with any k >= the vocabulary
-    (dict(top_p=1e-300), dict(top_k=1)),  # float32 rounds it to 0: the most likely token only
-])
-def test_extreme_knobs_keep_their_meaning(extreme, meaning):
-    logits = LOGITS[::-1]  # the most likely token last: an all-excluded row would draw token 0
-    draws = lambda knobs: _draws(logits, SamplingParams.create(temperature=1.0, **knobs), n=500)  # noqa: E731
-    np.testing.assert_array_equal(draws(extreme), draws(meaning))
-
-
-def test_filter_threshold_matches_definition():
-    params = SamplingParams.create(temperature=1.0, top_p=0.6)
-    kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(LOGITS)[None], params))[0])
-    assert kept.tolist() == [True, True, True, False, False, False, False, False]
-
-
-def test_repetition_penalty_as_defined():
-    logits = jnp.asarray([[2.0, -1.0, 0.5, 1.0]])
-    seen = jnp.asarray([[True, True, False, False]])
-    penalized = np.asarray(penalize_repetition(logits, seen, jnp.float32(2.0)))
-    np.testing.assert_allclose(penalized, [[1.0, -2.0, 0.5, 1.0]])
-    before, after = jax.nn.softmax(logits), jax.nn.softmax(jnp.asarray(penalized))
-    assert after[0, 0] < before[0, 0] and after[0, 1] < before[0, 1]
 
 
 def test_repetition_penalty_changes_greedy_path(model):
@@ -301,27 +205,3 @@ def test_bad_input_fails_before_compiling(prompts, kwargs, message):
         generate(model, prompts, **kwargs)
     assert compiled_programs() == size
 
-
-def _reference_threshold(logits_V, k, p):
-    """top-k then top-p as defined by a descending sort (numpy, float64): the smallest kept logit."""
-    order = np.sort(logits_V)[::-1]
-    kept = order[:k]
-    probs = np.exp(kept - kept.max())
-    probs /= probs.sum()
-    mass_before = np.cumsum(probs) - probs
-    return kept[mass_before < p].min() if p < 1 else kept.min()
-
-
-def test_top_k_and_top_p_keep_what_a_sort_would_keep():
-    # Rows of GPT-2's vocabulary size with their own knobs; the ranking must agree with a full sort.
-    rng = np.random.default_rng(0)
-    logits = (rng.standard_normal((8, 50257)) * 3).astype(np.float32)
-    top_k = np.array([0, 1, 40, 50257, 0, 7, 1000, 0], np.int32)
-    top_p = np.array([0.9, 1.0, 0.5, 0.95, 1.0, 0.99, 0.2, 0.001], np.float32)
-    params = SamplingParams(temperature=np.ones(8, np.float32), top_k=top_k, top_p=top_p,
-                            min_p=np.zeros(8, np.float32), repetition_penalty=np.ones(8, np.float32))
-    kept = np.isfinite(np.asarray(jax.jit(filter_logits)(jnp.asarray(logits), params)))
-    for row in range(8):
-        k = top_k[row] or 50257
-        threshold = _reference_threshold(logits[row].astype(np.float64), k, float(top_p[row]))
-        np.testing.assert_array_equal(kept[row], logits[row] >= threshold, err_msg=f"row {row}")
