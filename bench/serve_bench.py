@@ -36,7 +36,8 @@ import jax
 import numpy as np
 
 from gpt import gpt2
-from gpt.engine import Engine, Request
+from gpt.engine import Engine
+from gpt.request import Request
 from gpt.generate import generate
 from machine import cpu_name
 

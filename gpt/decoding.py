@@ -27,14 +27,13 @@ from gpt.kv_cache import PAGE_LENGTH, KVCache
 from gpt.errors import ConfigError
 from gpt.layouts import QUANTIZED_LAYOUTS, OutputMajor
 from gpt.model import GPT, Weights, forward, lm_head, unstack
-from gpt.sampling import SamplingParams, choose
+from gpt.sampling import TOP_LOGPROBS, SamplingParams, choose
 from gpt.sharding import shard_state
 
 __all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
            "PrefixPool", "init_pool", "save_blocks", "load_prefix", "PREFIX_BLOCK", "init_slots",
-           "init_prefix", "extend", "prefill", "decode", "compiled_programs", "TOP_LOGPROBS", "NO_TOKEN"]
+           "init_prefix", "extend", "prefill", "decode", "compiled_programs", "NO_TOKEN"]
 
-TOP_LOGPROBS = 5  # J: the most alternatives a request may ask logprobs for (the OpenAI API's own bound)
 NO_TOKEN = -1  # an Emitted entry where a slot produced nothing (free or finished)
 
 # How many leading axes of each kernel (after the layer axis) are its inputs.

@@ -33,20 +33,20 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from gpt.decoding import (NO_TOKEN, PREFIX_BLOCK, TOP_LOGPROBS, Admission, Decoder, Prefix, Settings,
+from gpt.decoding import (NO_TOKEN, PREFIX_BLOCK, Admission, Decoder, Prefix, Settings,
                           compiled_decode, compiled_extend, compiled_init_pool, compiled_init_prefix,
                           compiled_init_slots, compiled_load_prefix, compiled_prefill, compiled_programs,
                           compiled_save_blocks)
 from gpt.errors import ConfigError
 from gpt.model import GPT
 from gpt.prefix_cache import PrefixIndex
+from gpt.request import Request, check_request, is_int
 from gpt.sampling import SamplingParams
 from gpt.sharding import data_parallel_size
 from gpt.text_stream import TextStream
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["Engine", "Request", "Completion", "QueueFull", "EngineStopped", "MIN_PROMPT_BUCKET", "check_prompt",
-           "check_stop_tokens", "is_int", "prompt_buckets", "decode_widths"]
+__all__ = ["Engine", "Completion", "QueueFull", "EngineStopped", "MIN_PROMPT_BUCKET", "prompt_buckets", "decode_widths"]
 
 MIN_PROMPT_BUCKET = 16
 
@@ -57,37 +57,6 @@ class QueueFull(Exception):
 
 class EngineStopped(Exception):
     """The engine is shutting down and admits nothing new (HTTP 503)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One completion to generate. Knobs as in `gpt.sampling.SamplingParams` (temperature 0 is greedy).
-
-    seed, stream: integers (taken modulo 2**32); the request's draws are a pure function of (seed, stream,
-      model, prompt, knobs), whatever else the engine is running; `generate` gives the rows of one call
-      streams 0, 1, ...
-    stop_tokens: an id, or ids, that end the completion (not emitted). stop_strings: a text, or texts, that
-      end it once its decoded output contains one (`Completion.text` is cut before it).
-    logprobs: how many most likely alternatives to report for each token (0..5); the chosen token's own
-      log-probability is always recorded.
-    prompt_logprobs: score the prompt too: each of its tokens' log-probability given those before it
-      (and its `logprobs` alternatives), computed in the prefill that runs it. With it, max_tokens may
-      be 0: the prompt is scored and nothing generated.
-    """
-
-    prompt: Sequence[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    seed: int = 0
-    stream: int = 0
-    stop_tokens: int | Sequence[int] = ()
-    stop_strings: Sequence[str] | str = ()
-    logprobs: int = 0
-    prompt_logprobs: bool = False
 
 
 # A prefill's row that goes nowhere: over a mesh's data axis a prefill runs rows_per_prefill rows.
@@ -151,37 +120,6 @@ class Completion:
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
         self.done.set()
-
-
-def check_prompt(prompt, vocab_size: int, name: str = "prompt") -> np.ndarray:
-    """The prompt as int32 token ids [T]; ConfigError naming `name` when it is empty, not integer ids,
-    or holds an id outside [0, vocab_size)."""
-    ids = np.asarray([] if isinstance(prompt, (str, bytes)) else prompt)
-    if ids.size == 0:
-        raise ConfigError(f"{name} is empty: it needs at least one token")
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ConfigError(f"{name} must be a list of integer token ids, got {ids.ndim}-D {ids.dtype}")
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-        raise ConfigError(f"{name} has token id {bad} outside the vocabulary [0, {vocab_size})")
-    return ids.astype(np.int32)
-
-
-def is_int(value) -> bool:
-    """A Python or numpy integer, and not a bool (which Python counts as one)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def check_stop_tokens(stop_tokens, vocab_size: int) -> tuple[int, ...]:
-    """`stop_tokens` (one id or a list of them) as a tuple of ints; ConfigError when it is anything else
-    or holds an id outside [0, vocab_size)."""
-    if is_int(stop_tokens):
-        stop_tokens = [stop_tokens]
-    if not isinstance(stop_tokens, (list, tuple)) or not all(map(is_int, stop_tokens)):
-        raise ConfigError(f"stop_tokens must be a token id or a list of them, got {stop_tokens!r}")
-    if any(not 0 <= t < vocab_size for t in stop_tokens):
-        raise ConfigError(f"stop_tokens {list(stop_tokens)} must be ids in [0, {vocab_size})")
-    return tuple(int(t) for t in stop_tokens)
 
 
 def decode_widths(num_slots: int, mesh: Mesh | None) -> list[int]:
@@ -302,32 +240,7 @@ class Engine:
         """Raise ConfigError naming the first field of `request` outside its bound (nothing compiles);
         else return its knobs as host values (a row of an admission's settings). Whatever a client sends
         fails here, on its own thread, never in a round, where it would end every running request."""
-        config = self.config
-        ids = check_prompt(request.prompt, config.vocab_size)
-        if not isinstance(request.prompt_logprobs, (bool, np.bool_)):
-            raise ConfigError(f"prompt_logprobs must be true or false, got {request.prompt_logprobs!r}")
-        if not is_int(request.max_tokens) or request.max_tokens < 1 - request.prompt_logprobs:
-            only = "; 0 only when the prompt is scored (prompt_logprobs)" if not request.prompt_logprobs else ""
-            raise ConfigError(f"max_tokens must be an integer >= {1 - request.prompt_logprobs}, "
-                              f"got {request.max_tokens!r}{only}")
-        if ids.size + request.max_tokens > self.cache_length:
-            raise ConfigError(
-                f"the prompt has {ids.size} tokens; with max_tokens={request.max_tokens} that is "
-                f"{ids.size + request.max_tokens}, beyond the context of {self.cache_length} tokens")
-        SamplingParams.check(request.temperature, request.top_k, request.top_p, request.min_p,
-                             request.repetition_penalty)
-        stops = check_stop_tokens(request.stop_tokens, config.vocab_size)
-        if len(stops) > self.max_stop_tokens:
-            raise ConfigError(f"stop_tokens has {len(stops)} ids; at most {self.max_stop_tokens} are allowed")
-        strings = request.stop_strings
-        if not isinstance(strings, str) and (not isinstance(strings, (list, tuple))
-                                             or not all(isinstance(s, str) for s in strings)):
-            raise ConfigError(f"stop_strings must be a string or a list of strings, got {strings!r}")
-        if not is_int(request.logprobs) or not 0 <= request.logprobs <= TOP_LOGPROBS:
-            raise ConfigError(f"logprobs must be an integer in [0, {TOP_LOGPROBS}], got {request.logprobs!r}")
-        for name in ("seed", "stream"):  # any integer: taken modulo 2**32
-            if not is_int(getattr(request, name)):
-                raise ConfigError(f"{name} must be an integer, got {getattr(request, name)!r}")
+        stops = check_request(request, self.config.vocab_size, self.cache_length, self.max_stop_tokens)
         return self._settings(request, stops)
 
     def submit(self, request: Request, on_update: Callable[[Completion], None] | None = None) -> Completion:

@@ -18,7 +18,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from gpt.decoding import Decoder
-from gpt.engine import Engine, Request, check_prompt, check_stop_tokens, is_int, prompt_buckets
+from gpt.engine import Engine, prompt_buckets
+from gpt.request import Request, check_prompts, check_stop_tokens, is_int
 from gpt.errors import ConfigError
 from gpt.model import GPT
 from gpt.sampling import SamplingParams
@@ -32,25 +33,6 @@ _MIN_NEW_BUCKET = 16
 
 def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
-
-
-def _validate_prompts(prompts, max_new_tokens: int, config) -> list[list[int]]:
-    if isinstance(prompts, (np.ndarray, jax.Array)) and prompts.ndim == 2:
-        prompts = list(np.asarray(prompts))  # a batch of equal-length prompts, [B, T]
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ConfigError("prompts must be a non-empty list of token-id lists, or a 2-D array of them")
-    if not is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    checked = []
-    for row, prompt in enumerate(prompts):
-        ids = check_prompt(prompt, config.vocab_size, f"prompt {row}")
-        if ids.size + max_new_tokens > config.block_size:
-            raise ConfigError(
-                f"prompt {row} has {ids.size} tokens; with max_new_tokens={max_new_tokens} that is "
-                f"{ids.size + max_new_tokens}, beyond the model's context of {config.block_size} tokens"
-            )
-        checked.append(ids.tolist())
-    return checked
 
 
 def new_tokens_that_fit(config, prompt: str, wanted: int) -> int:
@@ -109,7 +91,7 @@ def generate(
       One list of new token ids per prompt.
     """
     config = model.config
-    prompts = _validate_prompts(prompts, max_new_tokens, config)
+    prompts = check_prompts(prompts, max_new_tokens, config.vocab_size, config.block_size)
     max_new_tokens = int(max_new_tokens)  # a numpy integer too
     SamplingParams.check(temperature, top_k, top_p, min_p, repetition_penalty)
     stop_tokens = check_stop_tokens(stop_tokens, config.vocab_size)

@@ -14,7 +14,9 @@ import numpy as np
 
 from gpt.errors import ConfigError
 
-__all__ = ["SamplingParams", "penalize_repetition", "filter_logits", "choose"]
+__all__ = ["SamplingParams", "penalize_repetition", "filter_logits", "choose", "TOP_LOGPROBS"]
+
+TOP_LOGPROBS = 5  # J: the most alternatives a request may ask logprobs for (the OpenAI API's own bound)
 
 
 @jax.tree_util.register_dataclass

@@ -46,7 +46,8 @@ from jax.sharding import Mesh
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt.config import DType
-from gpt.engine import MIN_PROMPT_BUCKET, Completion, Engine, EngineStopped, QueueFull, Request, is_int
+from gpt.engine import MIN_PROMPT_BUCKET, Completion, Engine, EngineStopped, QueueFull
+from gpt.request import Request, is_int
 from gpt.errors import ConfigError
 from gpt.sharding import make_mesh, parse_mesh
 from gpt.tokenizer import EOT, get_tokenizer

@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig
-from gpt.engine import Engine, Request
+from gpt.engine import Engine
+from gpt.request import Request
 from gpt.errors import ConfigError
 from gpt.prefix_cache import PrefixIndex
 

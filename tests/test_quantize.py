@@ -12,7 +12,8 @@ from flax import nnx
 from gpt import GPT, GPTConfig
 from gpt import decoding
 from gpt.decoding import Decoder, compiled_decode, decoding_weights
-from gpt.engine import Engine, Request
+from gpt.engine import Engine
+from gpt.request import Request
 from gpt.errors import ConfigError
 from gpt.generate import generate
 from gpt.layouts import Bf16Matrix, Int8Matrix
