@@ -6,7 +6,7 @@ from gpt.cli import parse_train_config
 from gpt.compilation_cache import enable_compilation_cache
 from gpt.errors import cli_main
 from gpt.generate import generate_text, new_tokens_that_fit
-from gpt.train import train
+from gpt.train.trainer import train
 
 
 @cli_main

@@ -5,7 +5,7 @@
 Generates a JSONL corpus of real text (slices of the running Python's standard library, each document
 made unique), then times, each in a fresh process so that its peak RSS is its own:
 
-- ours: `gpt.data.prepare` on every core (reading, tokenizing, the split, writing shards);
+- ours: `gpt.data.prepare.prepare` on every core (reading, tokenizing, the split, writing shards);
 - the ceiling: tiktoken's `encode_ordinary_batch` on every core over the same documents, counting the
   tokenizer calls alone (no reading, no writing);
 - nanoGPT's way (its openwebtext/prepare.py): Hugging Face `datasets` `load_dataset("json")` +
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 OURS = """
 import resource, sys, time
-from gpt.data import prepare
+from gpt.data.prepare import prepare
 start = time.perf_counter()
 meta = prepare([sys.argv[1]], sys.argv[2], val_fraction=0.05, workers=int(sys.argv[3]), progress=False)
 print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -135,7 +135,7 @@ def main(config: Config) -> None:
             ours = measure(OURS, str(corpus), str(Path(tmp) / f"ours{repeat}"), str(config.workers))
             ceiling = measure(CEILING, str(corpus), str(config.workers))
             shutil.rmtree(Path(tmp) / f"ours{repeat}")
-            rows += [("ours: gpt.data.prepare", ours),
+            rows += [("ours: gpt.data.prepare.prepare", ours),
                      ("ceiling: tiktoken encode_ordinary_batch (tokenizer calls only)", ceiling)]
             ratios.append(ceiling[0] / ours[0])
         if not config.skip_nanogpt:

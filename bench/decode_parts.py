@@ -3,7 +3,7 @@
     python bench/decode_parts.py
 
 1. Matmuls: a chain of GPT-2 124M's 48 block matrices (340 MB, output-major [K, D]) in one jit, for a
-   few rows: XLA's dot, the few-row multiply-and-sum (`gpt.layouts.few_rows_matmul`), and torch's
+   few rows: XLA's dot, the few-row multiply-and-sum (`gpt.model.layouts.few_rows_matmul`), and torch's
    `x @ W.T` on the same matrices. A step streams every weight once, so these set its floor.
 2. Attention over an 8-row x 12-head cache of 1024 slots, all 12 layers (600 MB, more than the cache
    of a CPU, as in a real step): the paged read (`attend_paged`, pages of `PAGE_LENGTH` slots, each its
@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt.attention import attend, attend_paged
-from gpt.kv_cache import PAGE_LENGTH
-from gpt.layouts import few_rows_matmul
+from gpt.model.attention import attend, attend_paged
+from gpt.model.kv_cache import PAGE_LENGTH
+from gpt.model.layouts import few_rows_matmul
+
 from machine import cpu_name
 
 

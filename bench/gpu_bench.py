@@ -14,8 +14,8 @@ bfloat16 autocast, fused AdamW and `torch.compile`, on the same token batches.
 
 Reported: tokens/s (best of `--rounds` rounds of `--steps` optimizer steps), MFU = tokens/s x
 flops_per_token / peak, with flops_per_token = 6 x matmul parameters + 12 x layers x width x block (the
-PaLM paper's formula; `gpt.step.flops_per_token`) and the device's dense bfloat16 peak
-(`gpt.step.PEAK_BF16_FLOPS`: H100 989 TFLOP/s), the first step's time (compile included) and the peak
+PaLM paper's formula; `gpt.train.step.flops_per_token`) and the device's dense bfloat16 peak
+(`gpt.train.step.PEAK_BF16_FLOPS`: H100 989 TFLOP/s), the first step's time (compile included) and the peak
 device memory. `--json PATH` also writes the rows.
 """
 
@@ -82,7 +82,7 @@ class Job:
 
 
 def model_config(preset: str, block_size: int, **runtime):
-    from gpt.config import GPTConfig
+    from gpt.model.config import GPTConfig
 
     if preset == "smoke":
         return GPTConfig.preset("small", n_layer=2, n_head=2, n_embd=64, block_size=block_size, vocab_size=50257,
@@ -119,9 +119,9 @@ def jax_worker(job: Job) -> dict:
     import jax
     from flax import nnx
 
-    from gpt.model import GPT
-    from gpt.sharding import make_mesh
-    from gpt.step import OptimizerConfig, init_train_state, make_optimizer, make_train_step
+    from gpt.model.sharding import make_mesh
+    from gpt.model.transformer import GPT
+    from gpt.train.step import OptimizerConfig, init_train_state, make_optimizer, make_train_step
 
     dtype = "float32" if job.preset == "smoke" else "bfloat16"
     config = model_config(job.preset, job.block_size, dtype=dtype, param_dtype="float32",
@@ -226,7 +226,7 @@ def largest_that_fits(bench: Bench, make_job) -> dict | None:
 
 
 def add_rates(row: dict) -> dict:
-    from gpt.step import PEAK_BF16_FLOPS, flops_per_token
+    from gpt.train.step import PEAK_BF16_FLOPS, flops_per_token
 
     tokens = row["micro_batch"] * row["accumulation"] * row["block_size"]
     peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in row["device"]), None)

@@ -28,10 +28,10 @@ import numpy as np
 import tyro
 from flax import nnx
 
-from gpt.config import GPTConfig
-from gpt.model import GPT
-from gpt.sharding import make_mesh
-from gpt.step import OptimizerConfig, init_train_state, make_optimizer, make_train_step
+from gpt.model.config import GPTConfig
+from gpt.model.sharding import make_mesh
+from gpt.model.transformer import GPT
+from gpt.train.step import OptimizerConfig, init_train_state, make_optimizer, make_train_step
 
 FLOAT32_BOUND, BFLOAT16_BOUND = 1e-4, 1e-2
 

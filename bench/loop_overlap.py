@@ -28,13 +28,14 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpt import loader  # noqa: E402
-from gpt.config import GPTConfig  # noqa: E402
-from gpt.data import default_corpus  # noqa: E402
-from gpt.model import GPT  # noqa: E402
-from gpt.sharding import make_mesh  # noqa: E402
-from gpt.step import init_train_state, make_optimizer, make_train_step  # noqa: E402
-from gpt.train import TrainConfig, train  # noqa: E402
+from gpt.data import loader  # noqa: E402
+from gpt.data.prepare import default_corpus  # noqa: E402
+from gpt.model.config import GPTConfig  # noqa: E402
+from gpt.model.sharding import make_mesh  # noqa: E402
+from gpt.model.transformer import GPT  # noqa: E402
+from gpt.train.step import init_train_state, make_optimizer, make_train_step  # noqa: E402
+from gpt.train.trainer import TrainConfig, train  # noqa: E402
+
 from machine import cpu_name  # noqa: E402
 
 

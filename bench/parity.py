@@ -1,4 +1,4 @@
-"""Max |logit difference| between gpt.gpt2.load and transformers' GPT2LMHeadModel on random weights.
+"""Max |logit difference| between gpt.model.gpt2.load and transformers' GPT2LMHeadModel on random weights.
 
     python bench/parity.py
 
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import transformers
 
-from gpt import gpt2
+from gpt.model import gpt2
 
 SHAPES = {
     "gpt2 (124M)": dict(),

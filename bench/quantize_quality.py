@@ -3,7 +3,7 @@
     python bench/quantize_quality.py --out_dir out        # the default run's trained model (after python train.py)
     python bench/quantize_quality.py                      # GPT-2 124M shapes, random weights only
 
-For each model and each of int8 and bf16 (weights laid out by `gpt.decoding.decoding_weights`), against
+For each model and each of int8 and bf16 (weights laid out by `gpt.inference.decoding.decoding_weights`), against
 float32: the largest absolute logit difference and the mean KL(float32 || quantized) over the positions
 of --batches validation windows (or random tokens for the random model), the share of 256 greedy tokens
 that agree position by position (4 prompts), and the validation loss of each (trained model only).
@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt.decoding import decoding_weights
 from gpt.generate import generate
-from gpt.model import forward, lm_head
+from gpt.inference.decoding import decoding_weights
+from gpt.model.transformer import forward, lm_head
+
 from machine import cpu_name
 
 
@@ -66,9 +67,9 @@ def main():
     print("| --- | --- | --- | --- | --- | --- |")
     rng = np.random.default_rng(0)
     if args.out_dir:
-        from gpt.checkpoint import load_model
-        from gpt.loader import Batches
+        from gpt.data.loader import Batches
         from gpt.tokenizer import get_tokenizer
+        from gpt.train.checkpoint import load_model
 
         model = load_model(args.out_dir)
         val = Batches.of_split(Path(args.out_dir) / "data", "val", 256, 8, seed=0)
@@ -80,7 +81,7 @@ def main():
     import torch
     import transformers
 
-    from gpt import gpt2
+    from gpt.model import gpt2
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,7 +8,7 @@
 Random weights at the real gpt2 shapes, a 64-token prompt, 128 new tokens, greedy. For each batch size:
 time to the first token in a fresh process state (compile and our weight layout included, measured
 through streaming), and decode throughput after warm-up (best of --repeats). Ours decodes through a
-`gpt.decoding.Decoder` made once per configuration, as the peers load (and CTranslate2 converts) once. Prints a Markdown table for bench/RESULTS.md.
+`gpt.inference.decoding.Decoder` made once per configuration, as the peers load (and CTranslate2 converts) once. Prints a Markdown table for bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gpt import gpt2
-from gpt.decoding import Decoder
 from gpt.generate import generate
+from gpt.inference.decoding import Decoder
+from gpt.model import gpt2
+
 from machine import cpu_name
 
 

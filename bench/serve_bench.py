@@ -35,10 +35,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gpt import gpt2
-from gpt.engine import Engine
-from gpt.request import Request
 from gpt.generate import generate
+from gpt.inference.engine import Engine
+from gpt.inference.request import Request
+from gpt.model import gpt2
+
 from machine import cpu_name
 
 

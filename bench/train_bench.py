@@ -21,10 +21,18 @@ import numpy as np
 import tyro
 from flax import nnx
 
-from gpt.config import GPTConfig
-from gpt.model import GPT
-from gpt.sharding import make_mesh
-from gpt.step import PEAK_BF16_FLOPS, OptimizerConfig, flops_per_token, init_train_state, make_optimizer, make_train_step
+from gpt.model.config import GPTConfig
+from gpt.model.sharding import make_mesh
+from gpt.model.transformer import GPT
+from gpt.train.step import (
+    PEAK_BF16_FLOPS,
+    OptimizerConfig,
+    flops_per_token,
+    init_train_state,
+    make_optimizer,
+    make_train_step,
+)
+
 from machine import cpu_name
 
 

@@ -1,7 +1,8 @@
 """A decoder-only GPT in JAX and Flax NNX."""
 
-from gpt.config import GPTConfig
-from gpt.kv_cache import KVCache
-from gpt.model import GPT
+from gpt.model import gpt2
+from gpt.model.config import GPTConfig
+from gpt.model.kv_cache import KVCache
+from gpt.model.transformer import GPT
 
-__all__ = ["GPT", "GPTConfig", "KVCache"]
+__all__ = ["GPT", "GPTConfig", "KVCache", "gpt2"]

@@ -6,8 +6,8 @@ import argparse
 
 import tyro
 
-from gpt.config import PRESETS, GPTConfig
-from gpt.train import TrainConfig
+from gpt.model.config import PRESETS, GPTConfig
+from gpt.train.trainer import TrainConfig
 
 __all__ = ["parse_train_config"]
 

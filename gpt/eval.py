@@ -34,16 +34,16 @@ import tyro
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from gpt.checkpoint import has_checkpoint
-from gpt.config import GPTConfig
-from gpt.corpus import BadRecords, expand_inputs, read_sections
+from gpt.data.corpus import BadRecords, expand_inputs, read_sections
+from gpt.data.loader import shard_paths
 from gpt.errors import ConfigError, cli_main
-from gpt.decoding import Decoder
-from gpt.loader import shard_paths
-from gpt.model import GPT, forward, lm_head
-from gpt.sample import load
-from gpt.sharding import make_mesh, parse_mesh
+from gpt.inference.decoding import Decoder
+from gpt.loading import load
+from gpt.model.config import GPTConfig
+from gpt.model.sharding import make_mesh, parse_mesh
+from gpt.model.transformer import GPT, forward, lm_head
 from gpt.tokenizer import get_tokenizer
+from gpt.train.checkpoint import has_checkpoint
 
 __all__ = ["EvalConfig", "evaluate", "windows", "Score"]
 

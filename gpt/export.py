@@ -9,9 +9,9 @@ import dataclasses
 
 import tyro
 
-from gpt import gpt2
-from gpt.checkpoint import load_model
 from gpt.errors import cli_main
+from gpt.model import gpt2
+from gpt.train.checkpoint import load_model
 
 
 @dataclasses.dataclass(frozen=True)

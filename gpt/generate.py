@@ -1,4 +1,4 @@
-"""Generation: a batch of prompts through one `gpt.engine.Engine`, run on the caller's thread.
+"""Generation: a batch of prompts through one `gpt.inference.engine.Engine`, run on the caller's thread.
 
 The engine is sized for the call: a slot per prompt (rounded up to a power of two) up to `max_batch`
 slots, the other prompts waiting in its queue and entering as rows finish (each slot holds a cache and a
@@ -17,13 +17,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from gpt.decoding import Decoder
-from gpt.engine import Engine, prompt_buckets
-from gpt.request import Request, check_prompts, check_stop_tokens, is_int
 from gpt.errors import ConfigError
-from gpt.model import GPT
-from gpt.sampling import SamplingParams
-from gpt.text_stream import TextStream
+from gpt.inference.decoding import Decoder
+from gpt.inference.engine import Engine, prompt_buckets
+from gpt.inference.request import Request, check_prompts, check_stop_tokens, is_int
+from gpt.inference.sampling import SamplingParams
+from gpt.inference.text_stream import TextStream
+from gpt.model.transformer import GPT
 from gpt.tokenizer import get_tokenizer
 
 __all__ = ["generate", "generate_text", "new_tokens_that_fit"]
@@ -66,12 +66,12 @@ def generate(
     """Continue each prompt by up to `max_new_tokens` tokens.
 
     Args:
-      model: a GPT, or a `gpt.decoding.Decoder` of one (its weights laid out for decoding once, for
+      model: a GPT, or a `gpt.inference.decoding.Decoder` of one (its weights laid out for decoding once, for
         every call; a GPT is laid out at each call).
       prompts: token-id lists, of any lengths (rows are independent: a row gives what it gives alone), or
         an integer array [B, T] of equal-length ones.
       max_new_tokens: the most tokens to add to each prompt.
-      temperature, top_k, top_p, min_p, repetition_penalty: see `gpt.sampling.SamplingParams`;
+      temperature, top_k, top_p, min_p, repetition_penalty: see `gpt.inference.sampling.SamplingParams`;
         temperature 0 is greedy.
       stop_tokens: ids that end a row (one id or a list); the stop token itself is not returned.
       stop_strings: texts that end a row (one string or a list) once its decoded output contains one; the
@@ -80,9 +80,9 @@ def generate(
       seed: the PRNG seed (an integer, taken modulo 2**32); the same seed, prompts and settings give the
         same tokens.
       on_token: called as on_token(row, token) on the host for each new token while the loop runs.
-      quantize: decode with the weights stored as "int8" or "bf16" (`gpt.decoding.decoding_weights`);
+      quantize: decode with the weights stored as "int8" or "bf16" (`gpt.inference.decoding.decoding_weights`);
         "none" (the default) keeps float32. A Decoder's own.
-      mesh: run sharded over this mesh (`gpt.sharding.make_mesh`): rows over data and fsdp, heads and MLP
+      mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`): rows over data and fsdp, heads and MLP
         over tensor, the cache like the attention. The batch is padded to a multiple of data x fsdp. A
         Decoder's own.
       max_batch: the most prompts decoded at once (the engine's slots); the rest wait and enter as rows

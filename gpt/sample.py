@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Literal
 from pathlib import Path
+from typing import Literal
 
-from gpt import gpt2
-from gpt.checkpoint import has_checkpoint, load_model
-from gpt.config import DType, check_dtype
-from gpt.decoding import Decoder
 from gpt.errors import ConfigError, MissingInput
 from gpt.generate import generate_text, new_tokens_that_fit
-from gpt.model import GPT
-from gpt.sampling import SamplingParams
-from gpt.sharding import make_mesh, parse_mesh
+from gpt.inference.decoding import Decoder
+from gpt.inference.sampling import SamplingParams
+from gpt.loading import load
+from gpt.model.config import DType
+from gpt.model.sharding import make_mesh, parse_mesh
 
-__all__ = ["SampleConfig", "load", "sample"]
+__all__ = ["SampleConfig", "sample"]
 
 _DEFAULT_NEW_TOKENS = 200
 
@@ -53,19 +51,6 @@ class SampleConfig:
     mesh: str = ""
     """Sample sharded over a device mesh, e.g. 'tensor=4' (heads and MLP split over 4 devices) or
     'data=2,tensor=4'; empty runs on one device."""
-
-
-def load(init_from: str, dtype: str = "float32") -> GPT:
-    """A GPT from a training out_dir, a Hugging Face GPT-2 directory, or a cached hub name."""
-    check_dtype(dtype)  # before looking at init_from: a bad dtype is the caller's, not the checkpoint's
-    if has_checkpoint(init_from):
-        return load_model(init_from, dtype=dtype)
-    if (Path(init_from) / "config.json").is_file() or init_from in gpt2.HUB_NAMES:
-        return gpt2.load(init_from, dtype=dtype)
-    raise MissingInput(
-        f"--init_from {init_from!r} is not a training out_dir with checkpoints, a Hugging Face GPT-2 "
-        f"directory, or a GPT-2 hub name ({', '.join(gpt2.HUB_NAMES)})"
-    )
 
 
 def _prompt(start: str) -> str:

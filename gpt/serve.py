@@ -1,4 +1,4 @@
-"""An OpenAI-compatible completions server over one `gpt.engine.Engine`.
+"""An OpenAI-compatible completions server over one `gpt.inference.engine.Engine`.
 
     POST /v1/completions   prompt (a string, strings, token ids, or lists of them), max_tokens,
                            temperature, top_p, n, stop, seed, stream (server-sent events), logprobs,
@@ -40,16 +40,17 @@ from pathlib import Path
 from typing import Literal
 
 import prometheus_client
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jax.sharding import Mesh
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpt.config import DType
-from gpt.engine import MIN_PROMPT_BUCKET, Completion, Engine, EngineStopped, QueueFull
-from gpt.request import Request, is_int
 from gpt.errors import ConfigError
-from gpt.sharding import make_mesh, parse_mesh
+from gpt.inference.engine import MIN_PROMPT_BUCKET, Completion, Engine, EngineStopped, QueueFull
+from gpt.inference.request import Request, is_int
+from gpt.model.config import DType
+from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.tokenizer import EOT, get_tokenizer
 
 __all__ = ["ServeConfig", "create_app", "serve"]
@@ -604,7 +605,7 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
     import uvicorn
 
     from gpt.compilation_cache import enable_compilation_cache
-    from gpt.sample import load
+    from gpt.loading import load
 
     enable_compilation_cache(config.compile_cache)
     log = lambda line: print(line, flush=True)  # noqa: E731

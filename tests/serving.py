@@ -10,7 +10,7 @@ import uvicorn
 from flax import nnx
 
 from gpt import GPT, GPTConfig
-from gpt.engine import Engine
+from gpt.inference.engine import Engine
 from gpt.serve import create_app
 
 

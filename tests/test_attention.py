@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt.attention import attend, attend_paged
+from gpt.model.attention import attend, attend_paged
 
 
 @pytest.mark.parametrize("page_length", [320, 128, 48, 13])

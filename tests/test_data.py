@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpt.corpus import split_sections
-from gpt.data import Batches, in_validation, prepare
+from gpt.data.corpus import split_sections
+from gpt.data.prepare import Batches, in_validation, prepare
 from gpt.errors import ConfigError
 from gpt.tokenizer import get_tokenizer
 
@@ -110,7 +110,7 @@ def test_the_validation_split_is_stable_when_the_corpus_grows(tmp_path, document
 # from the forked parent, so after a large pytest process it reads the parent's size.
 _PREPARE = """
 import re, sys
-from gpt.data import prepare
+from gpt.data.prepare import prepare
 prepare([sys.argv[1]], sys.argv[2], val_fraction=0.05, shard_tokens=int(sys.argv[3]), workers=2, progress=False)
 print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024)
 """

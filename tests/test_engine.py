@@ -8,11 +8,11 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig
-from gpt.decoding import Admission, Decoder, Settings, decode, init_slots, prefill
-from gpt.engine import Engine, QueueFull
-from gpt.request import Request
 from gpt.errors import ConfigError
 from gpt.generate import generate
+from gpt.inference.decoding import Admission, Decoder, Settings, decode, init_slots, prefill
+from gpt.inference.engine import Engine, QueueFull
+from gpt.inference.request import Request
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_chunked_prompts_sharing_a_prefill_over_a_mesh_give_what_each_gives_alon
     """Over a mesh's data axis two prompts run each prefill and chunk together; the shorter one ends a chunk
     before the other, and is chosen from where it ended; and when one is cancelled between chunks, the
     other still reads its own row."""
-    from gpt.sharding import make_mesh
+    from gpt.model.sharding import make_mesh
 
     mesh = make_mesh(data=2, devices=jax.devices()[:2])
     engine = Engine(model, slots=2, cache_length=128, prefill_chunk=16, mesh=mesh)

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from gpt import gpt2
 from gpt.errors import ConfigError, MissingInput
 from gpt.eval import EvalConfig, evaluate, main, windows
+from gpt.model import gpt2
 from gpt.tokenizer import get_tokenizer
 
 torch = pytest.importorskip("torch")
@@ -110,8 +110,9 @@ def test_bad_input_is_one_line_before_any_compile(tmp_path):
 
 @pytest.mark.slow
 def test_a_runs_validation_split_scores_exp_of_its_loss_over_the_whole_split(tmp_path, corpus):
-    from gpt.checkpoint import load_model
-    from gpt.loader import shard_paths
+    from gpt.data.loader import shard_paths
+    from gpt.train.checkpoint import load_model
+
     from training import run
 
     run(tmp_path, corpus, max_steps=4)

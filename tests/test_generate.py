@@ -9,9 +9,9 @@ from flax import nnx
 
 from gpt import GPT, GPTConfig, KVCache
 from gpt.errors import ConfigError
-from gpt.decoding import compiled_programs
-from gpt.engine import Engine
 from gpt.generate import generate, generate_text
+from gpt.inference.decoding import compiled_programs
+from gpt.inference.engine import Engine
 
 POSITIONS = ("learned", "sinusoidal", "rope")
 # The quick tier decodes with rotary positions, whose cache keys rotate by position (the others: slow).

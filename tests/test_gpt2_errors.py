@@ -11,8 +11,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from gpt import GPT, GPTConfig
-from gpt import gpt2
 from gpt.errors import ConfigError, RunFailed
+from gpt.model import gpt2
 
 CONFIG = GPTConfig.preset("tiny")
 

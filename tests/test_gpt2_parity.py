@@ -7,7 +7,8 @@ import tiktoken
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from gpt import gpt2  # noqa: E402
+from gpt.model import gpt2  # noqa: E402
+
 from hf_reference import hf_logits, random_hf_gpt2  # noqa: E402
 
 SHAPES = {

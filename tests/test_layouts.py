@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt.layouts import OutputMajor
+from gpt.model.layouts import OutputMajor
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 40])

@@ -12,7 +12,8 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from gpt import gpt2  # noqa: E402
+from gpt.model import gpt2  # noqa: E402
+
 from hf_reference import random_hf_gpt2  # noqa: E402
 from serving import Server  # noqa: E402
 

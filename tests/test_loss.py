@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig
-from gpt.loss import _chunk_length, lm_head_cross_entropy
+from gpt.model.loss import _chunk_length, lm_head_cross_entropy
 
 
 def reference_loss(x_BTD, table_VD, targets_BT):
@@ -97,7 +97,7 @@ def test_scanned_and_unrolled_layers_agree():
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 def test_table_gradient_is_reduced_across_devices_once_not_per_chunk():
-    from gpt.sharding import make_mesh
+    from gpt.model.sharding import make_mesh
 
     mesh = make_mesh(data=8)
     x = jax.random.normal(jax.random.key(0), (8, T, D))

@@ -8,7 +8,7 @@ from flax import nnx
 
 from gpt import GPT, GPTConfig
 from gpt.errors import ConfigError
-from gpt.model import embed, lm_head, transform
+from gpt.model.transformer import embed, lm_head, transform
 
 POSITIONS = ("learned", "sinusoidal", "rope")
 

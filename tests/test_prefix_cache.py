@@ -8,10 +8,10 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig
-from gpt.engine import Engine
-from gpt.request import Request
 from gpt.errors import ConfigError
-from gpt.prefix_cache import PrefixIndex
+from gpt.inference.engine import Engine
+from gpt.inference.prefix_cache import PrefixIndex
+from gpt.inference.request import Request
 
 
 def scores(n):

@@ -10,14 +10,15 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig
-from gpt import decoding
-from gpt.decoding import Decoder, compiled_decode, decoding_weights
-from gpt.engine import Engine
-from gpt.request import Request
 from gpt.errors import ConfigError
 from gpt.generate import generate
-from gpt.layouts import Bf16Matrix, Int8Matrix
-from gpt.model import forward, lm_head
+from gpt.inference import decoding
+from gpt.inference.decoding import Decoder, compiled_decode, decoding_weights
+from gpt.inference.engine import Engine
+from gpt.inference.request import Request
+from gpt.model.layouts import Bf16Matrix, Int8Matrix
+from gpt.model.transformer import forward, lm_head
+
 from training import run
 
 # Relative Frobenius error of one matrix, |Q(W) - W| / |W|, for Gaussian weights of GPT-2's width: int8

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gpt.errors import ConfigError
-from gpt.request import Request, check_prompts, check_request, is_int
+from gpt.inference.request import Request, check_prompts, check_request, is_int
 
 VOCAB, CONTEXT, MAX_STOPS = 256, 63, 8
 

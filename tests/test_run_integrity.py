@@ -13,11 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from gpt.checkpoint import CheckpointManager, is_finite, load_model
-from gpt.config import GPTConfig
 from gpt.errors import ConfigError, RunFailed
+from gpt.model.config import GPTConfig
 from gpt.run_dir import RunLocked
-from gpt.train import NonFiniteStep, TrainConfig
+from gpt.train.checkpoint import CheckpointManager, is_finite, load_model
+from gpt.train.trainer import NonFiniteStep, TrainConfig
+
 from training import ROOT, TINY, cli_flags, flat, free_port, run
 
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt.sampling import SamplingParams, choose, filter_logits, penalize_repetition
+from gpt.inference.sampling import SamplingParams, choose, filter_logits, penalize_repetition
 
 
 def _draws(logits_V, params, n=4000):

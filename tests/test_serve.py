@@ -15,9 +15,10 @@ import jax
 import openai
 import pytest
 
-from gpt import gpt2
 from gpt.generate import generate_text
+from gpt.model import gpt2
 from gpt.tokenizer import get_tokenizer
+
 from serving import Server, decisive_model
 from training import ROOT
 
@@ -102,7 +103,7 @@ def test_sixteen_concurrent_clients_get_their_single_request_results(server, mod
 
 @pytest.mark.slow
 def test_a_server_over_a_device_mesh_answers_as_one_device_does(model):
-    from gpt.sharding import make_mesh
+    from gpt.model.sharding import make_mesh
 
     server = Server(model, slots=4, max_queue=8, cache_length=128, mesh=make_mesh(data=2, tensor=4))  # 8 CPU devices
     try:

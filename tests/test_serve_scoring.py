@@ -9,8 +9,9 @@ import pytest
 import tiktoken
 import torch
 
-from gpt import gpt2
 from gpt.generate import generate_text
+from gpt.model import gpt2
+
 from hf_reference import hf_logits, random_hf_gpt2
 from serving import Server
 

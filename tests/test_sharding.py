@@ -12,14 +12,15 @@ import optax
 import pytest
 from flax import nnx
 
-from gpt.checkpoint import load_model
-from gpt.config import GPTConfig
 from gpt.errors import ConfigError
 from gpt.generate import generate
-from gpt.model import GPT
-from gpt.sharding import bytes_per_device, make_mesh, param_shardings
-from gpt.step import init_train_state, make_optimizer, make_train_step
+from gpt.model.config import GPTConfig
+from gpt.model.sharding import bytes_per_device, make_mesh, param_shardings
+from gpt.model.transformer import GPT
 from gpt.train import TrainConfig, train
+from gpt.train.checkpoint import load_model
+from gpt.train.step import init_train_state, make_optimizer, make_train_step
+
 from training import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

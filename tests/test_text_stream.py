@@ -1,6 +1,6 @@
 """Detokenizing a stream: whole characters only, stop strings held back until they cannot match."""
 
-from gpt.text_stream import TextStream
+from gpt.inference.text_stream import TextStream
 from gpt.tokenizer import get_tokenizer
 
 

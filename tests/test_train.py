@@ -11,12 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from gpt.checkpoint import CheckpointManager, load_model
-from gpt.config import GPTConfig
-from gpt.data import unigram_loss
+from gpt.data.prepare import unigram_loss
 from gpt.errors import ConfigError, UserError
-from gpt.train import NonFiniteStep
+from gpt.model.config import GPTConfig
 from gpt.tokenizer import get_tokenizer
+from gpt.train.checkpoint import CheckpointManager, load_model
+from gpt.train.trainer import NonFiniteStep
+
 from training import MODEL, ROOT, cli_flags, flat, run
 
 
@@ -133,8 +134,9 @@ def test_metrics_are_logged(tmp_path, corpus):
 def test_sample_and_export_from_a_training_run(tmp_path, corpus):
     import io
 
-    from gpt import gpt2
-    from gpt.export import ExportConfig, main as export
+    from gpt.export import ExportConfig
+    from gpt.export import main as export
+    from gpt.model import gpt2
     from gpt.sample import SampleConfig, sample
 
     run(tmp_path, corpus, max_steps=4, model=GPTConfig.preset("small", **MODEL, block_size=64))

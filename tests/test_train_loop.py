@@ -2,6 +2,7 @@
 no less for it (a non-finite step is never saved and is named, the logged losses are the steps' own, a
 run directory of the synchronous loop resumes)."""
 
+import io
 import json
 import os
 import shutil
@@ -15,14 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt import train as train_module
-from gpt.checkpoint import CheckpointManager, load_model
-from gpt.prefetch import Prefetch
-from gpt.train import NonFiniteStep, TrainConfig, plan, setup
+from gpt.data.prefetch import Prefetch
+from gpt.train import trainer as train_module
+from gpt.train.checkpoint import CheckpointManager, load_model
+from gpt.train.trainer import NonFiniteStep, TrainConfig, plan, setup
+
 from training import ROOT, TINY, cli_flags, flat, run
 
 # The last commit whose loop read every step's metrics before dispatching the next one.
 SYNCHRONOUS_LOOP_COMMIT = "6c70bb5"
+# The last commit of the flat package (before gpt.model, gpt.data, gpt.train and gpt.inference).
+FLAT_PACKAGE_COMMIT = "0768f69"
 
 
 # ------------------------------------------------------------------------------------------ Prefetch
@@ -124,23 +128,28 @@ def test_the_logged_losses_are_those_of_a_synchronous_run_of_the_same_config(tmp
     assert [r["loss"] for r in logged] == [float(np.mean(losses[0:4])), float(np.mean(losses[4:8])), losses[8]]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("git") is None, reason="needs git, to take the synchronous loop from history")
-def test_a_run_directory_written_by_the_synchronous_loop_resumes_bitwise(tmp_path, corpus):
+def train_with_the_code_of(commit: str, tmp_path, flags: list[str]) -> None:
+    """Run train.py as it was at `commit` (taken from git history into tmp_path/old-code) with `flags`."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git, to take the code of an earlier commit from history")
     old = tmp_path / "old-code"
     old.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", SYNCHRONOUS_LOOP_COMMIT, "gpt", "train.py"],
-                             capture_output=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "gpt", "train.py"], capture_output=True)
     if archive.returncode != 0:
-        pytest.skip(f"commit {SYNCHRONOUS_LOOP_COMMIT} is not in this checkout's history")
+        pytest.skip(f"commit {commit} is not in this checkout's history")
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
-    out = tmp_path / "resumed" / "run"
-    flags = cli_flags(data=(corpus,), out_dir=str(out), max_steps=8, stop_after=4, eval_interval=100,
-                      checkpoint_interval=100)
     env = {**os.environ, "PYTHONPATH": str(old), "JAX_PLATFORMS": "cpu"}
     written = subprocess.run([sys.executable, str(old / "train.py"), *flags], cwd=old, env=env,
                              capture_output=True, text=True, timeout=300)
     assert written.returncode == 0, written.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_run_directory_written_by_the_synchronous_loop_resumes_bitwise(tmp_path, corpus):
+    out = tmp_path / "resumed" / "run"
+    flags = cli_flags(data=(corpus,), out_dir=str(out), max_steps=8, stop_after=4, eval_interval=100,
+                      checkpoint_interval=100)
+    train_with_the_code_of(SYNCHRONOUS_LOOP_COMMIT, tmp_path, flags)
     manager = CheckpointManager(out, async_save=False)
     assert "prefetch" not in manager.metadata(4)["train_config"], "written by the synchronous loop's code"
     manager.close()
@@ -150,3 +159,30 @@ def test_a_run_directory_written_by_the_synchronous_loop_resumes_bitwise(tmp_pat
     assert resumed.start_step == 4 and resumed.step == 8
     for a, b in zip(flat(straight.params), flat(resumed.params)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_run_directory_written_by_the_flat_package_resumes_samples_and_exports(tmp_path, corpus):
+    from gpt.export import ExportConfig
+    from gpt.export import main as export
+    from gpt.model import gpt2
+    from gpt.sample import SampleConfig, sample
+
+    out = tmp_path / "resumed" / "run"
+    flags = cli_flags(data=(corpus,), out_dir=str(out), max_steps=8, stop_after=4, eval_interval=100,
+                      checkpoint_interval=100)
+    train_with_the_code_of(FLAT_PACKAGE_COMMIT, tmp_path, flags)
+    greedy = dict(init_from=str(out), start="def ", num_samples=1, max_new_tokens=8, temperature=0, compile_cache=False)
+    written = sample(SampleConfig(**greedy), io.StringIO())  # its step 4, read by this code
+    run(tmp_path / "own", corpus, max_steps=8, stop_after=4)  # this code's own step 4 of the same run
+    assert written == sample(SampleConfig(**dict(greedy, init_from=str(tmp_path / "own" / "run"))), io.StringIO())
+
+    resumed = run(tmp_path / "resumed", corpus, max_steps=8)
+    straight = run(tmp_path / "straight", corpus, max_steps=8)
+    assert resumed.start_step == 4 and resumed.step == 8
+    for a, b in zip(flat(straight.params), flat(resumed.params)):
+        np.testing.assert_array_equal(a, b)
+    export(ExportConfig(out_dir=str(out), hf_dir=str(tmp_path / "hf"), step=4))
+    exported = gpt2.load(tmp_path / "hf")
+    tokens = np.asarray([[1, 2, 3, 4]], np.int32)
+    np.testing.assert_array_equal(np.asarray(exported(tokens)), np.asarray(load_model(out, step=4)(tokens)))

@@ -6,7 +6,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gpt.config import GPTConfig
+from gpt.model.config import GPTConfig
 from gpt.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,13 +12,13 @@ one row while the others are mid-sequence, and no row is ever padded on the left
              |--- page 0 ---|--- page 1 ---|
 
 Each layer's slots may be split into pages, each its own buffer, so that a decode step reads only the
-pages its rows have reached (`gpt.attention.attend_paged`): XLA on CPU copies any slice of a buffer
+pages its rows have reached (`gpt.model.attention.attend_paged`): XLA on CPU copies any slice of a buffer
 before a dot reads it, so a read of part of one buffer costs about three reads of that part, while a
 whole page is read in place.
 
 A cache may also be a view of some of another's rows (`select`): it shares the buffers, and its batch
 row b reads and writes buffer row `rows[b]`. A decode step over a few live slots of many runs so, on
-those rows alone (`gpt.decoding.decode`), and `merge` puts its lengths back.
+those rows alone (`gpt.inference.decoding.decode`), and `merge` puts its lengths back.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gpt.config import GPTConfig
-from gpt.sharding import constrain
+from gpt.model.config import GPTConfig
+from gpt.model.sharding import constrain
 
 __all__ = ["KVCache", "PAGE_LENGTH"]
 

@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from gpt.config import GPTConfig
 from gpt.errors import ConfigError, MissingInput, RunFailed
-from gpt.model import GPT
+from gpt.model.config import GPTConfig
+from gpt.model.transformer import GPT
 from gpt.tokenizer import hf_tokenizer_files
 
 __all__ = ["load", "save", "config_from_hf", "resolve"]

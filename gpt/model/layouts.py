@@ -1,7 +1,7 @@
 """Weight layouts: how a matrix of the forward is stored, and the one matmul every layout goes through.
 
 The model's parameters are plain arrays whose leading axes are a map's inputs ([D, ...]); training uses
-them as they are. A decoder may store the same weights differently (`gpt.decoding`): output-major in
+them as they are. A decoder may store the same weights differently (`gpt.inference.decoding`): output-major in
 float32, int8 with a scale per output, or bfloat16; the forward runs any of them unchanged because every
 matmul is `dense(x, kernel)`.
 """
@@ -21,7 +21,7 @@ __all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "QUANTIZED_LAYOUTS", "dens
 class OutputMajor:
     """A matrix stored [K, D] for a map from D inputs to K outputs, so that each output's weights are
     contiguous. The tied LM head is one by nature (the embedding table is [V, D]); XLA on CPU also runs the
-    matrix-vector products of decoding faster over this layout (`gpt.decoding`)."""
+    matrix-vector products of decoding faster over this layout (`gpt.inference.decoding`)."""
 
     matrix_KD: jax.Array
 
@@ -149,5 +149,5 @@ class Bf16Matrix:
         return self.values_KD[ids].astype(jnp.float32)
 
 
-# --quantize: how a decoder stores its matrices (`gpt.decoding.decoding_weights`).
+# --quantize: how a decoder stores its matrices (`gpt.inference.decoding.decoding_weights`).
 QUANTIZED_LAYOUTS = {"int8": Int8Matrix, "bf16": Bf16Matrix}

@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gpt.sharding import constrain, data_parallel_size
+from gpt.model.sharding import constrain, data_parallel_size
 
 __all__ = ["lm_head_cross_entropy"]
 

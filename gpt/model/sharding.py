@@ -6,9 +6,8 @@ names (`batch`, `embed`, `heads`, ...), and `RULES` decides where each one lives
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import math
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -51,7 +50,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: dict = RULES) -> Partitio
             if mesh_axis in used:
                 raise ConfigError(
                     f"logical axes {used[mesh_axis]!r} and {name!r} of one array (axes {tuple(axes)}) both map "
-                    f"to mesh axis {mesh_axis!r}; change gpt.sharding.RULES"
+                    f"to mesh axis {mesh_axis!r}; change gpt.model.sharding.RULES"
                 )
             used[mesh_axis] = name
         spec.append(mesh_axes)

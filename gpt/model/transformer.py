@@ -1,7 +1,7 @@
 """The GPT: Flax NNX modules used functionally (nnx.split the model, jit pure functions of its state).
 
 Shape letters: B batch, T positions, S cache slots, D width, N heads, H head dim, F MLP width,
-V vocabulary, L layers. Every parameter carries logical axis names in its `axes` metadata; gpt/sharding.py
+V vocabulary, L layers. Every parameter carries logical axis names in its `axes` metadata; gpt/model/sharding.py
 maps them onto a device mesh.
 
     tokens -> embed (+ learned or sinusoidal positions) -> L x Block -> LayerNorm -> x @ wte.T -> logits
@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gpt.attention import apply_rope, attend, attend_paged, sinusoidal_embedding
-from gpt.config import GPTConfig
 from gpt.errors import ConfigError
-from gpt.kv_cache import KVCache
-from gpt.layouts import OutputMajor, dense
-from gpt.loss import lm_head_cross_entropy
-from gpt.sharding import constrain
+from gpt.model.attention import apply_rope, attend, attend_paged, sinusoidal_embedding
+from gpt.model.config import GPTConfig
+from gpt.model.kv_cache import KVCache
+from gpt.model.layouts import OutputMajor, dense
+from gpt.model.loss import lm_head_cross_entropy
+from gpt.model.sharding import constrain
 
 __all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm"]
 
@@ -105,7 +105,7 @@ def block(
     mask_BTS: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """One decoder block. `p` holds this layer's weights (no layer axis), as arrays or in any layout that
-    `gpt.layouts.dense` takes.
+    `gpt.model.layouts.dense` takes.
 
     With a cache, the new keys and values are written into layer `layer`'s buffers at `positions_BT`, and
     attention reads that whole buffer as `mask_BTS` [B, T, S] says (`cache.mask(positions_BT)`, computed
@@ -161,8 +161,8 @@ class Weights:
     """Every array the forward reads, in the layout its owner chose.
 
     `GPT.weights()` gives the stored parameters (`layers` one dict of arrays stacked on a leading layer
-    axis); `gpt.decoding` gives a layout for fast decoding (`layers` a tuple of per-layer dicts whose
-    kernels are `gpt.layouts` objects). The forward runs either.
+    axis); `gpt.inference.decoding` gives a layout for fast decoding (`layers` a tuple of per-layer dicts whose
+    kernels are `gpt.model.layouts` objects). The forward runs either.
 
     Attributes:
       embedding: the token table [V, D], read by lookup (an array, or a quantized layout with `rows`).
@@ -186,7 +186,7 @@ def embed(config: GPTConfig, weights: Weights, tokens_BT: jax.Array, positions_B
     # Gather the table's width (split over fsdp) first, as FSDP does for every weight before use: the
     # lookup's output is split over the batch, which would otherwise claim the same mesh axis.
     table = weights.embedding
-    x_BTD = (table.rows(tokens_BT) if hasattr(table, "rows")  # a quantized table (`gpt.layouts`)
+    x_BTD = (table.rows(tokens_BT) if hasattr(table, "rows")  # a quantized table (`gpt.model.layouts`)
              else constrain(table, ("vocab", None))[tokens_BT].astype(jnp.float32))
     # Rows that hold no request (free engine slots) may run past the table; clip them into it (their
     # output is never read).
@@ -212,7 +212,7 @@ def forward(
 
     Args:
       config: the model's shape.
-      weights: `GPT.weights()` or a decoding layout (`gpt.decoding`).
+      weights: `GPT.weights()` or a decoding layout (`gpt.inference.decoding`).
       tokens_BT: int32 token ids [B, T].
       positions_BT: int32 positions [B, T]; each row its own (a row's tokens need not start at 0).
       cache: a KVCache to write the new keys and values into (at `positions_BT`) and read; each query
@@ -309,7 +309,7 @@ class GPT(nnx.Module):
         """Mean next-token cross-entropy (float32 nats) of int32 targets [B, T] after tokens [B, T].
 
         Equal to the cross-entropy of `self(tokens_BT)`, but the [B, T, V] logits are never held at once
-        (`gpt.loss.lm_head_cross_entropy`): faster on CPU, and the memory they would take on a GPU.
+        (`gpt.model.loss.lm_head_cross_entropy`): faster on CPU, and the memory they would take on a GPU.
         """
         x_BTD = self.hidden(tokens_BT, dropout_key=dropout_key)
         return lm_head_cross_entropy(x_BTD, self.wte[...].astype(x_BTD.dtype), targets_BT)

@@ -85,7 +85,7 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
 
 def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
                  positions_B1: jax.Array, rows_M: jax.Array | None = None) -> jax.Array:
-    """One query per row over a paged KV cache (`gpt.kv_cache`), reading only the pages the rows have
+    """One query per row over a paged KV cache (`gpt.model.kv_cache`), reading only the pages the rows have
     reached.
 
     A decode step's cost is streaming the weights and the cache; a cache sized for the model's whole

@@ -3,7 +3,7 @@ the engine runs: `prefill` (requests enter slots), `extend` (a long prompt's chu
 `decode` (steps for every live slot). A prompt's own tokens are scored (`PromptScores`) in the prefill
 and extend calls that run them, for the rows that ask.
 
-Everything here is a pure function of pytrees; `gpt.engine` decides what runs when. A prompt longer than
+Everything here is a pure function of pytrees; `gpt.inference.engine` decides what runs when. A prompt longer than
 the engine's prefill chunk runs a chunk at a time (`extend`, between decode calls) into a `Prefix`, and
 enters its slot with its last chunk. Shapes: S slots, C cache slots per row, b rows admitted per prefill,
 P their (bucketed) prompt length or chunk, V vocabulary, K stop tokens per slot, J top logprobs, M decode
@@ -22,13 +22,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from gpt.config import GPTConfig
-from gpt.kv_cache import PAGE_LENGTH, KVCache
 from gpt.errors import ConfigError
-from gpt.layouts import QUANTIZED_LAYOUTS, OutputMajor
-from gpt.model import GPT, Weights, forward, lm_head, unstack
-from gpt.sampling import TOP_LOGPROBS, SamplingParams, choose
-from gpt.sharding import shard_state
+from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams, choose
+from gpt.model.config import GPTConfig
+from gpt.model.kv_cache import PAGE_LENGTH, KVCache
+from gpt.model.layouts import QUANTIZED_LAYOUTS, OutputMajor
+from gpt.model.sharding import shard_state
+from gpt.model.transformer import GPT, Weights, forward, lm_head, unstack
 
 __all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
            "PrefixPool", "init_pool", "save_blocks", "load_prefix", "PREFIX_BLOCK", "init_slots",
@@ -90,7 +90,7 @@ def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
     the decode jit, XLA would fold it away again). Costs one copy of the block weights.
 
     quantize: "none" keeps float32 (`OutputMajor`); "int8" stores every matrix, the tied embedding / LM
-    head included, as int8 with a float32 scale per output (`gpt.layouts.Int8Matrix`; the embedding
+    head included, as int8 with a float32 scale per output (`gpt.model.layouts.Int8Matrix`; the embedding
     lookup rescales the rows it reads, and the table is stored once for both uses); "bf16" stores them in
     bfloat16 (`Bf16Matrix`). Biases, LayerNorms, learned positions and the KV cache stay in the compute
     dtype, and so do all activations.
@@ -417,7 +417,7 @@ PREFIX_BLOCK = 16  # positions per block of a PrefixPool
 class PrefixPool:
     """Keys and values of prompts' blocks of PREFIX_BLOCK positions, kept after their prefills so that a
     prompt that begins with the same tokens (a multiple-choice item's choices, one context each) runs
-    only the rest. Which block holds what is the host's business (`gpt.prefix_cache`).
+    only the rest. Which block holds what is the host's business (`gpt.inference.prefix_cache`).
 
     k, v: per layer, [blocks * N, PREFIX_BLOCK, H] in the compute dtype: block i is rows i*N .. i*N+N-1.
     """
@@ -475,7 +475,7 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, cancel_S: jax.Arra
     once any slot finishes (so that the host can hand the freed slot to a waiting request).
 
     rows_R: int32 [R], distinct slots that hold every live one: the steps run over those R rows alone
-    (on a CPU, a step over 8 rows costs about twice one over 1; `gpt.engine` picks R from the live
+    (on a CPU, a step over 8 rows costs about twice one over 1; `gpt.inference.engine` picks R from the live
     count). None runs all S slots. Either way the result is [M, S].
     """
     slots = dataclasses.replace(slots, live=slots.live & ~cancel_S)

@@ -15,14 +15,14 @@ import jax
 import numpy as np
 
 from gpt.errors import ConfigError
-from gpt.sampling import TOP_LOGPROBS, SamplingParams
+from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams
 
 __all__ = ["Request", "check_request", "check_prompt", "check_prompts", "check_stop_tokens", "is_int"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One completion to generate. Knobs as in `gpt.sampling.SamplingParams` (temperature 0 is greedy).
+    """One completion to generate. Knobs as in `gpt.inference.sampling.SamplingParams` (temperature 0 is greedy).
 
     seed, stream: integers (taken modulo 2**32); the request's draws are a pure function of (seed, stream,
       model, prompt, knobs), whatever else the engine is running; `generate` gives the rows of one call

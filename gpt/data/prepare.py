@@ -2,7 +2,7 @@
 
     python -m gpt.data --data corpus/ --out_dir out/data [--text_field text] [--workers N]
 
-- **Streaming, flat memory.** `gpt.corpus` reads documents as sections of at least 4,096 characters; batches of sections are
+- **Streaming, flat memory.** `gpt.data.corpus` reads documents as sections of at least 4,096 characters; batches of sections are
   tokenized by `workers` threads (tiktoken releases the GIL) with at most two batches per thread in
   flight, and tokens go straight to the open shard file. Peak memory does not grow with the corpus.
 - **Shards.** `train_00000.bin`, ... and `val_00000.bin`, ... of `shard_tokens` tokens each (the last one
@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from gpt.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, input_format, read_sections
+from gpt.data.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, input_format, read_sections
 from gpt.errors import ConfigError, MissingInput
-from gpt.loader import Batches, unigram_loss
+from gpt.data.loader import Batches, unigram_loss
 from gpt.run_dir import make_dir
 from gpt.tokenizer import get_tokenizer
 
@@ -320,7 +320,7 @@ class PrepareConfig:
     out_dir: str = "out/data"
     """Where the shards and meta.json go (train.py uses OUT_DIR/data)."""
     val_fraction: float = 0.05
-    """The share of sections held out for validation (by hash: see gpt/data.py)."""
+    """The share of sections held out for validation (by hash: see gpt/data/prepare.py)."""
     text_field: str = "text"
     """The field (JSONL) or column (Parquet, datasets) that holds each document's text."""
     workers: int | None = None
@@ -335,10 +335,3 @@ def main(config: PrepareConfig) -> None:
     print(f"{meta['documents']:,} documents -> {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
           f"in {len(meta['shards']['train'])} + {len(meta['shards']['val'])} shards in {config.out_dir}")
 
-
-if __name__ == "__main__":
-    import tyro
-
-    from gpt.errors import cli_main
-
-    cli_main(main)(tyro.cli(PrepareConfig))

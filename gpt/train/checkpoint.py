@@ -35,11 +35,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from gpt.config import GPTConfig, check_dtype
 from gpt.errors import MissingInput, RunFailed
-from gpt.model import GPT
-from gpt.sharding import replicated
-from gpt.step import all_finite
+from gpt.model.config import GPTConfig, check_dtype
+from gpt.model.sharding import replicated
+from gpt.model.transformer import GPT
+from gpt.train.step import all_finite
 
 __all__ = ["CheckpointManager", "load_model", "has_checkpoint", "newest_step", "checksums", "is_finite"]
 
@@ -90,7 +90,7 @@ def checksums(tree) -> dict[str, list[int]]:
 
 
 def is_finite(tree) -> bool:
-    """True when every array in `tree` holds only finite values (`gpt.step.all_finite`, on its mesh)."""
+    """True when every array in `tree` holds only finite values (`gpt.train.step.all_finite`, on its mesh)."""
     return bool(_jitted(all_finite, _replicated_like(tree))(tree))
 
 

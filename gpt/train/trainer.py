@@ -7,14 +7,14 @@
 - `setup(plan, checkpoints)` -> `Run`: the corpus prepared, the loaders, the train state placed on the
   mesh (or restored), the compiled step, the metrics writer;
 - `loop(run)`: the steps, which never wait on the host. Step n + 1 is dispatched before anything of step
-  n is read; the next batches are read and placed on the mesh by a thread (`gpt.prefetch`); the metrics
+  n is read; the next batches are read and placed on the mesh by a thread (`gpt.data.prefetch`); the metrics
   stay on the device until a log interval, when they are read one step late (the step after it already
   runs). The loop keeps two steps queued on the device, no more (so the batches in flight stay few);
   a checkpoint, an evaluation and the end are the only points where it waits for the device to drain,
   and a step is saved only after its finiteness flag (and every earlier step's) has been read True.
 
-The pieces: `gpt.step` (the jitted step), `gpt.run_dir` (lock and identity), `gpt.checkpoint` (which
-checkpoints can be trusted), `gpt.metrics` (what is logged), `gpt.data` (corpus and loader), `gpt.peers`
+The pieces: `gpt.train.step` (the jitted step), `gpt.run_dir` (lock and identity), `gpt.train.checkpoint` (which
+checkpoints can be trusted), `gpt.train.metrics` (what is logged), `gpt.data.prepare` (corpus and loader), `gpt.train.peers`
 (what the processes of a multi-host run settle together).
 """
 
@@ -34,22 +34,35 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from gpt import gpt2
-from gpt.checkpoint import CheckpointManager, config_to_json, newest_step
-from gpt.config import PRESETS, GPTConfig
-from gpt.data import Batches, corpus_identity, default_corpus, prepare, sources
+from gpt.data.prefetch import Prefetch
+from gpt.data.prepare import Batches, corpus_identity, default_corpus, prepare, sources
 from gpt.errors import ConfigError, RunFailed
-from gpt.metrics import MetricsWriter
-from gpt.model import GPT
-from gpt.peers import PeerWatch, agree_on_signal, wait_for_all
-from gpt.prefetch import Prefetch
+from gpt.model import gpt2
+from gpt.model.config import PRESETS, GPTConfig
+from gpt.model.sharding import (
+    batch_sharding,
+    bytes_per_device,
+    data_parallel_size,
+    initialize_distributed,
+    make_mesh,
+    parse_mesh,
+)
+from gpt.model.transformer import GPT
 from gpt.run_dir import RunLock, check_identity, identity
-from gpt.sharding import (batch_sharding, bytes_per_device, data_parallel_size, initialize_distributed, make_mesh,
-                          parse_mesh)
 from gpt.signals import StopSignals
-from gpt.step import (OptimizerConfig, flops_per_token, init_train_state, make_eval_step, make_optimizer,
-                      make_train_step, peak_flops)
 from gpt.tokenizer import get_tokenizer
+from gpt.train.checkpoint import CheckpointManager, config_to_json, newest_step
+from gpt.train.metrics import MetricsWriter
+from gpt.train.peers import PeerWatch, agree_on_signal, wait_for_all
+from gpt.train.step import (
+    OptimizerConfig,
+    flops_per_token,
+    init_train_state,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+    peak_flops,
+)
 
 __all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setup", "loop", "Plan", "Run"]
 
@@ -65,7 +78,7 @@ class TrainConfig:
     """Where the tokenized data, checkpoints, metrics.jsonl and TensorBoard events go; a run resumes from
     the newest intact checkpoint here automatically."""
     val_fraction: float = 0.05
-    """The share of the corpus held out for evaluation (sections chosen by hash: see gpt/data.py)."""
+    """The share of the corpus held out for evaluation (sections chosen by hash: see gpt/data/prepare.py)."""
     text_field: str = "text"
     """The field (JSONL) or column (Parquet, saved datasets) holding each document's text."""
     prepare_timeout_s: float = 24 * 3600

@@ -3,12 +3,12 @@
 Each round (`step`), on the thread that owns the engine:
   1. cancelled requests give up their slots;
   2. waiting requests enter free slots, first come first served: their prompts run shortest first
-     (`gpt.decoding.prefill`, prompt lengths in buckets: `prompt_buckets`) and each gets its first token;
+     (`gpt.inference.decoding.prefill`, prompt lengths in buckets: `prompt_buckets`) and each gets its first token;
      a prompt longer than `prefill_chunk` tokens takes its slot but runs one chunk per round instead
-     (`gpt.decoding.extend`), so that the other slots go on decoding between its chunks; with a prefix
+     (`gpt.inference.decoding.extend`), so that the other slots go on decoding between its chunks; with a prefix
      pool (`prefix_cache_tokens`), a scored prompt takes that path too, starting after what the pool
      holds of its beginning;
-  3. one call of `gpt.decoding.decode` runs up to `steps_per_call` steps for every live slot (over the
+  3. one call of `gpt.inference.decoding.decode` runs up to `steps_per_call` steps for every live slot (over the
      fewest compiled rows that hold them: `decode_widths`);
   4. new tokens go to their requests; finished slots become free.
 Requests come and go between rounds, so a short request never waits for a long one to end (continuous
@@ -33,17 +33,30 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from gpt.decoding import (NO_TOKEN, PREFIX_BLOCK, Admission, Decoder, Prefix, Settings,
-                          compiled_decode, compiled_extend, compiled_init_pool, compiled_init_prefix,
-                          compiled_init_slots, compiled_load_prefix, compiled_prefill, compiled_programs,
-                          compiled_save_blocks)
 from gpt.errors import ConfigError
-from gpt.model import GPT
-from gpt.prefix_cache import PrefixIndex
-from gpt.request import Request, check_request, is_int
-from gpt.sampling import SamplingParams
-from gpt.sharding import data_parallel_size
-from gpt.text_stream import TextStream
+from gpt.inference.decoding import (
+    NO_TOKEN,
+    PREFIX_BLOCK,
+    Admission,
+    Decoder,
+    Prefix,
+    Settings,
+    compiled_decode,
+    compiled_extend,
+    compiled_init_pool,
+    compiled_init_prefix,
+    compiled_init_slots,
+    compiled_load_prefix,
+    compiled_prefill,
+    compiled_programs,
+    compiled_save_blocks,
+)
+from gpt.inference.prefix_cache import PrefixIndex
+from gpt.inference.request import Request, check_request, is_int
+from gpt.inference.sampling import SamplingParams
+from gpt.inference.text_stream import TextStream
+from gpt.model.sharding import data_parallel_size
+from gpt.model.transformer import GPT
 from gpt.tokenizer import get_tokenizer
 
 __all__ = ["Engine", "Completion", "QueueFull", "EngineStopped", "MIN_PROMPT_BUCKET", "prompt_buckets", "decode_widths"]
@@ -178,13 +191,13 @@ class Engine:
         no prefill longer than it is compiled). At least 16; the cache length or more turns it off.
       max_stop_tokens: the most stop tokens a request may give.
       prefix_cache_tokens: positions of scored prompts (`Request.prompt_logprobs`) kept after their
-        prefills (`gpt.prefix_cache`), so that one that begins like an earlier one runs only the rest;
+        prefills (`gpt.inference.prefix_cache`), so that one that begins like an earlier one runs only the rest;
         0 keeps none. Costs their keys and values (GPT-2 124M in float32: 72 KB a position), and scored
         prompts then run after a prefix of the prefill chunk's length (or the cache's, for a longer
         prompt). Not over a mesh's data axis.
       quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
-        (`gpt.decoding.decoding_weights`); a Decoder's own.
-      mesh: run sharded over this mesh (`gpt.sharding.make_mesh`); a Decoder's own.
+        (`gpt.inference.decoding.decoding_weights`); a Decoder's own.
+      mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`); a Decoder's own.
     """
 
     def __init__(self, model: GPT | Decoder, *, slots: int = 8, cache_length: int | None = None,

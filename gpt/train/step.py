@@ -1,7 +1,7 @@
 """The training step: AdamW, the train state on a mesh, one jitted update with donated state, and eval.
 
 The step (forward, backward, gradient accumulation, clipping, AdamW) is one `jax.jit` with the params
-and optimizer state donated and sharded by `gpt.sharding` over a mesh; the same code runs on one CPU,
+and optimizer state donated and sharded by `gpt.model.sharding` over a mesh; the same code runs on one CPU,
 one GPU, or many devices and hosts. It also reports, as one fused reduction, whether the step's loss,
 gradient norm and updated parameters are all finite: the loop never saves a step that is not.
 """
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from gpt.config import GPTConfig
-from gpt.model import GPT
-from gpt.sharding import param_shardings, replicated
+from gpt.model.config import GPTConfig
+from gpt.model.sharding import param_shardings, replicated
+from gpt.model.transformer import GPT
 
 __all__ = ["OptimizerConfig", "loss_fn", "make_optimizer", "init_train_state", "make_train_step", "make_eval_step", "all_finite",
            "flops_per_token", "peak_flops", "PEAK_BF16_FLOPS"]
@@ -55,7 +55,7 @@ def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformatio
 
 
 def init_train_state(model: GPT, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh):
-    """Place the model's params on `mesh` as `gpt.sharding.RULES` say and create the optimizer state beside
+    """Place the model's params on `mesh` as `gpt.model.sharding.RULES` say and create the optimizer state beside
     them: each Adam moment sharded like its parameter, scalars (the step count) replicated.
 
     Returns (graphdef, params, opt_state, (param_shardings, opt_shardings)); params and param_shardings

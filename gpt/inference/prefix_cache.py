@@ -1,4 +1,4 @@
-"""Which prompt prefixes a `gpt.decoding.PrefixPool` holds: the host's index of its blocks, with no JAX in it.
+"""Which prompt prefixes a `gpt.inference.decoding.PrefixPool` holds: the host's index of its blocks, with no JAX in it.
 
 A scored prompt (`Request.prompt_logprobs`) leaves its whole blocks of PREFIX_BLOCK tokens in the pool,
 each keyed by every token from the prompt's start to the block's end (so a block is found only after
