@@ -23,8 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt.model.attention import attend, attend_paged
-from gpt.model.kv_cache import PAGE_LENGTH
+from gpt.model.backend import CHOICES
 from gpt.model.layouts import few_rows_matmul
+
+PAGE_LENGTH = CHOICES["cpu"].kv_page_length  # an engine's pages on a CPU
 
 from machine import cpu_name
 

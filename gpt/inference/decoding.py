@@ -24,8 +24,9 @@ from jax.sharding import Mesh
 
 from gpt.errors import ConfigError
 from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams, choose
+from gpt.model.backend import choices
 from gpt.model.config import GPTConfig
-from gpt.model.kv_cache import PAGE_LENGTH, KVCache
+from gpt.model.kv_cache import KVCache
 from gpt.model.layouts import QUANTIZED_LAYOUTS, OutputMajor
 from gpt.model.sharding import shard_state
 from gpt.model.transformer import GPT, Weights, forward, lm_head, unstack
@@ -318,9 +319,8 @@ def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_to
     that a decode step reads only the pages its rows have reached (on a GPU, one page that cuDNN's
     attention reads under the mask)."""
     S = num_slots
-    page_length = PAGE_LENGTH if jax.default_backend() == "cpu" else None
     return Slots(
-        cache=KVCache.init(config, S, cache_length, page_length),
+        cache=KVCache.init(config, S, cache_length, choices().kv_page_length),
         last_token=jnp.zeros((S,), jnp.int32), live=jnp.zeros((S,), jnp.bool_),
         remaining=jnp.zeros((S,), jnp.int32), generated=jnp.zeros((S,), jnp.int32),
         seen=jnp.zeros((S, config.vocab_size), jnp.bool_), settings=Settings.empty(S, max_stop_tokens),

@@ -55,6 +55,7 @@ from gpt.inference.prefix_cache import PrefixIndex
 from gpt.inference.request import Request, check_request, is_int
 from gpt.inference.sampling import SamplingParams
 from gpt.inference.text_stream import TextStream
+from gpt.model.backend import choices
 from gpt.model.sharding import data_parallel_size
 from gpt.model.transformer import GPT
 from gpt.tokenizer import get_tokenizer
@@ -140,7 +141,7 @@ def decode_widths(num_slots: int, mesh: Mesh | None) -> list[int]:
     and the slot count (a call runs the fewest that hold every live slot: a step over 8 rows costs about
     twice one over 1 there); elsewhere, or over a mesh, the slot count alone (a GPU's step costs about
     the same for 1 row as for 8)."""
-    if mesh is not None or jax.default_backend() != "cpu":
+    if mesh is not None or not choices().narrow_decodes:
         return [num_slots]
     return [1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots] + [num_slots]
 

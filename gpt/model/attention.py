@@ -10,6 +10,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gpt.model.backend import choices
+
 __all__ = ["attend", "attend_paged", "sinusoidal_embedding", "apply_rope"]
 
 
@@ -66,7 +68,7 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
     """
     B, T, N, H = q_BTNH.shape
     S = k_MSH.shape[1]
-    if jax.default_backend() == "gpu":
+    if choices().fused_attention:
         k_BSNH, v_BSNH = (x.reshape(B, N, S, H).transpose(0, 2, 1, 3) for x in (k_MSH, v_MSH))
         if mask_BTS is None:
             return jax.nn.dot_product_attention(q_BTNH, k_BSNH, v_BSNH, is_causal=True)

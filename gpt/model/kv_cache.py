@@ -31,11 +31,8 @@ import jax.numpy as jnp
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import constrain
 
-__all__ = ["KVCache", "PAGE_LENGTH"]
+__all__ = ["KVCache"]
 
-# Slots per page of an engine's cache on CPU. A decode step reads whole pages: shorter pages read less
-# past the rows' ends but cost more small ops per step (bench/RESULTS.md, "Paged KV cache").
-PAGE_LENGTH = 128
 
 
 @jax.tree_util.register_dataclass

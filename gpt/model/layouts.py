@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gpt.model.backend import choices
+
 __all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "QUANTIZED_LAYOUTS", "dense", "few_rows_matmul"]
 
 
@@ -43,11 +45,11 @@ class OutputMajor:
 # took 21.3 ms (the LM head at 8 rows: 15.5 -> 10.1 ms); on an Intel Xeon with AMX the two forms are
 # within -1..+16% of each other (`bench/decode_parts.py`; bench/RESULTS.md "Serving"). From 64 rows the
 # GEMM wins again.
-_FEW_ROWS = range(2, 17)
+_FEW_ROWS = range(2, 17)  # on the backends whose `choices().few_rows_matmul` is set
 
 
 def _runs_as_few_rows(x_MD: jax.Array) -> bool:
-    return x_MD.shape[0] in _FEW_ROWS and x_MD.dtype == jnp.float32 and jax.default_backend() == "cpu"
+    return x_MD.shape[0] in _FEW_ROWS and x_MD.dtype == jnp.float32 and choices().few_rows_matmul
 
 
 def few_rows_matmul(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:

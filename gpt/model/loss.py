@@ -16,14 +16,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gpt.model.backend import choices
 from gpt.model.sharding import constrain, data_parallel_size
 
 __all__ = ["lm_head_cross_entropy"]
-
-# Bytes of float32 logits per chunk: on CPU a chunk stays in the last-level cache; on accelerators only
-# memory matters, and fewer, larger chunks keep the matmuls big.
-_CHUNK_BYTES = {"cpu": 128 << 20}
-_DEFAULT_CHUNK_BYTES = 1 << 30
 
 
 def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax.Array,
@@ -42,7 +38,7 @@ def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax
     """
     B, T, _ = x_BTD.shape
     if chunk_bytes is None:
-        chunk_bytes = _CHUNK_BYTES.get(jax.default_backend(), _DEFAULT_CHUNK_BYTES)
+        chunk_bytes = choices().loss_chunk_bytes
     shards = _batch_shards(B)
     longest = chunk_bytes // (B // shards * table_VD.shape[0] * 4)
     return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, longest), shards)

@@ -1,0 +1,44 @@
+"""What the code does differently on a CPU and on an accelerator, in one table (as `gpt.model.sharding.RULES`
+is for mesh axes). Each choice was measured; the figures are in bench/RESULTS.md under the name given.
+
+| choice | CPU | GPU (and others) | why |
+| --- | --- | --- | --- |
+| `fused_attention` | no: softmax(q k^T) v written out, heads as a batch axis | yes on a GPU: `jax.nn.dot_product_attention` (cuDNN's fused kernel) | XLA's CPU has no fused kernel; the plain form avoids a transposed copy of k |
+| `loss_chunk_bytes` | 128 MiB of float32 logits a chunk | 1 GiB | a chunk stays in the last-level cache; elsewhere fewer, larger chunks keep the matmuls big ("Training") |
+| `few_rows_matmul` | 2-16 float32 rows as a multiply and a sum | a dot | XLA's CPU runs 2-16 rows as a GEMM far from the memory's speed ("Serving") |
+| `kv_page_length` | an engine's cache in pages of 128 slots | one page | a decode step reads only the pages its rows reached ("Paged KV cache"); cuDNN reads one buffer under the mask |
+| `narrow_decodes` | decodes compiled for 1, 2, 4, ... rows | for every slot | a step over 8 rows costs about twice one over 1 on a CPU, about the same on a GPU ("Serving") |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+__all__ = ["BackendChoices", "CHOICES", "choices"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendChoices:
+    """One backend's row of the table above."""
+
+    fused_attention: bool
+    loss_chunk_bytes: int
+    few_rows_matmul: bool
+    kv_page_length: int | None  # None: the whole cache is one page
+    narrow_decodes: bool
+
+
+CHOICES = {
+    "cpu": BackendChoices(fused_attention=False, loss_chunk_bytes=128 << 20, few_rows_matmul=True,
+                          kv_page_length=128, narrow_decodes=True),
+    "gpu": BackendChoices(fused_attention=True, loss_chunk_bytes=1 << 30, few_rows_matmul=False,
+                          kv_page_length=None, narrow_decodes=False),
+}
+_OTHER = dataclasses.replace(CHOICES["gpu"], fused_attention=False)  # a TPU: XLA's own attention
+
+
+def choices() -> BackendChoices:
+    """The choices for JAX's default backend."""
+    return CHOICES.get(jax.default_backend(), _OTHER)

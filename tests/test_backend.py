@@ -1,0 +1,36 @@
+"""The CPU-or-GPU choices are one table: each place that differs by backend reads `gpt.model.backend`, so
+that the GPU's row, put in force on a CPU, changes every one of them (and the CPU's row is what runs)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from gpt.inference import decoding, engine
+from gpt.model import attention, backend, layouts, loss
+from gpt.model.config import GPTConfig
+
+
+def test_the_cpu_row_is_in_force_here():
+    assert jax.default_backend() == "cpu" and backend.choices() is backend.CHOICES["cpu"]
+
+
+@pytest.mark.parametrize("row", ["cpu", "gpu"])
+def test_each_choice_follows_the_table(monkeypatch, row):
+    chosen = backend.CHOICES[row]
+    for module in (attention, layouts, loss, decoding, engine):
+        monkeypatch.setattr(module, "choices", lambda: chosen)
+
+    assert engine.decode_widths(8, None) == ([1, 2, 4, 8] if chosen.narrow_decodes else [8])
+    cache = decoding.init_slots(GPTConfig.preset("tiny", block_size=512), 2, 300, 1).cache
+    assert [page.shape[1] for page in cache.pages(0)[0]] == ([128, 128, 44] if chosen.kv_page_length else [300])
+    assert layouts._runs_as_few_rows(jnp.ones((4, 8), jnp.float32)) == chosen.few_rows_matmul
+
+    lengths = []
+    monkeypatch.setattr(loss, "_chunked_loss", lambda x, table, targets, length, shards: lengths.append(length))
+    loss.lm_head_cross_entropy(jnp.zeros((1, 4096, 8)), jnp.zeros((50304, 8)), jnp.zeros((1, 4096), jnp.int32))
+    assert lengths == [loss._chunk_length(4096, chosen.loss_chunk_bytes // (50304 * 4))]
+    assert (lengths[0] < 4096) == (row == "cpu")  # in chunks on a CPU, whole on a GPU
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *args, **kwargs: "fused")  # cuDNN's: not on a CPU
+    out = attention.attend(jnp.ones((1, 3, 2, 4)), jnp.ones((2, 3, 4)), jnp.ones((2, 3, 4)), None)
+    assert isinstance(out, str) == chosen.fused_attention
