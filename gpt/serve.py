@@ -47,8 +47,10 @@ from jax.sharding import Mesh
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt.errors import ConfigError
-from gpt.inference.engine import MIN_PROMPT_BUCKET, Completion, Engine, EngineStopped, QueueFull
+from gpt.inference.completion import Completion
+from gpt.inference.engine import MIN_PROMPT_BUCKET, Engine
 from gpt.inference.request import Request, is_int
+from gpt.inference.scheduler import EngineStopped, QueueFull
 from gpt.model.config import DType
 from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.tokenizer import EOT, get_tokenizer

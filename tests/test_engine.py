@@ -11,8 +11,9 @@ from gpt import GPT, GPTConfig
 from gpt.errors import ConfigError
 from gpt.generate import generate
 from gpt.inference.decoding import Admission, Decoder, Settings, decode, init_slots, prefill
-from gpt.inference.engine import Engine, QueueFull
+from gpt.inference.engine import Engine
 from gpt.inference.request import Request
+from gpt.inference.scheduler import QueueFull
 
 
 @pytest.fixture(scope="module")

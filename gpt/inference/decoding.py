@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from gpt.errors import ConfigError
 from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams, choose
+from gpt.inference.scheduler import NO_TOKEN  # an Emitted entry where a slot produced nothing
 from gpt.model.backend import choices
 from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
@@ -33,9 +34,8 @@ from gpt.model.transformer import GPT, Weights, forward, lm_head, unstack
 
 __all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
            "PrefixPool", "init_pool", "save_blocks", "load_prefix", "PREFIX_BLOCK", "init_slots",
-           "init_prefix", "extend", "prefill", "decode", "compiled_programs", "NO_TOKEN"]
+           "init_prefix", "extend", "prefill", "decode", "compiled_programs"]
 
-NO_TOKEN = -1  # an Emitted entry where a slot produced nothing (free or finished)
 
 # How many leading axes of each kernel (after the layer axis) are its inputs.
 _KERNEL_INPUT_AXES = {"qkv_kernel": 1, "out_kernel": 2, "fc_kernel": 1, "proj_kernel": 1}

@@ -15,15 +15,17 @@ Requests come and go between rounds, so a short request never waits for a long o
 batching). Every sampling knob is a per-slot array, so no request's settings compile anything; `warmup`
 compiles every shape the engine can run before it serves.
 
+The decisions of steps 1, 2 and 4 (which request enters which slot, which way its prompt runs, which
+chunk runs next, what a decode's tokens do to their requests) are `gpt.inference.scheduler`'s, with no
+JAX; the engine runs the device programs of `gpt.inference.decoding` they call for.
+
 `generate` runs an engine on the caller's thread (`run`); `serve.py` runs one on a thread of its own
 (`start` / `stop`) and submits requests from the HTTP handlers.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -34,8 +36,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from gpt.errors import ConfigError
+from gpt.inference.completion import Completion
 from gpt.inference.decoding import (
-    NO_TOKEN,
     PREFIX_BLOCK,
     Admission,
     Decoder,
@@ -54,86 +56,19 @@ from gpt.inference.decoding import (
 from gpt.inference.prefix_cache import PrefixIndex
 from gpt.inference.request import Request, check_request, is_int
 from gpt.inference.sampling import SamplingParams
-from gpt.inference.text_stream import TextStream
+from gpt.inference.scheduler import Chunked, Scheduler
 from gpt.model.backend import choices
 from gpt.model.sharding import data_parallel_size
 from gpt.model.transformer import GPT
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["Engine", "Completion", "QueueFull", "EngineStopped", "MIN_PROMPT_BUCKET", "prompt_buckets", "decode_widths"]
+__all__ = ["Engine", "MIN_PROMPT_BUCKET", "prompt_buckets", "decode_widths"]
 
 MIN_PROMPT_BUCKET = 16
 
 
-class QueueFull(Exception):
-    """The engine's queue holds `max_queue` waiting requests already (HTTP 429)."""
-
-
-class EngineStopped(Exception):
-    """The engine is shutting down and admits nothing new (HTTP 503)."""
-
-
 # A prefill's row that goes nowhere: over a mesh's data axis a prefill runs rows_per_prefill rows.
 _PADDING = Request([0], 1, temperature=0.0)
-
-
-class Completion:
-    """A request's progress, written by the engine's thread and read by anyone.
-
-    tokens, logprobs: the emitted tokens and their log-probabilities; top_logprobs: per token, a list of
-    (id, logprob) for the request's `logprobs` most likely alternatives. prompt_logprobs,
-    prompt_top_logprobs: the same for the prompt's tokens when the request asked (`Request.prompt_logprobs`),
-    None for its first token (nothing comes before it); complete once the first token is (or, with
-    max_tokens 0, once the request is done). stop_token: (id, logprob, alternatives) of the stop token
-    that ended it, which is in neither `tokens` nor `text`; else None. text: a `TextStream` of the
-    output (stop strings applied). finish_reason: None while running, then "stop" (a stop token or
-    string), "length" (max_tokens reached) or "cancelled". `done` is set when it ends. `on_update`,
-    when given, is called on the engine's thread after each batch of new tokens and at the end.
-    """
-
-    def __init__(self, request: Request, on_update: Callable[[Completion], None] | None = None,
-                 settings: Settings | None = None):
-        self.request, self.on_update = request, on_update
-        self.settings = settings  # the request's knobs as host values (`Engine.check`)
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[int, float]]] = []
-        self.stop_token: tuple[int, float, list[tuple[int, float]]] | None = None
-        self.prompt_logprobs: list[float | None] = [None] if request.prompt_logprobs else []
-        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = [None] if request.prompt_logprobs else []
-        self.text = TextStream(request.stop_strings)
-        self.finish_reason: str | None = None
-        self.done = threading.Event()
-        self.cancel_requested = False
-
-    def cancel(self) -> None:
-        """Ask the engine to stop this request; its slot is freed at the engine's next round."""
-        self.cancel_requested = True
-
-    def _add(self, token: int, logprob: float, top: list[tuple[int, float]]) -> bool:
-        """Record one token; True if it completed a stop string."""
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        if self.request.logprobs:
-            self.top_logprobs.append(top[: self.request.logprobs])
-        return self.text.push(token) and bool(self.request.stop_strings)
-
-    def _score_prompt(self, start: int, logprob_P: np.ndarray, top_ids_PJ: np.ndarray | None,
-                      top_logprobs_PJ: np.ndarray | None) -> None:
-        """Record the scores of the prompt's tokens start+1 .. (a piece of `PromptScores`, from position
-        `start` on: position p scored the token after it)."""
-        end = min(len(self.request.prompt), start + 1 + len(logprob_P))
-        for p in range(end - start - 1):
-            self.prompt_logprobs.append(float(logprob_P[p]))
-            if self.request.logprobs:
-                top = zip(top_ids_PJ[p, : self.request.logprobs], top_logprobs_PJ[p, : self.request.logprobs])
-                self.prompt_top_logprobs.append([(int(t), float(lp)) for t, lp in top])
-            else:
-                self.prompt_top_logprobs.append([])
-
-    def _finish(self, reason: str) -> None:
-        self.finish_reason = reason
-        self.done.set()
 
 
 def decode_widths(num_slots: int, mesh: Mesh | None) -> list[int]:
@@ -161,20 +96,6 @@ def prompt_buckets(longest: int) -> list[int]:
 def _blocks(length: int) -> int:
     """How many prefix-pool blocks cover `length` positions (a load or a save of a prefix that long)."""
     return -(-length // PREFIX_BLOCK)
-
-
-@dataclasses.dataclass
-class _Chunked:
-    """Requests whose prompts run a chunk per round before they enter their slots (`Engine._advance`).
-
-    entries: (slot, completion) per row; prefix: their prompts' cache so far (None for a pooled group
-    until its turn: `Engine._load`); done: how many tokens of each prompt have run (of a shorter one,
-    all); pooled: one scored prompt, loaded from the prefix pool and its blocks put there."""
-
-    entries: list[tuple[int, Completion]]
-    prefix: Prefix | None
-    done: int = 0
-    pooled: bool = False
 
 
 class Engine:
@@ -237,15 +158,9 @@ class Engine:
         self._index = PrefixIndex(blocks, PREFIX_BLOCK) if blocks else None
         with self._on_mesh():
             self._pool = compiled_init_pool(config, blocks) if blocks else None
-        self._owners: list[Completion | None] = [None] * slots
-        self._queue: collections.deque[Completion] = collections.deque()
-        self._chunked: collections.deque[_Chunked] = collections.deque()  # the oldest runs its next chunk
-        self._lock = threading.Condition()
-        self._stopping = self._exit = False
+        self._scheduler = Scheduler(slots, max_queue, self.rows_per_prefill, self.prefill_chunk, self._index is not None)
         self._thread: threading.Thread | None = None
-        self._cancel_S = np.zeros((slots,), np.bool_)  # slots to stop at the next decode call
         get_tokenizer()  # each Completion's text stream needs it: load it now, not on a request's clock
-        self.tokens_emitted = 0  # a running total, for tokens/s
         self.prompt_tokens_reused = 0  # prompt positions loaded from the prefix pool instead of run
 
     # ------------------------------------------------------------------------------ clients (any thread)
@@ -261,40 +176,37 @@ class Engine:
         """Queue a request (checked first); returns its Completion. Raises ConfigError, QueueFull or
         EngineStopped."""
         completion = Completion(request, on_update, self.check(request))
-        with self._lock:
-            if self._stopping:
-                raise EngineStopped("the engine is shutting down")
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue={self.max_queue})")
-            self._queue.append(completion)
-            self._lock.notify()
+        self._scheduler.submit(completion)
         return completion
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return self._scheduler.queue_depth
 
     @property
     def live_slots(self) -> int:
-        return sum(owner is not None for owner in self._owners)
+        return self._scheduler.live_slots
+
+    @property
+    def tokens_emitted(self) -> int:
+        """Tokens handed to requests so far (a running total, for tokens/s)."""
+        return self._scheduler.tokens_emitted
 
     # -------------------------------------------------------------------------- the engine's own thread
 
     def step(self) -> bool:
         """One round (cancel, admit, decode, deliver). False when there was nothing to do."""
-        for slot, owner in enumerate(self._owners):
-            if owner is not None and owner.cancel_requested:
-                self._release(slot, "cancelled")
+        self._scheduler.release_cancelled()
         admitted = self._admit()
         advanced = self._advance()
-        decoding = self._decoding()
+        decoding = self._scheduler.decoding()
         if not decoding:
             return admitted or advanced
-        stop_at_finish = bool(self._queue)  # someone waits for a slot: come back as soon as one frees
-        cancel_S, self._cancel_S = self._cancel_S, np.zeros((self.num_slots,), np.bool_)
+        stop_at_finish = bool(self._scheduler.queue)  # someone waits for a slot: come back as soon as one frees
+        cancel_S = self._scheduler.take_cancels()
         width = next(w for w in self.decode_widths if w >= len(decoding))
         emitted = self._decode(cancel_S, self.steps_per_call, stop_at_finish, width, decoding)
-        self._deliver(list(range(self.num_slots)), emitted)
+        self._scheduler.deliver(list(range(self.num_slots)), emitted)
         return True
 
     def run(self, completions: Sequence[Completion]) -> None:
@@ -312,7 +224,7 @@ class Engine:
         So a placeholder request (asking for logprobs and its prompt's, which take branches of their own) enters slot 0
         at every bucket, steps once at every width, and is cancelled: the slots end as they began, free.
         """
-        if self._thread is not None or any(self._owners):
+        if self._thread is not None or any(self._scheduler.owners):
             raise RuntimeError("warmup runs before the engine serves: its placeholder borrows slot 0")
         buckets, chunk = self.prompt_buckets, self.prefill_chunk
         chunked = self.cache_length > chunk + 1  # a prompt of chunk + 1 tokens and one more fit
@@ -343,12 +255,12 @@ class Engine:
             self._prefill([(0, placeholder(1))], length)
         if chunked:
             log(next(progress))
-            self._chunked.append(self._chunk_group([(0, placeholder(chunk + 1))]))  # its last piece: 1 token
-            while self._chunked:
+            self._scheduler.chunked.append(self._chunk_group([(0, placeholder(chunk + 1))]))  # its last piece: 1 token
+            while self._scheduler.chunked:
                 self._advance(warmup=True)
         for length, b in last:
             log(next(progress))
-            self._chunked.append(self._chunk_group([(0, placeholder(b))], length))  # one piece, the last
+            self._scheduler.chunked.append(self._chunk_group([(0, placeholder(b))], length))  # one piece, the last
             self._advance(warmup=True)
         for length in pooled:
             log(next(progress))
@@ -361,7 +273,7 @@ class Engine:
         for width in self.decode_widths:
             log(next(progress))
             jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 1, False, width, []))
-        self._cancel_S[0] = True  # the next decode call ends the placeholder, unless a request takes slot 0 first
+        self._scheduler.cancel_S[0] = True  # the next decode call ends the placeholder, unless a request takes slot 0 first
         log(f"warm-up: done in {time.perf_counter() - start:.1f} s")
 
     def compiled_shapes(self) -> int:
@@ -376,38 +288,29 @@ class Engine:
     def stop(self, deadline_s: float = 10.0) -> None:
         """Admit nothing new; let running and waiting requests finish for up to `deadline_s`, cancel the
         rest, and end the background thread."""
-        with self._lock:
-            self._stopping = True
+        scheduler = self._scheduler
+        with scheduler.lock:
+            scheduler.stopping = True
         end = time.monotonic() + deadline_s
-        while (self._queue or any(self._owners)) and time.monotonic() < end and self._thread is not None:
+        while not scheduler.idle and time.monotonic() < end and self._thread is not None:
             time.sleep(0.01)
-        with self._lock:
-            for completion in self._queue:
-                completion._finish("cancelled")
-                self._notify(completion)
-            self._queue.clear()
-            for owner in self._owners:
-                if owner is not None:
-                    owner.cancel()
-            self._exit = True
-            self._lock.notify()
+        scheduler.cancel_everything()
         if self._thread is not None:
             self._thread.join()
 
     def _serve_forever(self) -> None:
+        scheduler = self._scheduler
         while True:
-            with self._lock:
-                while not self._queue and not any(self._owners) and not self._exit:
-                    self._lock.wait()
-                if self._exit and not self._queue and not any(self._owners):
+            with scheduler.lock:
+                while scheduler.idle and not scheduler.exit:
+                    scheduler.lock.wait()
+                if scheduler.exit and scheduler.idle:
                     return
             try:
                 self.step()
             except Exception:  # a bug must not leave clients waiting forever: end what is running
                 logging.getLogger(__name__).exception("engine round failed; ending the running requests")
-                for slot, owner in enumerate(self._owners):
-                    if owner is not None:
-                        self._release(slot, "error")
+                scheduler.release_all("error")
 
     # ----------------------------------------------------------------------------------------- internals
 
@@ -415,39 +318,20 @@ class Engine:
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _admit(self) -> bool:
-        """Move waiting requests into free slots, first come first served, and run their prompts shortest
-        first, `rows_per_prefill` at a time. The round's last first token comes when it would in any
-        order, and every other one sooner: a short prompt never waits behind a long one that came with
-        it."""
+        """Move waiting requests into free slots and run their prompts (`Scheduler.admit`), again while
+        requests that end with their prefills free slots for more."""
         admitted = False
-        while True:
-            free = [slot for slot, owner in enumerate(self._owners) if owner is None]
-            with self._lock:
-                entering = []
-                while self._queue and len(entering) < len(free):
-                    completion = self._queue.popleft()
-                    if completion.cancel_requested:
-                        completion._finish("cancelled")
-                        self._notify(completion)
-                    else:
-                        entering.append(completion)
-            if not entering:
-                return admitted
-            entering.sort(key=lambda c: len(c.request.prompt))
-            for slot, completion in zip(free, entering):
-                self._owners[slot] = completion
-            entries = list(zip(free, entering))
-            for i in range(0, len(entries), self.rows_per_prefill):
-                group = entries[i: i + self.rows_per_prefill]
-                longest = max(len(c.request.prompt) for _, c in group)
-                if self._index is not None and group[0][1].request.prompt_logprobs:  # one row: no mesh
-                    self._chunked.append(_Chunked(group, None, pooled=True))  # loaded at its turn: `_advance`
-                    continue
-                if longest > self.prefill_chunk:  # its slots wait, owned, until its last chunk (`_advance`)
-                    self._chunked.append(self._chunk_group(group))
-                    continue
-                self._deliver([slot for slot, _ in group], self._prefill(group, self._bucket(longest))[0])
+        while groups := self._scheduler.admit():
+            for way, group in groups:
+                if way == "pooled":
+                    self._scheduler.chunked.append(Chunked(group, None, pooled=True))  # loaded at its turn: `_advance`
+                elif way == "chunked":
+                    self._scheduler.chunked.append(self._chunk_group(group))
+                else:
+                    longest = max(len(c.request.prompt) for _, c in group)
+                    self._scheduler.deliver([slot for slot, _ in group], self._prefill(group, self._bucket(longest))[0])
             admitted = True
+        return admitted
 
     def _decode(self, cancel_S: np.ndarray, num_steps: int, stop_at_finish: bool, width: int, decoding: list[int]):
         """One decode call over `width` rows (one of `decode_widths`) that hold the `decoding` slots."""
@@ -459,15 +343,6 @@ class Engine:
                 self.config, self.weights, self._slots, cancel_S, np.int32(num_steps), np.bool_(stop_at_finish),
                 max_steps=self.steps_per_call, rows_R=rows_R)
         return emitted
-
-    def _prefilling(self) -> set[int]:
-        """The slots whose requests' prompts are still running their chunks."""
-        return {slot for group in self._chunked for slot, c in group.entries if self._owners[slot] is c}
-
-    def _decoding(self) -> list[int]:
-        """The slots whose requests decode: owned, and past their prompts."""
-        prefilling = self._prefilling()
-        return [slot for slot, owner in enumerate(self._owners) if owner is not None and slot not in prefilling]
 
     def _rows(self, entries: list[tuple[int | None, Completion]]) -> list[Request]:
         """The requests of a prefill's `rows_per_prefill` rows: the entries', then padding."""
@@ -496,8 +371,7 @@ class Engine:
             settings += [self._settings(_PADDING, ())] * (b - len(entries))
         tokens, lengths = self._piece(entries, start, length)
         # A request of at most one token ends with this prefill: it never decodes, so it enters no slot.
-        entering = [None if slot is None or c.request.max_tokens <= 1 else slot for slot, c in entries]
-        self._cancel_S[[slot for slot in entering if slot is not None]] = False  # their device state is new
+        entering = self._scheduler.entering([slot for slot, _ in entries], [c for _, c in entries])
         slots = [self.num_slots if slot is None else slot for slot in entering]
         slots += [self.num_slots] * (b - len(entries))  # past the end: dropped
         admission = Admission(
@@ -511,7 +385,7 @@ class Engine:
         self._deliver_scores(entries, start, scores)
         return emitted, prefix
 
-    def _extend(self, group: _Chunked) -> None:
+    def _extend(self, group: Chunked) -> None:
         """Run the next chunk of a group's prompts into its prefix, and deliver its prompt scores."""
         entries, start, chunk = group.entries, group.done, self.prefill_chunk
         requests = self._rows(entries)
@@ -544,7 +418,7 @@ class Engine:
         the full length would cost each of them a copy of it), else the cache length."""
         return self.prefill_chunk if prompt_length <= self.prefill_chunk else self.cache_length
 
-    def _load(self, group: _Chunked) -> None:
+    def _load(self, group: Chunked) -> None:
         """A pooled group's prefix, at its turn (so that the choices of one item, admitted together, find
         the blocks the first of them leaves): loaded from the prefix pool as far as the pool holds the
         prompt's beginning (the last token held, or the prompt's last, runs again: what follows it needs
@@ -582,37 +456,31 @@ class Engine:
         with self._on_mesh():
             self._pool = compiled_save_blocks(self._pool, prefix, starts, ids)
 
-    def _chunk_group(self, entries: list[tuple[int, Completion]], length: int | None = None) -> _Chunked:
+    def _chunk_group(self, entries: list[tuple[int, Completion]], length: int | None = None) -> Chunked:
         """A group whose prompts run after a fresh prefix of `length` positions (default: the cache's)."""
         length = self.cache_length if length is None else length
         with self._on_mesh():
-            return _Chunked(entries, compiled_init_prefix(self.config, self.rows_per_prefill, length))
+            return Chunked(entries, compiled_init_prefix(self.config, self.rows_per_prefill, length))
 
     def _advance(self, warmup: bool = False) -> bool:
         """Run the next chunk of the oldest chunked prompts; with their last, they enter their slots and
         get their first tokens. False when no prompt was waiting on chunks."""
-        while self._chunked:
-            group = self._chunked[0]
-            # A request cancelled (and released) meanwhile goes nowhere, its slot perhaps another's already;
-            # its row still runs, so that each other row stays where its cache is.
-            entries = [(slot if warmup or self._owners[slot] is c else None, c) for slot, c in group.entries]
-            if any(slot is not None for slot, _ in entries):
-                break
-            self._chunked.popleft()
-        else:
+        waiting = self._scheduler.next_chunked(warmup)
+        if waiting is None:
             return False
+        group, entries = waiting
         if group.prefix is None:
             self._load(group)
         chunk, longest = self.prefill_chunk, max(len(c.request.prompt) for _, c in group.entries)
         if group.done + chunk < longest:
             self._extend(group)
             return True
-        self._chunked.popleft()
+        self._scheduler.chunked.popleft()
         emitted, prefix = self._prefill(entries, self._bucket(longest - group.done), group.prefix, group.done)
         if group.pooled and entries[0][0] is not None and not warmup:
             self._keep(entries[0][1], prefix)
         if not warmup:
-            self._deliver([slot for slot, _ in entries], emitted)
+            self._scheduler.deliver([slot for slot, _ in entries], emitted)
         return True
 
     def _settings(self, request: Request, stops: tuple[int, ...]) -> Settings:
@@ -625,53 +493,3 @@ class Engine:
         seed, stream = (np.uint32(int(n) % 2**32) for n in (request.seed, request.stream))  # int(): a numpy seed too
         return Settings(params=params, seed=seed, stream=stream, stop_tokens=stop_tokens,
                         top_logprobs=np.bool_(request.logprobs > 0))
-
-    def _deliver(self, slots: list[int | None], emitted) -> None:
-        """Hand each slot's new tokens to its request (row i of `emitted` is slot slots[i], or nowhere for
-        None); free the slots whose request ended. Slots whose prompts are still running their chunks are
-        left alone."""
-        token, stop_token = np.asarray(emitted.token), np.asarray(emitted.stopped)
-        steps = int(emitted.steps)
-        logprob, live = np.asarray(emitted.logprob), np.asarray(emitted.live)
-        prefilling = self._prefilling()
-        owners = [None if slot is None or slot in prefilling else self._owners[slot] for slot in slots]
-        wants_top = any(owner is not None and owner.request.logprobs for owner in owners)
-        top_ids, top_lps = (np.asarray(emitted.top_ids), np.asarray(emitted.top_logprobs)) if wants_top else (None, None)
-        for row, (slot, owner) in enumerate(zip(slots, owners)):
-            if owner is None:
-                continue
-            before = len(owner.tokens)
-            stopped = False
-            for i in range(steps):
-                if token[i, row] == NO_TOKEN:
-                    break
-                top = ([(int(t), float(lp)) for t, lp in zip(top_ids[i, row], top_lps[i, row])]
-                       if top_ids is not None else [])
-                if stop_token[i, row]:  # it ends the request unemitted; the device's slot is free already
-                    owner.stop_token = (int(token[i, row]), float(logprob[i, row]), top[: owner.request.logprobs])
-                    break
-                if owner._add(int(token[i, row]), float(logprob[i, row]), top):
-                    stopped = True
-                    break
-            self.tokens_emitted += len(owner.tokens) - before
-            if stopped:
-                owner.cancel()  # the device slot is still live: stop it at the next round
-                owner._finish("stop")
-                self._notify(owner)
-            elif not live[row]:
-                self._release(slot, "length" if len(owner.tokens) >= owner.request.max_tokens else "stop")
-            elif len(owner.tokens) > before:
-                self._notify(owner)
-
-    def _release(self, slot: int, reason: str) -> None:
-        owner = self._owners[slot]
-        self._owners[slot] = None
-        self._cancel_S[slot] = True  # the device may still count it live (a stop string, a cancel)
-        if not owner.done.is_set():
-            owner._finish(reason)
-            self._notify(owner)
-
-    @staticmethod
-    def _notify(completion: Completion) -> None:
-        if completion.on_update is not None:
-            completion.on_update(completion)

@@ -1,0 +1,76 @@
+"""A request's progress as the engine makes it: its tokens, their log-probabilities, its text and how it
+ended. Written on the engine's thread, read by anyone; no JAX."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from gpt.inference.request import Request
+from gpt.inference.text_stream import TextStream
+
+__all__ = ["Completion"]
+
+
+class Completion:
+    """A request's progress, written by the engine's thread and read by anyone.
+
+    tokens, logprobs: the emitted tokens and their log-probabilities; top_logprobs: per token, a list of
+    (id, logprob) for the request's `logprobs` most likely alternatives. prompt_logprobs,
+    prompt_top_logprobs: the same for the prompt's tokens when the request asked (`Request.prompt_logprobs`),
+    None for its first token (nothing comes before it); complete once the first token is (or, with
+    max_tokens 0, once the request is done). stop_token: (id, logprob, alternatives) of the stop token
+    that ended it, which is in neither `tokens` nor `text`; else None. text: a `TextStream` of the
+    output (stop strings applied). finish_reason: None while running, then "stop" (a stop token or
+    string), "length" (max_tokens reached) or "cancelled". `done` is set when it ends. `on_update`,
+    when given, is called on the engine's thread after each batch of new tokens and at the end.
+    """
+
+    def __init__(self, request: Request, on_update: Callable[[Completion], None] | None = None, settings=None):
+        self.request, self.on_update = request, on_update
+        self.settings = settings  # the request's knobs as host values (`Engine.check`)
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.stop_token: tuple[int, float, list[tuple[int, float]]] | None = None
+        self.prompt_logprobs: list[float | None] = [None] if request.prompt_logprobs else []
+        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = [None] if request.prompt_logprobs else []
+        self.text = TextStream(request.stop_strings)
+        self.finish_reason: str | None = None
+        self.done = threading.Event()
+        self.cancel_requested = False
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; its slot is freed at the engine's next round."""
+        self.cancel_requested = True
+
+    def _add(self, token: int, logprob: float, top: list[tuple[int, float]]) -> bool:
+        """Record one token; True if it completed a stop string."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if self.request.logprobs:
+            self.top_logprobs.append(top[: self.request.logprobs])
+        return self.text.push(token) and bool(self.request.stop_strings)
+
+    def _score_prompt(self, start: int, logprob_P: np.ndarray, top_ids_PJ: np.ndarray | None,
+                      top_logprobs_PJ: np.ndarray | None) -> None:
+        """Record the scores of the prompt's tokens start+1 .. (a piece of `PromptScores`, from position
+        `start` on: position p scored the token after it)."""
+        end = min(len(self.request.prompt), start + 1 + len(logprob_P))
+        for p in range(end - start - 1):
+            self.prompt_logprobs.append(float(logprob_P[p]))
+            if self.request.logprobs:
+                top = zip(top_ids_PJ[p, : self.request.logprobs], top_logprobs_PJ[p, : self.request.logprobs])
+                self.prompt_top_logprobs.append([(int(t), float(lp)) for t, lp in top])
+            else:
+                self.prompt_top_logprobs.append([])
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.done.set()
+
+    def _notify(self) -> None:
+        if self.on_update is not None:
+            self.on_update(self)

@@ -1,0 +1,228 @@
+"""The engine's host side, with no JAX: which requests wait, which slot each holds, how the requests
+entering together are grouped and which way each group's prompts run, which chunked prompts run next,
+and what a decode's tokens do to their requests. `gpt.inference.engine` runs the device programs it
+asks for; tests/test_scheduler.py runs it with no model and nothing compiled.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import numpy as np
+
+from gpt.inference.completion import Completion
+
+__all__ = ["Scheduler", "Chunked", "QueueFull", "EngineStopped", "NO_TOKEN"]
+
+NO_TOKEN = -1  # a decode's token where a row made none (the device's own marker, `gpt.inference.decoding`)
+
+
+class QueueFull(Exception):
+    """The engine's queue holds `max_queue` waiting requests already (HTTP 429)."""
+
+
+class EngineStopped(Exception):
+    """The engine is shutting down and admits nothing new (HTTP 503)."""
+
+
+@dataclasses.dataclass
+class Chunked:
+    """Requests whose prompts run a chunk per round before they enter their slots.
+
+    entries: (slot, completion) per row; prefix: their prompts' cache so far, a device object the
+    scheduler never reads (None for a pooled group until its turn); done: how many tokens of each prompt
+    have run (of a shorter one, all); pooled: one scored prompt, loaded from the prefix pool and its
+    blocks put there."""
+
+    entries: list[tuple[int, Completion]]
+    prefix: object | None
+    done: int = 0
+    pooled: bool = False
+
+
+class Scheduler:
+    """Slots and their owners, the bounded queue, and the chunked prompts' order.
+
+    Args:
+      num_slots: the engine's slots.
+      max_queue: the most requests waiting for a slot (`submit` raises QueueFull beyond it).
+      rows_per_prefill: rows of one prefill (a mesh's data-parallel size; 1 without a mesh).
+      prefill_chunk: the longest prompt that runs whole; a longer one runs in chunks.
+      pooled: scored prompts go through the prefix pool (they run as chunked groups of one row).
+    """
+
+    def __init__(self, num_slots: int, max_queue: int, rows_per_prefill: int = 1, prefill_chunk: int = 256,
+                 pooled: bool = False):
+        self.num_slots, self.max_queue, self.rows_per_prefill = num_slots, max_queue, rows_per_prefill
+        self.prefill_chunk, self.pooled = prefill_chunk, pooled
+        self.owners: list[Completion | None] = [None] * num_slots
+        self.queue: collections.deque[Completion] = collections.deque()
+        self.chunked: collections.deque[Chunked] = collections.deque()  # the oldest runs its next chunk
+        self.lock = threading.Condition()
+        self.stopping = self.exit = False
+        self.cancel_S = np.zeros((num_slots,), np.bool_)  # slots to stop at the next decode call
+        self.tokens_emitted = 0  # a running total, for tokens/s
+
+    # ------------------------------------------------------------------------------ clients (any thread)
+
+    def submit(self, completion: Completion) -> None:
+        """Queue a checked request. Raises QueueFull or EngineStopped."""
+        with self.lock:
+            if self.stopping:
+                raise EngineStopped("the engine is shutting down")
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"{len(self.queue)} requests are waiting already (max_queue={self.max_queue})")
+            self.queue.append(completion)
+            self.lock.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.queue)
+
+    @property
+    def live_slots(self) -> int:
+        return sum(owner is not None for owner in self.owners)
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not any(self.owners)
+
+    # -------------------------------------------------------------------------- the engine's own thread
+
+    def release_cancelled(self) -> None:
+        """Free the slots whose requests were cancelled."""
+        for slot, owner in enumerate(self.owners):
+            if owner is not None and owner.cancel_requested:
+                self.release(slot, "cancelled")
+
+    def admit(self) -> list[tuple[str, list[tuple[int, Completion]]]]:
+        """Move waiting requests into free slots, first come first served (a request cancelled while it
+        waited ends here), and group them for their prefills, shortest prompts first, `rows_per_prefill`
+        to a group: [(way, group)], way "whole" (one prefill), "chunked" (a chunk per round) or "pooled"
+        (through the prefix pool). The round's last first token comes when it would in any order, and
+        every other one sooner: a short prompt never waits behind a long one that came with it."""
+        free = [slot for slot, owner in enumerate(self.owners) if owner is None]
+        with self.lock:
+            entering = []
+            while self.queue and len(entering) < len(free):
+                completion = self.queue.popleft()
+                if completion.cancel_requested:
+                    completion._finish("cancelled")
+                    completion._notify()
+                else:
+                    entering.append(completion)
+        entering.sort(key=lambda c: len(c.request.prompt))
+        for slot, completion in zip(free, entering):
+            self.owners[slot] = completion
+        entries = list(zip(free, entering))
+        groups = []
+        for i in range(0, len(entries), self.rows_per_prefill):
+            group = entries[i: i + self.rows_per_prefill]
+            if self.pooled and group[0][1].request.prompt_logprobs:  # one row: no mesh
+                groups.append(("pooled", group))
+            elif max(len(c.request.prompt) for _, c in group) > self.prefill_chunk:
+                groups.append(("chunked", group))  # its slots wait, owned, until its last chunk
+            else:
+                groups.append(("whole", group))
+        return groups
+
+    def next_chunked(self, warmup: bool = False) -> tuple[Chunked, list[tuple[int | None, Completion]]] | None:
+        """The oldest chunked group that still has a request in its slots, and its entries with None for
+        those that went (cancelled and released: the slot is perhaps another's already; its row still
+        runs, so that each other row stays where its cache is); groups with none left are dropped. During
+        the warm-up every entry counts. None when no prompt waits on chunks."""
+        while self.chunked:
+            group = self.chunked[0]
+            entries = [(slot if warmup or self.owners[slot] is c else None, c) for slot, c in group.entries]
+            if any(slot is not None for slot, _ in entries):
+                return group, entries
+            self.chunked.popleft()
+        return None
+
+    def prefilling(self) -> set[int]:
+        """The slots whose requests' prompts are still running their chunks."""
+        return {slot for group in self.chunked for slot, c in group.entries if self.owners[slot] is c}
+
+    def decoding(self) -> list[int]:
+        """The slots whose requests decode: owned, and past their prompts."""
+        prefilling = self.prefilling()
+        return [slot for slot, owner in enumerate(self.owners) if owner is not None and slot not in prefilling]
+
+    def entering(self, slots: list[int | None], completions: list[Completion]) -> list[int | None]:
+        """Of a prefill's entries, the slots that start decoding (None: none, for a slot that is None or a
+        request that asked for at most one token: it ends with its prefill); their stop marks clear."""
+        entering = [None if slot is None or c.request.max_tokens <= 1 else slot for slot, c in zip(slots, completions)]
+        self.cancel_S[[slot for slot in entering if slot is not None]] = False  # their device state is new
+        return entering
+
+    def take_cancels(self) -> np.ndarray:
+        """bool [num_slots]: the slots the next decode call must stop (then cleared)."""
+        cancel_S, self.cancel_S = self.cancel_S, np.zeros((self.num_slots,), np.bool_)
+        return cancel_S
+
+    def deliver(self, slots: list[int | None], emitted) -> None:
+        """Hand each slot's new tokens to its request (row i of `emitted` is slot slots[i], or nowhere for
+        None); free the slots whose request ended. Slots whose prompts are still running their chunks are
+        left alone. `emitted`: a decoding `Emitted` (arrays [steps, rows], read here as numpy)."""
+        token, stop_token = np.asarray(emitted.token), np.asarray(emitted.stopped)
+        steps = int(emitted.steps)
+        logprob, live = np.asarray(emitted.logprob), np.asarray(emitted.live)
+        prefilling = self.prefilling()
+        owners = [None if slot is None or slot in prefilling else self.owners[slot] for slot in slots]
+        wants_top = any(owner is not None and owner.request.logprobs for owner in owners)
+        top_ids, top_lps = (np.asarray(emitted.top_ids), np.asarray(emitted.top_logprobs)) if wants_top else (None, None)
+        for row, (slot, owner) in enumerate(zip(slots, owners)):
+            if owner is None:
+                continue
+            before = len(owner.tokens)
+            stopped = False
+            for i in range(steps):
+                if token[i, row] == NO_TOKEN:
+                    break
+                top = ([(int(t), float(lp)) for t, lp in zip(top_ids[i, row], top_lps[i, row])]
+                       if top_ids is not None else [])
+                if stop_token[i, row]:  # it ends the request unemitted; the device's slot is free already
+                    owner.stop_token = (int(token[i, row]), float(logprob[i, row]), top[: owner.request.logprobs])
+                    break
+                if owner._add(int(token[i, row]), float(logprob[i, row]), top):
+                    stopped = True
+                    break
+            self.tokens_emitted += len(owner.tokens) - before
+            if stopped:
+                owner.cancel()  # the device slot is still live: stop it at the next round
+                owner._finish("stop")
+                owner._notify()
+            elif not live[row]:
+                self.release(slot, "length" if len(owner.tokens) >= owner.request.max_tokens else "stop")
+            elif len(owner.tokens) > before:
+                owner._notify()
+
+    def release(self, slot: int, reason: str) -> None:
+        """Free a slot; its request ends with `reason` unless it has ended already."""
+        owner = self.owners[slot]
+        self.owners[slot] = None
+        self.cancel_S[slot] = True  # the device may still count it live (a stop string, a cancel)
+        if not owner.done.is_set():
+            owner._finish(reason)
+            owner._notify()
+
+    def release_all(self, reason: str) -> None:
+        """Free every slot (a round that failed)."""
+        for slot, owner in enumerate(self.owners):
+            if owner is not None:
+                self.release(slot, reason)
+
+    def cancel_everything(self) -> None:
+        """At shutdown's deadline: the waiting requests end cancelled, the running ones are asked to."""
+        with self.lock:
+            for completion in self.queue:
+                completion._finish("cancelled")
+                completion._notify()
+            self.queue.clear()
+            for owner in self.owners:
+                if owner is not None:
+                    owner.cancel()
+            self.exit = True
+            self.lock.notify()
