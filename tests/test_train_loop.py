@@ -128,8 +128,11 @@ def test_the_logged_losses_are_those_of_a_synchronous_run_of_the_same_config(tmp
     assert [r["loss"] for r in logged] == [float(np.mean(losses[0:4])), float(np.mean(losses[4:8])), losses[8]]
 
 
-def train_with_the_code_of(commit: str, tmp_path, flags: list[str]) -> None:
-    """Run train.py as it was at `commit` (taken from git history into tmp_path/old-code) with `flags`."""
+def train_with_the_code_of(commit: str, tmp_path, corpus) -> None:
+    """Train.py as it was at `commit` (taken from git history into tmp_path/old-code) runs the first 4 of 8
+    steps of TINY in tmp_path/resumed/run."""
+    flags = cli_flags(data=(corpus,), out_dir=str(tmp_path / "resumed" / "run"), max_steps=8, stop_after=4,
+                      eval_interval=100, checkpoint_interval=100)
     if shutil.which("git") is None:
         pytest.skip("needs git, to take the code of an earlier commit from history")
     old = tmp_path / "old-code"
@@ -144,21 +147,24 @@ def train_with_the_code_of(commit: str, tmp_path, flags: list[str]) -> None:
     assert written.returncode == 0, written.stderr[-3000:]
 
 
-@pytest.mark.slow
-def test_a_run_directory_written_by_the_synchronous_loop_resumes_bitwise(tmp_path, corpus):
-    out = tmp_path / "resumed" / "run"
-    flags = cli_flags(data=(corpus,), out_dir=str(out), max_steps=8, stop_after=4, eval_interval=100,
-                      checkpoint_interval=100)
-    train_with_the_code_of(SYNCHRONOUS_LOOP_COMMIT, tmp_path, flags)
-    manager = CheckpointManager(out, async_save=False)
-    assert "prefetch" not in manager.metadata(4)["train_config"], "written by the synchronous loop's code"
-    manager.close()
-
+def assert_it_resumes_bitwise(tmp_path, corpus) -> None:
+    """This code resumes tmp_path/resumed/run at step 4 and ends where a run straight to step 8 does."""
     resumed = run(tmp_path / "resumed", corpus, max_steps=8)
     straight = run(tmp_path / "straight", corpus, max_steps=8)
     assert resumed.start_step == 4 and resumed.step == 8
     for a, b in zip(flat(straight.params), flat(resumed.params)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_run_directory_written_by_the_synchronous_loop_resumes_bitwise(tmp_path, corpus):
+    train_with_the_code_of(SYNCHRONOUS_LOOP_COMMIT, tmp_path, corpus)
+    out = tmp_path / "resumed" / "run"
+    manager = CheckpointManager(out, async_save=False)
+    assert "prefetch" not in manager.metadata(4)["train_config"], "written by the synchronous loop's code"
+    manager.close()
+
+    assert_it_resumes_bitwise(tmp_path, corpus)
 
 
 @pytest.mark.slow
@@ -168,20 +174,14 @@ def test_a_run_directory_written_by_the_flat_package_resumes_samples_and_exports
     from gpt.model import gpt2
     from gpt.sample import SampleConfig, sample
 
+    train_with_the_code_of(FLAT_PACKAGE_COMMIT, tmp_path, corpus)
     out = tmp_path / "resumed" / "run"
-    flags = cli_flags(data=(corpus,), out_dir=str(out), max_steps=8, stop_after=4, eval_interval=100,
-                      checkpoint_interval=100)
-    train_with_the_code_of(FLAT_PACKAGE_COMMIT, tmp_path, flags)
     greedy = dict(init_from=str(out), start="def ", num_samples=1, max_new_tokens=8, temperature=0, compile_cache=False)
     written = sample(SampleConfig(**greedy), io.StringIO())  # its step 4, read by this code
     run(tmp_path / "own", corpus, max_steps=8, stop_after=4)  # this code's own step 4 of the same run
     assert written == sample(SampleConfig(**dict(greedy, init_from=str(tmp_path / "own" / "run"))), io.StringIO())
 
-    resumed = run(tmp_path / "resumed", corpus, max_steps=8)
-    straight = run(tmp_path / "straight", corpus, max_steps=8)
-    assert resumed.start_step == 4 and resumed.step == 8
-    for a, b in zip(flat(straight.params), flat(resumed.params)):
-        np.testing.assert_array_equal(a, b)
+    assert_it_resumes_bitwise(tmp_path, corpus)
     export(ExportConfig(out_dir=str(out), hf_dir=str(tmp_path / "hf"), step=4))
     exported = gpt2.load(tmp_path / "hf")
     tokens = np.asarray([[1, 2, 3, 4]], np.int32)
