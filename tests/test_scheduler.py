@@ -107,7 +107,7 @@ def test_chunked_groups_run_oldest_first_and_a_group_whose_requests_went_is_drop
     for n in (40, 50):
         scheduler.submit(completion(n))
     for _, group in scheduler.admit():
-        scheduler.chunked.append(Chunked(group, prefix=None))
+        scheduler.add_chunked(Chunked(group, prefix=None))
     assert scheduler.prefilling() == {0, 1} and scheduler.decoding() == []
     scheduler.owners[0].cancel()
     scheduler.release_cancelled()
@@ -115,7 +115,7 @@ def test_chunked_groups_run_oldest_first_and_a_group_whose_requests_went_is_drop
     assert [len(c.request.prompt) for _, c in entries] == [50] and len(scheduler.chunked) == 1  # the 40 went
     group, entries = scheduler.next_chunked(warmup=False)
     assert entries == [(1, scheduler.owners[1])]
-    scheduler.chunked.popleft()
+    scheduler.finish_chunked()
     assert scheduler.next_chunked() is None and scheduler.decoding() == [1]
 
 

@@ -224,7 +224,7 @@ class Engine:
         So a placeholder request (asking for logprobs and its prompt's, which take branches of their own) enters slot 0
         at every bucket, steps once at every width, and is cancelled: the slots end as they began, free.
         """
-        if self._thread is not None or any(self._scheduler.owners):
+        if self._thread is not None or self._scheduler.live_slots:
             raise RuntimeError("warmup runs before the engine serves: its placeholder borrows slot 0")
         buckets, chunk = self.prompt_buckets, self.prefill_chunk
         chunked = self.cache_length > chunk + 1  # a prompt of chunk + 1 tokens and one more fit
@@ -255,12 +255,12 @@ class Engine:
             self._prefill([(0, placeholder(1))], length)
         if chunked:
             log(next(progress))
-            self._scheduler.chunked.append(self._chunk_group([(0, placeholder(chunk + 1))]))  # its last piece: 1 token
-            while self._scheduler.chunked:
-                self._advance(warmup=True)
+            self._scheduler.add_chunked(self._chunk_group([(0, placeholder(chunk + 1))]))  # its last piece: 1 token
+            while self._advance(warmup=True):
+                pass
         for length, b in last:
             log(next(progress))
-            self._scheduler.chunked.append(self._chunk_group([(0, placeholder(b))], length))  # one piece, the last
+            self._scheduler.add_chunked(self._chunk_group([(0, placeholder(b))], length))  # one piece, the last
             self._advance(warmup=True)
         for length in pooled:
             log(next(progress))
@@ -273,7 +273,7 @@ class Engine:
         for width in self.decode_widths:
             log(next(progress))
             jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 1, False, width, []))
-        self._scheduler.cancel_S[0] = True  # the next decode call ends the placeholder, unless a request takes slot 0 first
+        self._scheduler.stop_slot(0)  # the next decode call ends the placeholder, unless a request takes slot 0 first
         log(f"warm-up: done in {time.perf_counter() - start:.1f} s")
 
     def compiled_shapes(self) -> int:
@@ -324,9 +324,9 @@ class Engine:
         while groups := self._scheduler.admit():
             for way, group in groups:
                 if way == "pooled":
-                    self._scheduler.chunked.append(Chunked(group, None, pooled=True))  # loaded at its turn: `_advance`
+                    self._scheduler.add_chunked(Chunked(group, None, pooled=True))  # loaded at its turn: `_advance`
                 elif way == "chunked":
-                    self._scheduler.chunked.append(self._chunk_group(group))
+                    self._scheduler.add_chunked(self._chunk_group(group))
                 else:
                     longest = max(len(c.request.prompt) for _, c in group)
                     self._scheduler.deliver([slot for slot, _ in group], self._prefill(group, self._bucket(longest))[0])
@@ -475,7 +475,7 @@ class Engine:
         if group.done + chunk < longest:
             self._extend(group)
             return True
-        self._scheduler.chunked.popleft()
+        self._scheduler.finish_chunked()
         emitted, prefix = self._prefill(entries, self._bucket(longest - group.done), group.prefix, group.done)
         if group.pooled and entries[0][0] is not None and not warmup:
             self._keep(entries[0][1], prefix)

@@ -128,6 +128,18 @@ class Scheduler:
                 groups.append(("whole", group))
         return groups
 
+    def add_chunked(self, group: Chunked) -> None:
+        """Queue a group whose prompts run a chunk per round (after those queued before it)."""
+        self.chunked.append(group)
+
+    def finish_chunked(self) -> None:
+        """The oldest chunked group ran its last piece: its requests decode from now on."""
+        self.chunked.popleft()
+
+    def stop_slot(self, slot: int) -> None:
+        """Have the next decode call stop `slot` (its request already gone, or never a client's)."""
+        self.cancel_S[slot] = True
+
     def next_chunked(self, warmup: bool = False) -> tuple[Chunked, list[tuple[int | None, Completion]]] | None:
         """The oldest chunked group that still has a request in its slots, and its entries with None for
         those that went (cancelled and released: the slot is perhaps another's already; its row still
