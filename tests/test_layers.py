@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from training import ROOT
 
 
@@ -12,3 +14,13 @@ def test_each_layer_imports_only_from_those_below_it():
     lint = Path(sys.executable).with_name("lint-imports")
     result = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0 and "1 kept, 0 broken" in result.stdout, result.stdout + result.stderr
+
+
+def test_no_file_of_the_package_is_ignored_by_git():
+    """A module that .gitignore hides works in the checkout that wrote it and is missing from every clone."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    result = subprocess.run(["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--", "gpt", "tests",
+                             "bench", ":(glob)*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    hidden = [line for line in result.stdout.splitlines() if "__pycache__" not in line]
+    assert not hidden, f"ignored by .gitignore, so absent from a clone: {hidden}"
