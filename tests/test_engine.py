@@ -10,7 +10,7 @@ from flax import nnx
 from gpt import GPT, GPTConfig
 from gpt.errors import ConfigError
 from gpt.generate import generate
-from gpt.inference.decoding import Admission, Decoder, Settings, decode, init_slots, prefill
+from gpt.inference.decoding import Admission, Decoder, Settings, decode, free, init_slots, insert, prefill
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
 from gpt.inference.scheduler import QueueFull
@@ -138,16 +138,18 @@ def test_a_decode_over_some_slots_equals_one_over_all():
     config, weights = model.config, Decoder.of(model).weights
     lengths = [150, 5, 200, 131]
     tokens = jnp.asarray([[(7 * i + 3 * row) % 256 for i in range(256)] for row in range(4)], jnp.int32)
-    admission = Admission(tokens=tokens, lengths=jnp.asarray(lengths, jnp.int32), targets=tokens,
-                          score=jnp.zeros((4,), jnp.bool_), slots=jnp.arange(4, dtype=jnp.int32),
-                          max_tokens=jnp.full((4,), 50, jnp.int32), settings=Settings.empty(4, 2))
-    slots, _, _, _ = jax.jit(prefill, static_argnames="config")(config, weights, init_slots(config, 4, 320, 2), admission)
+    unscored = jnp.zeros((4,), jnp.bool_)
+    prefix, _ = jax.jit(prefill, static_argnames="config")(config, weights, None, tokens, jnp.asarray(lengths, jnp.int32),
+                                                          tokens, unscored, unscored)
+    admission = Admission(slots=jnp.arange(4, dtype=jnp.int32), max_tokens=jnp.full((4,), 50, jnp.int32),
+                          settings=Settings.empty(4, 2))
+    slots, _ = jax.jit(insert, static_argnames="config")(config, weights, init_slots(config, 4, 320, 2), prefix, admission)
     assert len(slots.cache.k[0]) == 3  # pages of 128, 128 and 64 slots
+    slots = jax.jit(free)(slots, jnp.asarray([True, False, True, False]))
     run = jax.jit(decode, static_argnames=("config", "max_steps"))
-    cancel = jnp.asarray([True, False, True, False])
-    full, full_out = run(config, weights, slots, cancel, 5, False, max_steps=5)
+    full, full_out = run(config, weights, slots, 5, False, max_steps=5)
     rows = jnp.asarray([3, 0, 1], jnp.int32)
-    some, some_out = run(config, weights, slots, cancel, 5, False, max_steps=5, rows_R=rows)
+    some, some_out = run(config, weights, slots, 5, False, max_steps=5, rows_R=rows)
 
     assert int(some_out.steps) == 5 and some_out.token.shape == full_out.token.shape
     assert (some_out.token == full_out.token).all() and (full_out.token[:, 1] >= 0).all()

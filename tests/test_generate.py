@@ -97,12 +97,12 @@ def test_compile_count_is_flat_within_a_bucket():
     model = scaled_model("rope", rope_theta=5000.0)  # a config no other test compiles for
     size = compiled_programs()
     generate(model, [[1, 2, 3]], 5, temperature=0)
-    assert compiled_programs() == size + 2  # one prefill, one decode
+    assert compiled_programs() == size + 3  # one prefill, one insert, one decode
     for length, new, temperature in [(4, 9, 0.0), (11, 16, 0.8), (16, 2, 1.0), (7, 13, 0.0)]:
         generate(model, [list(range(1, length + 1))], new, temperature=temperature, top_p=0.9, top_k=40)
-    assert compiled_programs() == size + 2
-    generate(model, [list(range(1, 18))], 5, temperature=0)  # a longer prompt: the next bucket
-    assert compiled_programs() == size + 4
+    assert compiled_programs() == size + 3
+    generate(model, [list(range(1, 18))], 5, temperature=0)  # the next bucket: its prefill, insert and decode
+    assert compiled_programs() == size + 6
 
 
 def test_seeds_reproduce(model):

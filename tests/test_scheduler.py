@@ -88,7 +88,7 @@ def test_delivery_hands_out_tokens_and_frees_the_slots_that_ended():
     assert short.tokens == [21, 22] and short.finish_reason == "length"
     assert stopper.tokens == [31] and stopper.stop_token[0] == 7 and stopper.finish_reason == "stop"
     assert scheduler.owners[slots[0]] is long and scheduler.live_slots == 1 and scheduler.tokens_emitted == 5
-    assert scheduler.take_cancels()[[slots[1], slots[2]]].all() and not scheduler.take_cancels().any()
+    assert scheduler.take_frees()[[slots[1], slots[2]]].all() and not scheduler.take_frees().any()
 
 
 def test_a_stop_string_ends_the_request_and_stops_its_slot_at_the_next_round():
@@ -99,7 +99,7 @@ def test_a_stop_string_ends_the_request_and_stops_its_slot_at_the_next_round():
     scheduler.deliver([0], emitted([[0], [0]], [True]))  # token 0 is "!": the first ends it
     assert c.tokens == [0] and c.finish_reason == "stop" and c.cancel_requested
     scheduler.release_cancelled()
-    assert scheduler.live_slots == 0 and scheduler.take_cancels()[0]
+    assert scheduler.live_slots == 0 and scheduler.take_frees()[0]
 
 
 def test_chunked_groups_run_oldest_first_and_a_group_whose_requests_went_is_dropped():
@@ -113,7 +113,7 @@ def test_chunked_groups_run_oldest_first_and_a_group_whose_requests_went_is_drop
     scheduler.release_cancelled()
     group, entries = scheduler.next_chunked()
     assert [len(c.request.prompt) for _, c in entries] == [50] and len(scheduler.chunked) == 1  # the 40 went
-    group, entries = scheduler.next_chunked(warmup=False)
+    group, entries = scheduler.next_chunked()
     assert entries == [(1, scheduler.owners[1])]
     scheduler.finish_chunked()
     assert scheduler.next_chunked() is None and scheduler.decoding() == [1]
@@ -122,8 +122,8 @@ def test_chunked_groups_run_oldest_first_and_a_group_whose_requests_went_is_drop
 def test_a_request_of_one_token_enters_no_slot():
     scheduler = Scheduler(num_slots=2, max_queue=2)
     one, more = completion(3, max_tokens=1), completion(3, max_tokens=4)
-    scheduler.cancel_S[:] = True
-    assert scheduler.entering([0, 1], [one, more]) == [None, 1] and scheduler.cancel_S.tolist() == [True, False]
+    scheduler.free_S[:] = True
+    assert scheduler.entering([0, 1], [one, more]) == [None, 1] and scheduler.free_S.tolist() == [True, False]
 
 
 def test_the_scheduler_and_completions_hold_no_jax():

@@ -1,2 +1,2 @@
-"""Decoding: the device programs (prefill, extend, decode over a KV cache), sampling, requests and their
+"""Decoding: the device's four verbs (prefill, insert, decode, free over a KV cache), sampling, requests and their
 checks, the prefix pool, and the engine that schedules requests over slots. Built on `gpt.model`."""

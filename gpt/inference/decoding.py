@@ -1,11 +1,15 @@
-"""The engine's device side: weights laid out for decoding, the slots' state, and the jitted functions
-the engine runs: `prefill` (requests enter slots), `extend` (a long prompt's chunks before that) and
-`decode` (steps for every live slot). A prompt's own tokens are scored (`PromptScores`) in the prefill
-and extend calls that run them, for the rows that ask.
+"""The engine's device side: weights laid out for decoding, the slots' state, and four verbs, each a
+jitted pure function of pytrees:
 
-Everything here is a pure function of pytrees; `gpt.inference.engine` decides what runs when. A prompt longer than
-the engine's prefill chunk runs a chunk at a time (`extend`, between decode calls) into a `Prefix`, and
-enters its slot with its last chunk. Shapes: S slots, C cache slots per row, b rows admitted per prefill,
+  prefill: a prompt, or the next piece of one, into a `Prefix` (its own cache), scoring the prompt's
+    tokens (`PromptScores`) for the rows that ask;
+  insert: prefixes run to their prompts' ends into slots, each with its first token;
+  decode: steps for every live slot (JetStream's `generate`);
+  free: slots that stop, their requests gone.
+
+`gpt.inference.engine` decides what runs when. A prompt longer than the engine's prefill chunk runs a
+chunk per round (`prefill` over the same Prefix, between decode calls) and is inserted after its last;
+a short one runs whole over a fresh Prefix. Shapes: S slots, C cache slots per row, b rows per prefill,
 P their (bucketed) prompt length or chunk, V vocabulary, K stop tokens per slot, J top logprobs, M decode
 steps per call.
 """
@@ -34,7 +38,7 @@ from gpt.model.transformer import GPT, Weights, forward, lm_head, unstack
 
 __all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
            "PrefixPool", "init_pool", "save_blocks", "load_prefix", "PREFIX_BLOCK", "init_slots",
-           "init_prefix", "extend", "prefill", "decode", "compiled_programs"]
+           "init_prefix", "prefill", "insert", "decode", "free", "compiled_programs"]
 
 
 # How many leading axes of each kernel (after the layer axis) are its inputs.
@@ -121,7 +125,7 @@ def _lay_out(graphdef: nnx.GraphDef, state: nnx.State, quantize: str) -> Weights
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What a request asked for, one row per request ([R, ...] each: R slots, or a prefill's rows).
+    """What a request asked for, one row per request ([R, ...] each: R slots, or an insert's rows).
 
     params: the sampling knobs. seed, stream: uint32; a request's draws use key(seed) folded with stream,
     then with the number of tokens chosen so far (`generate` gives row i of one call stream i).
@@ -180,19 +184,12 @@ class Slots:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Admission:
-    """b requests entering slots: the host's side of one `prefill` call ([b, ...] each).
+    """b requests entering slots: the host's side of one `insert` ([b] each).
 
-    tokens: int32 [b, P], prompts (or, after a `Prefix`, their last pieces) right-padded; lengths: int32
-    [b], their real lengths (>= 1 without a Prefix; a row whose prompt ended in an earlier chunk has 0);
-    targets: int32 [b, P], the prompt token after each of `tokens` (what `PromptScores` scores; anything
-    past a prompt's end); score: bool [b], the rows whose prompts are scored. slots: int32 [b], where each
-    goes (S or more for a row that enters no slot). max_tokens: int32 [b]. settings: what each asked for.
+    slots: int32, where each goes (S or more for a row that enters no slot). max_tokens: int32, how many
+    tokens each may emit. settings: what each asked for.
     """
 
-    tokens: jax.Array
-    lengths: jax.Array
-    targets: jax.Array
-    score: jax.Array
     slots: jax.Array
     max_tokens: jax.Array
     settings: Settings
@@ -203,9 +200,9 @@ class Admission:
 class Prefix:
     """The prompts of b requests, run so far: a cache of their own until they enter their slots.
 
-    A prompt longer than a prefill chunk runs a chunk per engine round (`extend`), so that the live slots
-    decode between its chunks rather than wait for all of it, and enters its slot with its last chunk
-    (`prefill(..., prefix)`). A short prompt runs whole over a fresh Prefix of its bucket's length.
+    A prompt longer than a prefill chunk runs a chunk per engine round (`prefill` over the same Prefix),
+    so that the live slots decode between its chunks rather than wait for all of it, and is inserted into
+    its slot after its last. A short prompt runs whole over a fresh Prefix of its bucket's length.
 
     cache: b rows; each row's length is how many of its prompt's tokens have run. seen: bool [b, V], those
     tokens (for the repetition penalty). last_hidden: [b, D], the final hidden state after each row's
@@ -265,13 +262,17 @@ def score_prompt(weights: Weights, x_bPD: jax.Array, targets_bP: jax.Array, scor
     return jax.lax.cond(jnp.any(score_b), scores, nothing)
 
 
-def extend(config: GPTConfig, weights: Weights, prefix: Prefix, tokens_bP: jax.Array, lengths_b: jax.Array,
-           targets_bP: jax.Array, score_b: jax.Array, top_b: jax.Array) -> tuple[Prefix, PromptScores]:
-    """Run the next piece of each row's prompt, tokens_bP int32 [b, P] right-padded to its real length
-    lengths_b int32 [b] (0 for a row with nothing left), at the row's next positions; score it for the
-    rows in score_b (bool [b]) against targets_bP (int32 [b, P], each token's successor in the prompt),
-    with the top alternatives where top_b (bool [b]) asks."""
+def prefill(config: GPTConfig, weights: Weights, prefix: Prefix | None, tokens_bP: jax.Array, lengths_b: jax.Array,
+            targets_bP: jax.Array, score_b: jax.Array, top_b: jax.Array) -> tuple[Prefix, PromptScores]:
+    """Run the next piece of each row's prompt into `prefix` (None: a fresh one of P positions, for a
+    prompt that runs whole), at the row's next positions.
+
+    tokens_bP: int32 [b, P], the pieces right-padded to their real lengths lengths_b (int32 [b]; 0 for a
+    row with nothing left). Scored for the rows in score_b (bool [b]) against targets_bP (int32 [b, P],
+    each token's successor in the prompt), with the top alternatives where top_b (bool [b]) asks.
+    """
     b, P = tokens_bP.shape
+    prefix = init_prefix(config, b, P) if prefix is None else prefix
     start_b, rows_b = prefix.cache.lengths, jnp.arange(b)
     x_bPD, cache = forward(config, weights, tokens_bP, prefix.cache.next_positions(P), prefix.cache)
     # The padding's keys and values lie past each row's length, where the next piece (or, in a slot,
@@ -287,7 +288,7 @@ def extend(config: GPTConfig, weights: Weights, prefix: Prefix, tokens_bP: jax.A
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Emitted:
-    """What steps produced, [M, R] each for M steps over R rows (slots, or a prefill's rows).
+    """What steps produced, [M, R] each for M steps over R rows (slots, or an insert's rows).
 
     token: int32, NO_TOKEN where a row chose nothing; stopped: bool, the token is a stop token, which ends
     its row unemitted; logprob: float32, the token's log-probability under the model (before any
@@ -375,21 +376,10 @@ def _choose_next(weights: Weights, x_RD: jax.Array, live_R: jax.Array, remaining
                    seen=seen_RV)
 
 
-def prefill(config: GPTConfig, weights: Weights, slots: Slots, admission: Admission,
-            prefix: Prefix | None = None) -> tuple[Slots, Emitted, PromptScores, Prefix]:
-    """Run b prompts (or their last pieces, after `prefix`), choose each one's first token, and move them
-    into their slots.
-
-    Without a prefix the prompts run over a fresh cache of P positions (a request always starts at
-    position 0). Their keys and values are then copied into the slots' rows. Returns the new slots, an
-    Emitted [1, b], the pieces' PromptScores and, after a given prefix, the prompts' Prefix (whose blocks a
-    `PrefixPool` keeps; None without one).
-    """
-    b, P = admission.tokens.shape
-    given = prefix is not None
-    prefix = init_prefix(config, b, P) if prefix is None else prefix
-    prefix, scores = extend(config, weights, prefix, admission.tokens, admission.lengths, admission.targets,
-                            admission.score, admission.settings.top_logprobs)
+def insert(config: GPTConfig, weights: Weights, slots: Slots, prefix: Prefix, admission: Admission) -> tuple[Slots, Emitted]:
+    """Choose each row's first token after its prompt (`prefix`, run to the prompt's end) and move the rows
+    into their slots (`admission.slots`). Returns the new slots and an Emitted [1, b]."""
+    b = admission.slots.shape[0]
     # A row chooses its first token when it asked for any: whether it then enters a slot (it does not when
     # that token is its last) is `admission.slots`' business.
     choosing_b = admission.max_tokens > 0
@@ -406,7 +396,13 @@ def prefill(config: GPTConfig, weights: Weights, slots: Slots, admission: Admiss
     )
     emitted = Emitted(token=c.token[None], stopped=c.stopped[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
                       top_logprobs=c.top_logprobs[None], live=c.live, steps=jnp.int32(1))
-    return slots, emitted, scores, prefix if given else None
+    return slots, emitted
+
+
+def free(slots: Slots, free_S: jax.Array) -> Slots:
+    """The slots with those in free_S (bool [S]) stopped: their requests went (cancelled, ended by a stop
+    string the host saw, or their clients gone), so no decode runs them again until an `insert`."""
+    return dataclasses.replace(slots, live=slots.live & ~free_S)
 
 
 PREFIX_BLOCK = 16  # positions per block of a PrefixPool
@@ -467,18 +463,17 @@ def load_prefix(config: GPTConfig, pool: PrefixPool, ids_M: jax.Array, tokens_C:
     return Prefix(cache=cache, seen=seen, last_hidden=jnp.zeros((1, config.n_embd), config.compute_dtype))
 
 
-def decode(config: GPTConfig, weights: Weights, slots: Slots, cancel_S: jax.Array, num_steps: jax.Array,
-           stop_at_finish: jax.Array, max_steps: int, rows_R: jax.Array | None = None) -> tuple[Slots, Emitted]:
+def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Array, stop_at_finish: jax.Array,
+           max_steps: int, rows_R: jax.Array | None = None) -> tuple[Slots, Emitted]:
     """Up to `num_steps` (<= max_steps, static) decode steps for every live slot, in one while_loop.
 
-    Slots in `cancel_S` stop first. The loop ends early when no slot is live, or, with `stop_at_finish`,
-    once any slot finishes (so that the host can hand the freed slot to a waiting request).
+    The loop ends early when no slot is live, or, with `stop_at_finish`, once any slot finishes (so that
+    the host can hand the freed slot to a waiting request).
 
     rows_R: int32 [R], distinct slots that hold every live one: the steps run over those R rows alone
     (on a CPU, a step over 8 rows costs about twice one over 1; `gpt.inference.engine` picks R from the live
     count). None runs all S slots. Either way the result is [M, S].
     """
-    slots = dataclasses.replace(slots, live=slots.live & ~cancel_S)
     if rows_R is None:
         return _decode_rows(config, weights, slots, num_steps, stop_at_finish, max_steps)
     view, out_R = _decode_rows(config, weights, slots.select(rows_R), num_steps, stop_at_finish, max_steps)
@@ -527,11 +522,12 @@ def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: j
 
 
 # One compiled program per shape; the config is static, the weights, slots and knobs are traced. The
-# slots are donated: the cache is updated in place.
-compiled_prefill = jax.jit(prefill, static_argnames="config", donate_argnames="slots")
-compiled_extend = jax.jit(extend, static_argnames="config", donate_argnames="prefix")
-compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
+# slots and a prefix that runs on are donated: their caches are updated in place.
+compiled_prefill = jax.jit(prefill, static_argnames="config", donate_argnames="prefix")
+compiled_insert = jax.jit(insert, static_argnames="config", donate_argnames="slots")
 compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps"), donate_argnames="slots")
+compiled_free = jax.jit(free, donate_argnames="slots")
+compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
 compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3))
 compiled_init_pool = jax.jit(init_pool, static_argnums=(0, 1))
 compiled_save_blocks = jax.jit(save_blocks, donate_argnames="pool")
@@ -541,5 +537,5 @@ compiled_load_prefix = jax.jit(load_prefix, static_argnames="config")
 def compiled_programs() -> int:
     """How many programs the jitted functions that serve requests hold (for tests: none compiles after an
     engine's warm-up)."""
-    return sum(f._cache_size() for f in (compiled_prefill, compiled_extend, compiled_init_prefix, compiled_decode,
-                                         compiled_save_blocks, compiled_load_prefix))
+    return sum(f._cache_size() for f in (compiled_prefill, compiled_insert, compiled_decode, compiled_free,
+                                         compiled_init_prefix, compiled_save_blocks, compiled_load_prefix))

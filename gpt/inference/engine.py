@@ -1,15 +1,16 @@
 """The decoding engine: a fixed number of slots over one KV cache, fed from a bounded queue.
 
-Each round (`step`), on the thread that owns the engine:
-  1. cancelled requests give up their slots;
+Each round (`step`), on the thread that owns the engine, through the device's four verbs
+(`gpt.inference.decoding`: prefill, insert, decode, free):
+  1. cancelled requests give up their slots (`free`);
   2. waiting requests enter free slots, first come first served: their prompts run shortest first
-     (`gpt.inference.decoding.prefill`, prompt lengths in buckets: `prompt_buckets`) and each gets its first token;
-     a prompt longer than `prefill_chunk` tokens takes its slot but runs one chunk per round instead
-     (`gpt.inference.decoding.extend`), so that the other slots go on decoding between its chunks; with a prefix
-     pool (`prefix_cache_tokens`), a scored prompt takes that path too, starting after what the pool
-     holds of its beginning;
-  3. one call of `gpt.inference.decoding.decode` runs up to `steps_per_call` steps for every live slot (over the
-     fewest compiled rows that hold them: `decode_widths`);
+     (`prefill`, prompt lengths in buckets: `prompt_buckets`), then `insert` puts them in their slots,
+     each with its first token; a prompt longer than `prefill_chunk` tokens takes its slot but runs one
+     chunk per round instead, and is inserted after its last, so that the other slots go on decoding
+     between its chunks; with a prefix pool (`prefix_cache_tokens`), a scored prompt takes that path
+     too, starting after what the pool holds of its beginning;
+  3. one `decode` runs up to `steps_per_call` steps for every live slot (over the fewest compiled rows
+     that hold them: `decode_widths`);
   4. new tokens go to their requests; finished slots become free.
 Requests come and go between rounds, so a short request never waits for a long one to end (continuous
 batching). Every sampling knob is a per-slot array, so no request's settings compile anything; `warmup`
@@ -26,6 +27,7 @@ JAX; the engine runs the device programs of `gpt.inference.decoding` they call f
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -44,10 +46,11 @@ from gpt.inference.decoding import (
     Prefix,
     Settings,
     compiled_decode,
-    compiled_extend,
+    compiled_free,
     compiled_init_pool,
     compiled_init_prefix,
     compiled_init_slots,
+    compiled_insert,
     compiled_load_prefix,
     compiled_prefill,
     compiled_programs,
@@ -67,7 +70,8 @@ __all__ = ["Engine", "MIN_PROMPT_BUCKET", "prompt_buckets", "decode_widths"]
 MIN_PROMPT_BUCKET = 16
 
 
-# A prefill's row that goes nowhere: over a mesh's data axis a prefill runs rows_per_prefill rows.
+# A prefill's row that goes nowhere: over a mesh's data axis a prefill (and an insert) runs
+# rows_per_prefill rows.
 _PADDING = Request([0], 1, temperature=0.0)
 
 
@@ -197,15 +201,15 @@ class Engine:
     def step(self) -> bool:
         """One round (cancel, admit, decode, deliver). False when there was nothing to do."""
         self._scheduler.release_cancelled()
+        self._free()
         admitted = self._admit()
         advanced = self._advance()
         decoding = self._scheduler.decoding()
         if not decoding:
             return admitted or advanced
         stop_at_finish = bool(self._scheduler.queue)  # someone waits for a slot: come back as soon as one frees
-        cancel_S = self._scheduler.take_cancels()
         width = next(w for w in self.decode_widths if w >= len(decoding))
-        emitted = self._decode(cancel_S, self.steps_per_call, stop_at_finish, width, decoding)
+        emitted = self._decode(self.steps_per_call, stop_at_finish, width, decoding)
         self._scheduler.deliver(list(range(self.num_slots)), emitted)
         return True
 
@@ -216,65 +220,62 @@ class Engine:
                 raise RuntimeError("the engine is idle but some completions never ended")
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
-        """Compile and run once every shape the engine runs (each prompt bucket's prefill, a chunked
-        prompt's two, and the decode over each of `decode_widths` rows), with a progress line.
+        """Compile and run once every program the engine runs, through the four verbs, with a progress line:
+        each prompt bucket's prefill, a chunked prompt's and a pooled one's pieces, the inserts after
+        each prefix length, the prefix pool's loads and saves, the decode over each of `decode_widths` rows,
+        and the free.
 
-        Each shape runs for real, not only compiles: XLA's CPU runtime readies an op on its first run
-        (~0.2 s over a GPT-2 124M decode step), and decode's loop runs no step while every slot is free.
-        So a placeholder request (asking for logprobs and its prompt's, which take branches of their own) enters slot 0
-        at every bucket, steps once at every width, and is cancelled: the slots end as they began, free.
+        Each runs for real, not only compiles: XLA's CPU runtime readies an op on its first run (~0.2 s over
+        a GPT-2 124M decode step), and decode's loop runs no step while every slot is free. So a placeholder
+        prompt (asking for its scores and logprobs, which take branches of their own) runs each piece and
+        enters slot 0, decodes a step at each width, and slot 0 is freed: the slots end as they began.
         """
         if self._thread is not None or self._scheduler.live_slots:
             raise RuntimeError("warmup runs before the engine serves: its placeholder borrows slot 0")
-        buckets, chunk = self.prompt_buckets, self.prefill_chunk
-        chunked = self.cache_length > chunk + 1  # a prompt of chunk + 1 tokens and one more fit
-        # The last pieces that run over a prefix (prefix length, piece length): a chunked prompt's (at most
-        # what follows its first chunk: the one of chunk + 1 tokens below runs the shortest), a pooled one's
-        # (any, over either length its prefix may have).
-        last = [(self.cache_length, b) for b in buckets[1: buckets.index(
-            self._bucket(min(chunk, self.cache_length - chunk))) + 1]] if chunked else []
-        pooled = sorted({self._pooled_length(1), self._pooled_length(self.cache_length)}) if self._index else []
-        last += [(length, b) for length in pooled for b in buckets
-                 if (length, b) not in last and not (chunked and (length, b) == (self.cache_length, buckets[0]))]
-        shapes = [("prefill", f"prompts up to {length} tokens") for length in buckets]
-        shapes += [("prefill", f"a longer prompt's chunks of {chunk} tokens")] * chunked
-        shapes += [("prefill", f"last pieces of up to {b} tokens after {length}") for length, b in last]
-        shapes += [("prefix pool", f"loading and keeping {length} positions") for length in pooled]
-        shapes += [("decode", f"{width} of {self.num_slots} slots") for width in self.decode_widths]
-        progress = iter(f"warm-up: compiling {kind} {i + 1}/{len(shapes)} ({what})"
-                        for i, (kind, what) in enumerate(shapes))
+        programs = self._warmup_programs()
         start = time.perf_counter()
-
-        def placeholder(prompt_length: int) -> Completion:
-            steps = max(1, min(len(self.decode_widths) + 1, self.cache_length - prompt_length))  # within the cache
-            request = Request([0] * prompt_length, steps, temperature=0.0, logprobs=1, prompt_logprobs=True)
-            return Completion(request, settings=self.check(request))
-
-        for length in buckets:
-            log(next(progress))
-            self._prefill([(0, placeholder(1))], length)
-        if chunked:
-            log(next(progress))
-            self._scheduler.add_chunked(self._chunk_group([(0, placeholder(chunk + 1))]))  # its last piece: 1 token
-            while self._advance(warmup=True):
-                pass
-        for length, b in last:
-            log(next(progress))
-            self._scheduler.add_chunked(self._chunk_group([(0, placeholder(b))], length))  # one piece, the last
-            self._advance(warmup=True)
-        for length in pooled:
-            log(next(progress))
-            blocks = _blocks(length)
-            with self._on_mesh():
-                prefix = compiled_load_prefix(self.config, self._pool, np.zeros((blocks,), np.int32),
-                                              np.zeros((length,), np.int32), np.int32(1))
-                self._pool = compiled_save_blocks(self._pool, prefix, np.zeros((blocks,), np.int32),
-                                                  np.full((blocks,), self._index.blocks, np.int32))  # skips them all
-        for width in self.decode_widths:
-            log(next(progress))
-            jax.block_until_ready(self._decode(np.zeros((self.num_slots,), np.bool_), 1, False, width, []))
-        self._scheduler.stop_slot(0)  # the next decode call ends the placeholder, unless a request takes slot 0 first
+        for i, (kind, what, run) in enumerate(programs):
+            log(f"warm-up: compiling {kind} {i + 1}/{len(programs)} ({what})")
+            run()
         log(f"warm-up: done in {time.perf_counter() - start:.1f} s")
+
+    def _warmup_programs(self) -> list[tuple[str, str, Callable[[], None]]]:
+        """What `warmup` runs: (kind, what, a function that runs it once)."""
+        buckets, chunk, length = self.prompt_buckets, self.prefill_chunk, self.cache_length
+        steps = max(1, min(len(self.decode_widths) + 1, length - 1))  # a step at each width, within the cache
+        request = Request([0], steps, temperature=0.0, logprobs=1, prompt_logprobs=True)
+        entries = [(0, Completion(request, settings=self.check(request)))]
+
+        def enter(prefix_length: int | None, piece: int) -> None:  # the placeholder into slot 0
+            prefix = None if prefix_length is None else self._fresh_prefix(prefix_length)
+            self._insert(entries, self._prefill(entries, prefix, 0, piece))
+
+        # The pieces that run over a given prefix (its length, theirs): a chunked prompt's chunks, then its
+        # last piece (at most what follows its first chunk); a pooled prompt's (any, over either length
+        # its prefix may have).
+        chunked = length > chunk + 1  # a prompt of chunk + 1 tokens and one more fit
+        given = {(length, chunk)} | {(length, b) for b in buckets if b <= self._bucket(min(chunk, length - chunk))}
+        given = given if chunked else set()
+        pooled = sorted({self._pooled_length(1), self._pooled_length(length)}) if self._index else []
+        given |= {(n, b) for n in pooled for b in buckets}
+        programs = [("prefill", f"prompts up to {b} tokens", functools.partial(enter, None, b)) for b in buckets]
+        programs += [("prefill", f"pieces of up to {b} tokens after {n}", functools.partial(enter, n, b))
+                     for n, b in sorted(given)]
+        programs += [("prefix pool", f"loading and keeping {n} positions", functools.partial(self._warm_pool, n))
+                     for n in pooled]
+        programs += [("decode", f"{width} of {self.num_slots} slots",
+                      functools.partial(self._decode, 1, False, width, [0])) for width in self.decode_widths]
+        programs += [("free", "slot 0", functools.partial(self._free_slots, np.arange(self.num_slots) == 0))]
+        return programs
+
+    def _warm_pool(self, length: int) -> None:
+        """A load from the prefix pool and a save to it (of no block) of a prefix of `length` positions."""
+        blocks = _blocks(length)
+        with self._on_mesh():
+            prefix = compiled_load_prefix(self.config, self._pool, np.zeros((blocks,), np.int32),
+                                          np.zeros((length,), np.int32), np.int32(1))
+            self._pool = compiled_save_blocks(self._pool, prefix, np.zeros((blocks,), np.int32),
+                                              np.full((blocks,), self._index.blocks, np.int32))  # skips them all
 
     def compiled_shapes(self) -> int:
         """How many programs the engine's jitted functions hold (for tests: no compile after warm-up)."""
@@ -326,21 +327,32 @@ class Engine:
                 if way == "pooled":
                     self._scheduler.add_chunked(Chunked(group, None, pooled=True))  # loaded at its turn: `_advance`
                 elif way == "chunked":
-                    self._scheduler.add_chunked(self._chunk_group(group))
+                    self._scheduler.add_chunked(Chunked(group, self._fresh_prefix(self.cache_length)))
                 else:
                     longest = max(len(c.request.prompt) for _, c in group)
-                    self._scheduler.deliver([slot for slot, _ in group], self._prefill(group, self._bucket(longest))[0])
+                    prefix = self._prefill(group, None, 0, self._bucket(longest))
+                    self._scheduler.deliver([slot for slot, _ in group], self._insert(group, prefix))
             admitted = True
         return admitted
 
-    def _decode(self, cancel_S: np.ndarray, num_steps: int, stop_at_finish: bool, width: int, decoding: list[int]):
+    def _free(self) -> None:
+        """Stop on the device the slots the scheduler released since the last round."""
+        free_S = self._scheduler.take_frees()
+        if free_S.any():
+            self._free_slots(free_S)
+
+    def _free_slots(self, free_S: np.ndarray) -> None:
+        with self._on_mesh():
+            self._slots = compiled_free(self._slots, free_S)
+
+    def _decode(self, num_steps: int, stop_at_finish: bool, width: int, decoding: list[int]):
         """One decode call over `width` rows (one of `decode_widths`) that hold the `decoding` slots."""
         rows_R = None
         if width < self.num_slots:  # the decoding slots, then others: distinct rows
             rows_R = np.asarray((decoding + [s for s in range(self.num_slots) if s not in decoding])[:width], np.int32)
         with self._on_mesh():
             self._slots, emitted = compiled_decode(
-                self.config, self.weights, self._slots, cancel_S, np.int32(num_steps), np.bool_(stop_at_finish),
+                self.config, self.weights, self._slots, np.int32(num_steps), np.bool_(stop_at_finish),
                 max_steps=self.steps_per_call, rows_R=rows_R)
         return emitted
 
@@ -357,45 +369,37 @@ class Engine:
             tokens[row, : len(piece)] = piece
         return tokens, np.asarray([len(piece) for piece in pieces], np.int32)
 
-    def _prefill(self, entries: list[tuple[int, Completion]], length: int, prefix: Prefix | None = None,
-                 start: int = 0):
-        """One prefill of `rows_per_prefill` rows (entries, then padding rows that go nowhere): their
-        prompts from token `start` on (all of them, after `prefix`), in `length` positions. An entry whose
-        slot is None goes nowhere too (a chunked request cancelled: its row of `prefix` stays in place),
-        and so does one that asked for at most one token (it never decodes). Returns the Emitted and the rows'
-        Prefix; the prompt scores go to the entries that asked."""
-        b = self.rows_per_prefill
+    def _prefill(self, entries: list[tuple[int | None, Completion]], prefix: Prefix | None, start: int,
+                 length: int) -> Prefix:
+        """Run tokens start..start+length-1 of each row's prompt (`_rows`: the entries', then padding) into
+        `prefix` (None: a fresh one of `length` positions), and hand the prompt scores to the entries that
+        asked. Returns the prefix."""
         requests = self._rows(entries)
-        settings = [c.settings for _, c in entries]
-        if len(entries) < b:  # only over a mesh's data axis
-            settings += [self._settings(_PADDING, ())] * (b - len(entries))
         tokens, lengths = self._piece(entries, start, length)
-        # A request of at most one token ends with this prefill: it never decodes, so it enters no slot.
+        targets = self._piece(entries, start + 1, length)[0]
+        score = np.asarray([r.prompt_logprobs for r in requests], np.bool_)
+        top = np.asarray([r.logprobs > 0 for r in requests], np.bool_)
+        with self._on_mesh():
+            prefix, scores = compiled_prefill(self.config, self.weights, prefix, tokens, lengths, targets, score, top)
+        self._deliver_scores(entries, start, scores)
+        return prefix
+
+    def _insert(self, entries: list[tuple[int | None, Completion]], prefix: Prefix):
+        """Move the entries' prompts (rows of `prefix`, run to their ends) into their slots, each with its
+        first token; returns the Emitted [1, rows]. A padding row goes nowhere, and so does an entry whose
+        slot is None (a chunked request cancelled: its row of `prefix` ran anyway, so that each other row
+        stays where its cache is) or that asked for at most one token (it never decodes)."""
+        b = self.rows_per_prefill
+        settings = [c.settings for _, c in entries] + [self._settings(_PADDING, ())] * (b - len(entries))
         entering = self._scheduler.entering([slot for slot, _ in entries], [c for _, c in entries])
         slots = [self.num_slots if slot is None else slot for slot in entering]
         slots += [self.num_slots] * (b - len(entries))  # past the end: dropped
-        admission = Admission(
-            tokens=tokens, lengths=lengths, targets=self._piece(entries, start + 1, length)[0],
-            score=np.asarray([r.prompt_logprobs for r in requests], np.bool_), slots=np.asarray(slots, np.int32),
-            max_tokens=np.asarray([r.max_tokens for r in requests], np.int32),
-            settings=jax.tree.map(lambda *rows: np.stack(rows), *settings))
+        admission = Admission(slots=np.asarray(slots, np.int32),
+                              max_tokens=np.asarray([r.max_tokens for r in self._rows(entries)], np.int32),
+                              settings=jax.tree.map(lambda *rows: np.stack(rows), *settings))
         with self._on_mesh():
-            self._slots, emitted, scores, prefix = compiled_prefill(self.config, self.weights, self._slots, admission,
-                                                                    prefix)
-        self._deliver_scores(entries, start, scores)
-        return emitted, prefix
-
-    def _extend(self, group: Chunked) -> None:
-        """Run the next chunk of a group's prompts into its prefix, and deliver its prompt scores."""
-        entries, start, chunk = group.entries, group.done, self.prefill_chunk
-        requests = self._rows(entries)
-        with self._on_mesh():
-            group.prefix, scores = compiled_extend(
-                self.config, self.weights, group.prefix, *self._piece(entries, start, chunk),
-                self._piece(entries, start + 1, chunk)[0], np.asarray([r.prompt_logprobs for r in requests], np.bool_),
-                np.asarray([r.logprobs > 0 for r in requests], np.bool_))
-        group.done += chunk
-        self._deliver_scores(entries, start, scores)
+            self._slots, emitted = compiled_insert(self.config, self.weights, self._slots, prefix, admission)
+        return emitted
 
     def _deliver_scores(self, entries: list[tuple[int | None, Completion]], start: int, scores) -> None:
         """Hand each entry that asked its prompt's `PromptScores` for the piece from token `start` on
@@ -429,10 +433,10 @@ class Engine:
         held = self._index.match(request.prompt, request.logprobs)
         group.done = min(len(held) * PREFIX_BLOCK - 1, len(request.prompt) - 1) if held else 0
         done = group.done
+        if done <= 0:
+            group.prefix = self._fresh_prefix(length)
+            return
         with self._on_mesh():
-            if done <= 0:
-                group.prefix = compiled_init_prefix(self.config, 1, length)
-                return
             self.prompt_tokens_reused += done
             for logprob, top in [score for _, scores in held for score in scores][1: done + 1]:
                 completion.prompt_logprobs.append(logprob)
@@ -456,16 +460,15 @@ class Engine:
         with self._on_mesh():
             self._pool = compiled_save_blocks(self._pool, prefix, starts, ids)
 
-    def _chunk_group(self, entries: list[tuple[int, Completion]], length: int | None = None) -> Chunked:
-        """A group whose prompts run after a fresh prefix of `length` positions (default: the cache's)."""
-        length = self.cache_length if length is None else length
+    def _fresh_prefix(self, length: int) -> Prefix:
+        """An empty Prefix of `rows_per_prefill` rows and `length` positions, for pieces to run into."""
         with self._on_mesh():
-            return Chunked(entries, compiled_init_prefix(self.config, self.rows_per_prefill, length))
+            return compiled_init_prefix(self.config, self.rows_per_prefill, length)
 
-    def _advance(self, warmup: bool = False) -> bool:
-        """Run the next chunk of the oldest chunked prompts; with their last, they enter their slots and
-        get their first tokens. False when no prompt was waiting on chunks."""
-        waiting = self._scheduler.next_chunked(warmup)
+    def _advance(self) -> bool:
+        """Run the next chunk of the oldest chunked prompts; after their last, insert them into their slots
+        with their first tokens. False when no prompt was waiting on chunks."""
+        waiting = self._scheduler.next_chunked()
         if waiting is None:
             return False
         group, entries = waiting
@@ -473,14 +476,14 @@ class Engine:
             self._load(group)
         chunk, longest = self.prefill_chunk, max(len(c.request.prompt) for _, c in group.entries)
         if group.done + chunk < longest:
-            self._extend(group)
+            group.prefix = self._prefill(entries, group.prefix, group.done, chunk)
+            group.done += chunk
             return True
         self._scheduler.finish_chunked()
-        emitted, prefix = self._prefill(entries, self._bucket(longest - group.done), group.prefix, group.done)
-        if group.pooled and entries[0][0] is not None and not warmup:
+        prefix = self._prefill(entries, group.prefix, group.done, self._bucket(longest - group.done))
+        if group.pooled and entries[0][0] is not None:
             self._keep(entries[0][1], prefix)
-        if not warmup:
-            self._scheduler.deliver([slot for slot, _ in entries], emitted)
+        self._scheduler.deliver([slot for slot, _ in entries], self._insert(entries, prefix))
         return True
 
     def _settings(self, request: Request, stops: tuple[int, ...]) -> Settings:

@@ -62,7 +62,7 @@ class Scheduler:
         self.chunked: collections.deque[Chunked] = collections.deque()  # the oldest runs its next chunk
         self.lock = threading.Condition()
         self.stopping = self.exit = False
-        self.cancel_S = np.zeros((num_slots,), np.bool_)  # slots to stop at the next decode call
+        self.free_S = np.zeros((num_slots,), np.bool_)  # slots for the device to free at the next round
         self.tokens_emitted = 0  # a running total, for tokens/s
 
     # ------------------------------------------------------------------------------ clients (any thread)
@@ -136,18 +136,14 @@ class Scheduler:
         """The oldest chunked group ran its last piece: its requests decode from now on."""
         self.chunked.popleft()
 
-    def stop_slot(self, slot: int) -> None:
-        """Have the next decode call stop `slot` (its request already gone, or never a client's)."""
-        self.cancel_S[slot] = True
-
-    def next_chunked(self, warmup: bool = False) -> tuple[Chunked, list[tuple[int | None, Completion]]] | None:
+    def next_chunked(self) -> tuple[Chunked, list[tuple[int | None, Completion]]] | None:
         """The oldest chunked group that still has a request in its slots, and its entries with None for
         those that went (cancelled and released: the slot is perhaps another's already; its row still
-        runs, so that each other row stays where its cache is); groups with none left are dropped. During
-        the warm-up every entry counts. None when no prompt waits on chunks."""
+        runs, so that each other row stays where its cache is); groups with none left are dropped. None
+        when no prompt waits on chunks."""
         while self.chunked:
             group = self.chunked[0]
-            entries = [(slot if warmup or self.owners[slot] is c else None, c) for slot, c in group.entries]
+            entries = [(slot if self.owners[slot] is c else None, c) for slot, c in group.entries]
             if any(slot is not None for slot, _ in entries):
                 return group, entries
             self.chunked.popleft()
@@ -163,16 +159,16 @@ class Scheduler:
         return [slot for slot, owner in enumerate(self.owners) if owner is not None and slot not in prefilling]
 
     def entering(self, slots: list[int | None], completions: list[Completion]) -> list[int | None]:
-        """Of a prefill's entries, the slots that start decoding (None: none, for a slot that is None or a
-        request that asked for at most one token: it ends with its prefill); their stop marks clear."""
+        """Of an insert's entries, the slots that start decoding (None: none, for a slot that is None or a
+        request that asked for at most one token: it ends with its prefill); their marks to free clear."""
         entering = [None if slot is None or c.request.max_tokens <= 1 else slot for slot, c in zip(slots, completions)]
-        self.cancel_S[[slot for slot in entering if slot is not None]] = False  # their device state is new
+        self.free_S[[slot for slot in entering if slot is not None]] = False  # their device state is new
         return entering
 
-    def take_cancels(self) -> np.ndarray:
-        """bool [num_slots]: the slots the next decode call must stop (then cleared)."""
-        cancel_S, self.cancel_S = self.cancel_S, np.zeros((self.num_slots,), np.bool_)
-        return cancel_S
+    def take_frees(self) -> np.ndarray:
+        """bool [num_slots]: the slots the device must free (then cleared)."""
+        free_S, self.free_S = self.free_S, np.zeros((self.num_slots,), np.bool_)
+        return free_S
 
     def deliver(self, slots: list[int | None], emitted) -> None:
         """Hand each slot's new tokens to its request (row i of `emitted` is slot slots[i], or nowhere for
@@ -215,7 +211,7 @@ class Scheduler:
         """Free a slot; its request ends with `reason` unless it has ended already."""
         owner = self.owners[slot]
         self.owners[slot] = None
-        self.cancel_S[slot] = True  # the device may still count it live (a stop string, a cancel)
+        self.free_S[slot] = True  # the device may still count it live (a stop string, a cancel)
         if not owner.done.is_set():
             owner._finish(reason)
             owner._notify()
