@@ -6,12 +6,12 @@ import time
 
 import jax
 import openai
-import uvicorn
 from flax import nnx
 
 from gpt import GPT, GPTConfig
 from gpt.inference.engine import Engine
-from gpt.serve import create_app
+from gpt.serve import ServeConfig, create_app
+from gpt.serve.server import GracefulServer, uvicorn_config
 
 
 def decisive_model() -> GPT:
@@ -23,26 +23,29 @@ def decisive_model() -> GPT:
 
 
 class Server:
-    """uvicorn on a thread, on an ephemeral port; `delay_s` slows each engine round (to hold requests
-    in flight); stop() always ends it."""
+    """serve.py's server (its connection limits and graceful shutdown) on a thread, on an ephemeral port;
+    `settings`: ServeConfig fields (api_key, max_connections, header_timeout_s, shutdown_deadline_s, ...).
+    `delay_s` slows each engine round (to hold requests in flight); stop() always ends it."""
 
-    def __init__(self, model, **engine_args):
+    def __init__(self, model, settings: dict | None = None, **engine_args):
         self.engine = Engine(model, **engine_args)
         self.delay_s = 0.0
         step = self.engine.step
         self.engine.step = lambda: (time.sleep(self.delay_s), step())[1]
         self.lines = []
-        app = create_app(self.engine, "tiny", log=self.lines.append, shutdown_deadline_s=2)
+        self.settings = ServeConfig(**{"shutdown_deadline_s": 2, **(settings or {})})
+        app = create_app(self.engine, "tiny", log=self.lines.append, api_key=self.settings.api_key,
+                         shutdown_deadline_s=self.settings.shutdown_deadline_s)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = GracefulServer(uvicorn_config(app, self.settings), self.engine, self.settings.shutdown_deadline_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         while not self.server.started:
             assert self.thread.is_alive(), "the server did not start"
             time.sleep(0.05)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=self.settings.api_key or "unused", max_retries=0)
 
     def stop(self):
         self.server.should_exit = True

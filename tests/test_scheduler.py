@@ -132,3 +132,19 @@ def test_the_scheduler_and_completions_hold_no_jax():
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert not any(name.split(".")[0] in ("jax", "flax") for name in imported), (module.__name__, imported)
+
+
+def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once_and_shutdown_aborts_the_rest():
+    scheduler = Scheduler(num_slots=1, max_queue=2)
+    running, waiting, gone = completion(3), completion(3), completion(3)
+    scheduler.submit(running)
+    scheduler.admit()
+    scheduler.submit(waiting)
+    scheduler.submit(gone)
+    gone.cancel()  # its client went: it holds no place in the queue any more
+    assert scheduler.queue_depth == 1 and gone.finish_reason == "cancelled" and gone.done.is_set()
+    scheduler.submit(completion(3))  # a new client gets the place (no QueueFull)
+    scheduler.cancel_everything("abort")
+    assert waiting.finish_reason == "abort" and scheduler.queue_depth == 0
+    scheduler.release_cancelled()
+    assert running.finish_reason == "abort" and scheduler.live_slots == 0

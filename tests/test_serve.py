@@ -344,7 +344,7 @@ def test_connections_send_small_replies_at_once():
     """serve.py's connections inherit TCP_NODELAY from its listener: with Nagle's algorithm on, a reply
     written as headers then body waited for the client's delayed ACK (40 ms a request, on the asyncio loop
     serve.py runs uvicorn on)."""
-    from gpt.serve import _listen
+    from gpt.serve.server import _listen
 
     with _listen("127.0.0.1", 0) as listener:
         listener.listen()

@@ -41,8 +41,8 @@ import numpy as np
 from tqdm import tqdm
 
 from gpt.data.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, input_format, read_sections
-from gpt.errors import ConfigError, MissingInput
 from gpt.data.loader import Batches, unigram_loss
+from gpt.errors import ConfigError, MissingInput
 from gpt.run_dir import make_dir
 from gpt.tokenizer import get_tokenizer
 

@@ -24,8 +24,10 @@ class Completion:
     max_tokens 0, once the request is done). stop_token: (id, logprob, alternatives) of the stop token
     that ended it, which is in neither `tokens` nor `text`; else None. text: a `TextStream` of the
     output (stop strings applied). finish_reason: None while running, then "stop" (a stop token or
-    string), "length" (max_tokens reached) or "cancelled". `done` is set when it ends. `on_update`,
-    when given, is called on the engine's thread after each batch of new tokens and at the end.
+    string), "length" (max_tokens reached), "cancelled" (`cancel`) or "abort" (cut by the engine's
+    shutdown). `done` is set when it ends. `on_update`, when given, is called on the engine's thread after
+    each batch of new tokens and at the end (and on the cancelling thread, for a request cancelled while
+    it waited).
     """
 
     def __init__(self, request: Request, on_update: Callable[[Completion], None] | None = None, settings=None):
@@ -41,10 +43,17 @@ class Completion:
         self.finish_reason: str | None = None
         self.done = threading.Event()
         self.cancel_requested = False
+        self.cancel_reason = "cancelled"  # the finish_reason a cancel ends it with
+        self._withdraw: Callable[[Completion], None] | None = None  # set by the queue it waits in
 
-    def cancel(self) -> None:
-        """Ask the engine to stop this request; its slot is freed at the engine's next round."""
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Ask the engine to stop this request, ending it with `reason`: waiting, it leaves the queue now;
+        running, its slot is freed at the engine's next round."""
+        if not self.cancel_requested:
+            self.cancel_reason = reason
         self.cancel_requested = True
+        if self._withdraw is not None:
+            self._withdraw(self)
 
     def _add(self, token: int, logprob: float, top: list[tuple[int, float]]) -> bool:
         """Record one token; True if it completed a stop string."""

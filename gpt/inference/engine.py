@@ -286,16 +286,24 @@ class Engine:
         self._thread = threading.Thread(target=self._serve_forever, name="engine", daemon=True)
         self._thread.start()
 
+    def drain(self) -> None:
+        """Admit nothing new (`submit` raises EngineStopped); what runs or waits goes on."""
+        with self._scheduler.lock:
+            self._scheduler.stopping = True
+
+    def abort(self) -> None:
+        """End every running and waiting request now, with finish_reason "abort", and the background
+        thread after them."""
+        self._scheduler.cancel_everything("abort")
+
     def stop(self, deadline_s: float = 10.0) -> None:
-        """Admit nothing new; let running and waiting requests finish for up to `deadline_s`, cancel the
+        """Admit nothing new; let running and waiting requests finish for up to `deadline_s`, abort the
         rest, and end the background thread."""
-        scheduler = self._scheduler
-        with scheduler.lock:
-            scheduler.stopping = True
+        self.drain()
         end = time.monotonic() + deadline_s
-        while not scheduler.idle and time.monotonic() < end and self._thread is not None:
+        while not self._scheduler.idle and time.monotonic() < end and self._thread is not None:
             time.sleep(0.01)
-        scheduler.cancel_everything()
+        self.abort()
         if self._thread is not None:
             self._thread.join()
 

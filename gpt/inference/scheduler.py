@@ -75,7 +75,19 @@ class Scheduler:
             if len(self.queue) >= self.max_queue:
                 raise QueueFull(f"{len(self.queue)} requests are waiting already (max_queue={self.max_queue})")
             self.queue.append(completion)
+            completion._withdraw = self._withdraw
             self.lock.notify()
+
+    def _withdraw(self, completion: Completion) -> None:
+        """A cancelled request leaves the queue at once (a client gone while it waited holds no place that a
+        new one could have), ending with its reason."""
+        with self.lock:
+            try:
+                self.queue.remove(completion)
+            except ValueError:  # admitted already (the engine frees its slot) or gone
+                return
+        completion._finish(completion.cancel_reason)
+        completion._notify()
 
     @property
     def queue_depth(self) -> int:
@@ -95,7 +107,7 @@ class Scheduler:
         """Free the slots whose requests were cancelled."""
         for slot, owner in enumerate(self.owners):
             if owner is not None and owner.cancel_requested:
-                self.release(slot, "cancelled")
+                self.release(slot, owner.cancel_reason)
 
     def admit(self) -> list[tuple[str, list[tuple[int, Completion]]]]:
         """Move waiting requests into free slots, first come first served (a request cancelled while it
@@ -108,8 +120,9 @@ class Scheduler:
             entering = []
             while self.queue and len(entering) < len(free):
                 completion = self.queue.popleft()
+                completion._withdraw = None  # from here on, a cancel frees its slot
                 if completion.cancel_requested:
-                    completion._finish("cancelled")
+                    completion._finish(completion.cancel_reason)
                     completion._notify()
                 else:
                     entering.append(completion)
@@ -222,15 +235,17 @@ class Scheduler:
             if owner is not None:
                 self.release(slot, reason)
 
-    def cancel_everything(self) -> None:
-        """At shutdown's deadline: the waiting requests end cancelled, the running ones are asked to."""
+    def cancel_everything(self, reason: str = "abort") -> None:
+        """At shutdown's deadline: the waiting requests end with `reason`, the running ones are asked to."""
         with self.lock:
-            for completion in self.queue:
-                completion._finish("cancelled")
-                completion._notify()
+            waiting = list(self.queue)
             self.queue.clear()
             for owner in self.owners:
                 if owner is not None:
-                    owner.cancel()
+                    owner.cancel(reason)
             self.exit = True
             self.lock.notify()
+        for completion in waiting:
+            completion._withdraw = None
+            completion._finish(reason)
+            completion._notify()

@@ -1,0 +1,226 @@
+"""`serve.py`: load a model, warm its engine up, and serve the app on uvicorn with the limits a server
+facing untrusted clients needs.
+
+- **Connections are bounded** (`LimitedHTTP`): at most `max_connections` open (one more is answered 503
+  and closed at once, so that no client can take the process's file descriptors), each must send a
+  request's headers within `header_timeout_s` of opening (or of its last reply), and an idle keep-alive
+  connection closes after `keep_alive_s`.
+- **Shutdown ends every request** (`GracefulServer`): on SIGTERM or SIGINT the engine admits nothing new;
+  what runs or waits gets `shutdown_deadline_s` to finish, then ends at once (a stream's last event says
+  finish_reason "abort", then `[DONE]`; a plain request gets 503) before uvicorn closes the connections,
+  and the process exits 143 (SIGTERM) or 130 (SIGINT).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import json
+import logging
+import os
+import resource
+import socket
+from pathlib import Path
+
+import uvicorn
+from jax.sharding import Mesh
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gpt.errors import ConfigError
+from gpt.inference.engine import Engine
+from gpt.model.sharding import make_mesh, parse_mesh
+from gpt.serve.app import create_app
+from gpt.serve.config import ServeConfig
+from gpt.serve.protocol import ApiError
+
+__all__ = ["serve", "LimitedHTTP", "GracefulServer", "uvicorn_config"]
+
+API_KEY_VARIABLE = "GPT_API_KEY"
+
+
+def _busy_reply() -> bytes:
+    body = json.dumps(ApiError(503, "the server has as many connections open as it takes (--max_connections); "
+                                    "retry later", None, "server_error").json()).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+class LimitedHTTP(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a cap on open connections and a deadline for each request's
+    headers (uvicorn has neither: a client that never finishes its headers would hold its connection
+    forever). Made per server by `limited_http`."""
+
+    max_connections = 256
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._header_deadline = None
+        if len(self.connections) > self.max_connections:
+            transport.write(_busy_reply())
+            transport.close()
+            return
+        self._await_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_request():
+            self._cancel_deadline()
+        else:  # part of a request's headers: the deadline runs from the connection's start or last reply
+            self._await_headers()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_deadline()
+        super().connection_lost(exc)
+
+    def _in_request(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _await_headers(self) -> None:
+        if self._header_deadline is None:
+            self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _cancel_deadline(self) -> None:
+        if getattr(self, "_header_deadline", None) is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _headers_late(self) -> None:
+        self._header_deadline = None
+        if not self._in_request():
+            self.transport.close()
+
+
+def limited_http(max_connections: int, header_timeout_s: float) -> type[LimitedHTTP]:
+    """`LimitedHTTP` with these limits."""
+    return type("LimitedHTTP", (LimitedHTTP,), {"max_connections": max_connections,
+                                                "header_timeout_s": header_timeout_s})
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown ends every request by the deadline instead of cutting them: the
+    engine drains at once and aborts what is left at `shutdown_deadline_s`, before uvicorn's own graceful
+    timeout (a few seconds later) would cancel the handlers mid-reply."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, shutdown_deadline_s: float):
+        super().__init__(config)
+        self.engine, self.shutdown_deadline_s = engine, shutdown_deadline_s
+
+    async def shutdown(self, sockets=None) -> None:
+        self.engine.drain()
+        loop = asyncio.get_running_loop()
+        abort = loop.call_later(self.shutdown_deadline_s, self.engine.abort)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
+
+
+def uvicorn_config(app, config: ServeConfig) -> uvicorn.Config:
+    """uvicorn's settings for `config`: its limits, a graceful timeout past the shutdown deadline (the
+    engine ends the requests first), and warnings only."""
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                          http=limited_http(config.max_connections, config.header_timeout_s),
+                          timeout_keep_alive=config.keep_alive_s,
+                          timeout_graceful_shutdown=config.shutdown_deadline_s + 5)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), for uvicorn to listen on; ConfigError naming the flags when the
+    address cannot be had (taken, not this machine's, not an address)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"--host {host!r} is not an address to listen on: {e}") from None
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart reuses the port
+    # Connections accepted from it inherit TCP_NODELAY. Without it, on the asyncio loop serve.py runs, a reply
+    # written in two pieces (headers, then body) waited for the client's delayed ACK: 40 ms per request.
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as e:
+        listener.close()
+        raise ConfigError(f"cannot listen on --host {host} --port {port}: {e.strerror}") from None
+    return listener
+
+
+def _file_descriptors(max_connections: int) -> None:
+    """Raise the process's descriptor limit to its hard limit, and refuse a --max_connections it could not
+    hold (with room for the model's files and the engine's own)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    room = soft - 128
+    if max_connections > room:
+        raise ConfigError(f"--max_connections {max_connections} is more than this process's {soft} file "
+                          f"descriptors hold (at most {room})")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def serve(config: ServeConfig) -> None:
+    """Load the model, build and warm up the engine, and serve until SIGINT or SIGTERM. Settings are checked
+    before anything loads or compiles. The port is taken and the engine warmed up before uvicorn handles
+    the signals: until then a signal stops serve.py at once (`gpt.errors.cli_main`)."""
+    config.check()
+    if config.api_key is None and os.environ.get(API_KEY_VARIABLE):
+        config = dataclasses.replace(config, api_key=os.environ[API_KEY_VARIABLE])
+    _file_descriptors(config.max_connections)
+    mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
+    with _listen(config.host, config.port) as listener:  # a taken port fails now, not after the warm-up
+        _load_and_serve(config, listener, mesh)
+
+
+def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | None) -> None:
+    from gpt.compilation_cache import enable_compilation_cache
+    from gpt.loading import load
+
+    enable_compilation_cache(config.compile_cache)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    # Loading and warm-up run before uvicorn takes the signals (a GPT-2 warm-up takes 20-40 s on a CPU), so
+    # that one stops serve.py at once (`cli_main`), not after the warm-up.
+    model = load(config.init_from, config.dtype)
+    engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
+                    steps_per_call=config.steps_per_call, prefill_chunk=config.prefill_chunk,
+                    prefix_cache_tokens=config.prefix_cache_tokens, quantize=config.quantize, mesh=mesh)
+    engine.warmup(log)
+    name = config.model_name or Path(config.init_from.rstrip("/")).name
+    app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,
+                     max_request_bytes=int(config.max_request_mb * 2**20), api_key=config.api_key, log=log)
+    server = GracefulServer(uvicorn_config(app, config), engine, config.shutdown_deadline_s)
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(_one_line_for_accept_errors)
+        task = asyncio.create_task(server.serve(sockets=[listener]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            port = listener.getsockname()[1]
+            over = f", over a mesh {' x '.join(f'{k}={v}' for k, v in mesh.shape.items())}" if mesh is not None else ""
+            key = ", API key required" if config.api_key else ""
+            print(f"serving {name!r} on http://{config.host}:{port}/v1 ({engine.num_slots} slots{over}{key})", flush=True)
+            if not config.api_key and not _is_loopback(config.host):
+                print(f"warning: serving {config.host} beyond this machine with no API key: anyone who can reach "
+                      f"the port gets completions (--api_key, or {API_KEY_VARIABLE})", flush=True)
+        await task
+
+    asyncio.run(main())  # uvicorn re-raises the signal that stopped it: `cli_main` exits 128 + its number
+
+
+def _one_line_for_accept_errors(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """asyncio's accept loop, out of descriptors, backs off a second and reports it with a traceback: one
+    line instead. Everything else as asyncio would."""
+    error = context.get("exception")
+    if isinstance(error, OSError) and "accept" in context.get("message", ""):
+        logging.getLogger(__name__).warning("cannot accept a connection (%s); retrying in a second", error.strerror)
+        return
+    loop.default_exception_handler(context)
+

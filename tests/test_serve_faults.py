@@ -1,0 +1,211 @@
+"""The server facing hostile clients: values that had been 500s, a bug's 500 (JSON, counted, nothing else
+ends), a multi-megabyte prompt and a burst of bad requests during a stream (no gap over a second), queued
+requests of disconnected clients (gone at once), the API key, shutdown at the deadline (every request
+ends, streams with finish_reason "abort"), and bounded connections."""
+
+import concurrent.futures
+import json
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from gpt.generate import generate_text
+from gpt.serve import app as app_module
+from gpt.tokenizer import get_tokenizer
+
+from serving import Server, decisive_model
+
+EOT = 50256
+
+
+@pytest.fixture(scope="module")
+def model():
+    return decisive_model()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    server = Server(model, slots=4, max_queue=16, cache_length=128)
+    yield server
+    server.stop()
+
+
+def alone(model, prompt: str, max_tokens: int) -> str:
+    return generate_text(model, [prompt], max_tokens, temperature=0, stop_tokens=[EOT])[0]
+
+
+def post(server, content: bytes, path: str = "/v1/completions", **kwargs) -> httpx.Response:
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=60,
+                      **kwargs)
+
+
+def counted(server, status: int) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(f'gpt_requests_total{{status="{status}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def stream_gaps(server, prompt: str, max_tokens: int, out: dict) -> None:
+    """Stream a greedy completion, recording its text and the longest gap between its events."""
+    times, text = [], []
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True}) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+    out["text"], out["gap"] = "".join(text), max(b - a for a, b in zip(times, times[1:]))
+
+
+def test_values_that_had_been_500s_get_400_and_a_bug_gets_a_json_500(server, model, monkeypatch):
+    before = counted(server, 400)
+    for body in [b'{"model": "tiny", "prompt": "x", "user": 1' + b"0" * 5000 + b"}",
+                 b'{"model": "tiny", "prompt": "x", "temperature": 1' + b"0" * 400 + b"}",
+                 b'{"model": "tiny", "prompt": ' + b"[" * 500 + b"1" + b"]" * 500 + b"}"]:
+        reply = post(server, body)
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error", reply.text
+    assert counted(server, 400) == before + 3
+
+    def bug(raw, limits):
+        raise ZeroDivisionError("a bug")
+
+    out = {}
+    streaming = threading.Thread(target=stream_gaps, args=(server, "Beside a bug", 40, out))
+    streaming.start()
+    monkeypatch.setattr(app_module, "parse_completion", bug)
+    reply = post(server, b'{"model": "tiny", "prompt": "x"}')
+    monkeypatch.undo()
+    streaming.join()
+    assert reply.status_code == 500 and reply.json()["error"]["type"] == "server_error"
+    assert "ZeroDivisionError" in reply.json()["error"]["message"] and counted(server, 500) == 1
+    assert out["text"] == alone(model, "Beside a bug", 40)  # the request beside it ran to its end
+
+
+def test_a_huge_prompt_and_a_burst_of_bad_requests_stall_no_stream(server, model):
+    server.delay_s = 0.02  # a stream of 150 tokens takes over 3 s
+    out, health = {}, []
+    streaming = threading.Thread(target=stream_gaps, args=(server, "Keep streaming", 100, out))
+    try:
+        streaming.start()
+        time.sleep(0.3)
+        huge = json.dumps({"model": "tiny", "prompt": "many words " * 600_000}).encode()  # 6.6 MB
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            replies = [pool.submit(post, server, huge)]
+            replies += [pool.submit(post, server, json.dumps({"prompt": "tokenize me " * 300_000}).encode(), "/tokenize")]
+            replies += [pool.submit(post, server, bad) for bad in [b"{", b"[]", b'{"model": "tiny", "prompt": 1e999}'] * 10]
+            while not all(r.done() for r in replies):
+                start = time.monotonic()
+                assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+                health.append(time.monotonic() - start)
+                time.sleep(0.05)
+        streaming.join()
+    finally:
+        server.delay_s = 0.0
+    statuses = [r.result().status_code for r in replies]
+    assert statuses[0] == 400 and statuses[1] == 200 and set(statuses[2:]) == {400}
+    assert replies[1].result().json()["count"] == len(get_tokenizer().encode("tokenize me " * 300_000))
+    print(f"longest gap between a stream's events {out['gap']:.3f} s, slowest /health {max(health):.3f} s")
+    assert out["gap"] < 1.0 and max(health) < 1.0, (out["gap"], max(health))
+    assert out["text"] == alone(model, "Keep streaming", 100)
+
+
+def test_queued_requests_of_clients_that_went_leave_the_queue_at_once(model):
+    server = Server(model, slots=1, max_queue=2, cache_length=128)
+    try:
+        server.delay_s = 0.05
+        holder = threading.Thread(target=stream_gaps, args=(server, "Hold the slot", 40, {}))
+        holder.start()
+        while server.engine.live_slots == 0:
+            time.sleep(0.01)
+        for _ in range(2):  # each waits for the slot, then its client gives up
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=0.3)
+        deadline = time.monotonic() + 1.0
+        while server.engine.queue_depth and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.engine.queue_depth == 0 and server.engine.live_slots == 1  # the holder still runs
+        reply = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": "Next", "max_tokens": 5, "temperature": 0})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == alone(model, "Next", 5)
+        holder.join()
+    finally:
+        server.stop()
+
+
+def test_an_api_key_is_required_when_one_is_set(model):
+    server = Server(model, settings={"api_key": "sekret-key"}, slots=1, cache_length=64)
+    try:
+        for headers in [{}, {"authorization": "Bearer wrong"}, {"authorization": "sekret-key"}]:
+            reply = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=headers)
+            assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
+            assert httpx.get(server.url + "/v1/models", headers=headers).status_code == 401
+        assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+        assert server.client.completions.create(model="tiny", prompt="Key", max_tokens=4,
+                                                temperature=0).choices[0].text == alone(model, "Key", 4)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert not any("sekret-key" in line for line in server.lines)
+    finally:
+        server.stop()
+
+
+def test_shutdown_at_the_deadline_ends_every_request(model, caplog):
+    server = Server(model, settings={"shutdown_deadline_s": 1.0}, slots=1, max_queue=4, cache_length=128)
+    server.delay_s = 0.05  # the stream would take 5 s
+    events, plain = [], {}
+
+    def stream():
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "Cut me", "max_tokens": 100, "stream": True}) as reply:
+            events.extend(line for line in reply.iter_lines() if line.startswith("data:"))
+
+    def waiting():
+        plain["reply"] = httpx.post(server.url + "/v1/completions", timeout=60,
+                                    json={"model": "tiny", "prompt": "Queued", "max_tokens": 5})
+
+    with caplog.at_level(logging.WARNING):
+        threads = [threading.Thread(target=stream), threading.Thread(target=waiting)]
+        threads[0].start()
+        while server.engine.live_slots == 0:
+            time.sleep(0.01)
+        threads[1].start()
+        while server.engine.queue_depth == 0:
+            time.sleep(0.01)
+        start = time.monotonic()
+        server.stop()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert time.monotonic() - start < 5
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert plain["reply"].status_code == 503 and "abort" in plain["reply"].json()["error"]["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_connections_are_bounded_in_number_and_in_time(model):
+    server = Server(model, settings={"max_connections": 3, "header_timeout_s": 0.5}, slots=1, cache_length=64)
+    host, port = server.url.removeprefix("http://").split(":")
+    try:
+        idle = [socket.create_connection((host, int(port))) for _ in range(2)]
+        partial = socket.create_connection((host, int(port)))
+        partial.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # and never the rest
+        time.sleep(0.1)
+        with socket.create_connection((host, int(port))) as extra:  # one more than the cap
+            extra.settimeout(2)
+            answer = extra.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 503") and b"max_connections" in answer and extra.recv(1) == b""
+        for sock in [*idle, partial]:  # closed by the server after header_timeout_s
+            sock.settimeout(2)
+            assert sock.recv(1) == b""
+            sock.close()
+        reply = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": "Open", "max_tokens": 3, "temperature": 0})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == alone(model, "Open", 3)
+    finally:
+        server.stop()
