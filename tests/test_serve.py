@@ -206,6 +206,9 @@ def test_json_infinities_are_bounded_and_huge_knobs_run(server, model):
     (dict(mesh="data=3"), r"mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but there are 8"),
     (dict(port="taken"), "cannot listen on --host 127.0.0.1 --port [0-9]+: Address already in use"),
     (dict(dtype="float64"), "dtype must be one of float32, bfloat16, float16, got 'float64'"),
+    (dict(max_connections=10**7), "--max_connections 10000000 is more than this process's [0-9]+ file descriptors"),
+    (dict(header_timeout_s=0), "--header_timeout_s must be positive and finite, got 0"),
+    (dict(api_key=" "), "--api_key is empty"),
 ])
 def test_bad_server_settings_fail_before_loading(tmp_path, setting, message):
     from gpt.errors import ConfigError

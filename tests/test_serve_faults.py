@@ -209,3 +209,25 @@ def test_connections_are_bounded_in_number_and_in_time(model):
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == alone(model, "Open", 3)
     finally:
         server.stop()
+
+
+def test_a_client_gone_mid_body_or_before_its_reply_is_counted_as_such(server, caplog):
+    host, port = server.url.removeprefix("http://").split(":")
+    before = counted(server, 499)
+    with caplog.at_level(logging.WARNING):
+        with socket.create_connection((host, int(port))) as sock:  # promises 1000 bytes, sends 10, leaves
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 1000\r\n\r\n{\"model\": ")
+            time.sleep(0.2)
+        server.delay_s = 0.05
+        try:  # a plain request whose client leaves before the reply
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 60},
+                           timeout=0.3)
+            deadline = time.monotonic() + 5
+            while counted(server, 499) < before + 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            server.delay_s = 0.0
+    assert counted(server, 499) == before + 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
