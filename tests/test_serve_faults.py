@@ -7,6 +7,8 @@ import concurrent.futures
 import json
 import logging
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,10 +17,13 @@ import openai
 import pytest
 
 from gpt.generate import generate_text
+from gpt.serve import ServeConfig
 from gpt.serve import app as app_module
+from gpt.serve.server import startup_lines
 from gpt.tokenizer import get_tokenizer
 
 from serving import Server, decisive_model
+from training import ROOT
 
 EOT = 50256
 
@@ -78,11 +83,17 @@ def test_values_that_had_been_500s_get_400_and_a_bug_gets_a_json_500(server, mod
 
     out = {}
     streaming = threading.Thread(target=stream_gaps, args=(server, "Beside a bug", 40, out))
-    streaming.start()
-    monkeypatch.setattr(app_module, "parse_completion", bug)
-    reply = post(server, b'{"model": "tiny", "prompt": "x"}')
-    monkeypatch.undo()
-    streaming.join()
+    server.delay_s = 0.02
+    try:
+        streaming.start()
+        while server.engine.live_slots == 0:  # parsed and running before the bug is put in
+            time.sleep(0.01)
+        monkeypatch.setattr(app_module, "parse_completion", bug)
+        reply = post(server, b'{"model": "tiny", "prompt": "x"}')
+        monkeypatch.undo()
+        streaming.join()
+    finally:
+        server.delay_s = 0.0
     assert reply.status_code == 500 and reply.json()["error"]["type"] == "server_error"
     assert "ZeroDivisionError" in reply.json()["error"]["message"] and counted(server, 500) == 1
     assert out["text"] == alone(model, "Beside a bug", 40)  # the request beside it ran to its end
@@ -231,3 +242,52 @@ def test_a_client_gone_mid_body_or_before_its_reply_is_counted_as_such(server, c
             server.delay_s = 0.0
     assert counted(server, 499) == before + 2
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_the_start_up_line_warns_of_a_public_address_served_without_a_key():
+    def lines(**settings):
+        return startup_lines(ServeConfig(**settings), "tiny", 8000, 8, None)
+
+    assert lines() == ["serving 'tiny' on http://127.0.0.1:8000/v1 (8 slots)"]
+    assert lines(host="::1") == ["serving 'tiny' on http://::1:8000/v1 (8 slots)"]
+    assert "no API key" in lines(host="0.0.0.0")[1] and "GPT_API_KEY" in lines(host="0.0.0.0")[1]
+    assert lines(host="0.0.0.0", api_key="k") == ["serving 'tiny' on http://0.0.0.0:8000/v1 (8 slots, API key required)"]
+
+
+ACCEPT_SCRIPT = """
+import asyncio, logging, resource, sys
+logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(levelname)s %(message)s")
+from gpt.serve.server import _listen
+
+async def main():
+    listener = _listen("127.0.0.1", 0)  # serve.py's listening socket
+    server = await asyncio.get_running_loop().create_server(asyncio.Protocol, sock=listener)  # holds them open
+    resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+    print(server.sockets[0].getsockname()[1], flush=True)
+    sys.stdin.readline()  # the client's connections are open
+    start = resource.getrusage(resource.RUSAGE_SELF)
+    await asyncio.sleep(3)
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    print(f"cpu {end.ru_utime + end.ru_stime - start.ru_utime - start.ru_stime:.3f}", flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_out_of_descriptors_the_accept_loop_backs_off_with_one_line_a_second():
+    process = subprocess.Popen([sys.executable, "-c", ACCEPT_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        port = int(process.stdout.readline())
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(80)]  # more than 48 descriptors
+        process.stdin.write("\n")
+        process.stdin.flush()
+        out, err = process.communicate(timeout=30)
+    finally:
+        process.kill()
+        for client in locals().get("clients", []):
+            client.close()
+    cpu = float(out.split("cpu ")[1])
+    warnings = [line for line in err.splitlines() if "out of file descriptors" in line]
+    assert "Traceback" not in err and 1 <= len(warnings) <= 5 and cpu < 0.5, (cpu, err[-2000:])

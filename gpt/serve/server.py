@@ -4,7 +4,9 @@ facing untrusted clients needs.
 - **Connections are bounded** (`LimitedHTTP`): at most `max_connections` open (one more is answered 503
   and closed at once, so that no client can take the process's file descriptors), each must send a
   request's headers within `header_timeout_s` of opening (or of its last reply), and an idle keep-alive
-  connection closes after `keep_alive_s`.
+  connection closes after `keep_alive_s`. Should the process run out of descriptors all the same, the
+  listening socket sheds each new connection at once with one warning a second (`_SheddingSocket`),
+  where asyncio's accept loop would retry in a burst and log a traceback per try.
 - **Shutdown ends every request** (`GracefulServer`): on SIGTERM or SIGINT the engine admits nothing new;
   what runs or waits gets `shutdown_deadline_s` to finish, then ends at once (a stream's last event says
   finish_reason "abort", then `[DONE]`; a plain request gets 503) before uvicorn closes the connections,
@@ -15,12 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import ipaddress
 import json
 import logging
+import math
 import os
 import resource
 import socket
+import time
 from pathlib import Path
 
 import uvicorn
@@ -126,6 +131,48 @@ def uvicorn_config(app, config: ServeConfig) -> uvicorn.Config:
                           timeout_graceful_shutdown=config.shutdown_deadline_s + 5)
 
 
+class _SheddingSocket(socket.socket):
+    """A listening socket that, when the process is out of file descriptors, sheds the connection it cannot
+    take: a spare descriptor is freed to accept it and close it at once (its client sees the connection
+    reset), with one warning line a second at most. Without it asyncio's accept loop, which keeps
+    retrying (and re-arming a retry per attempt) while the descriptors stay short, filled the log with
+    tracebacks and kept a core busy."""
+
+    spare: int | None = None
+    warned_at = -math.inf
+
+    def accept(self):
+        try:
+            return super().accept()
+        except OSError as error:
+            if error.errno not in (errno.EMFILE, errno.ENFILE) or self.spare is None:
+                raise
+            self._shed(error)
+            raise BlockingIOError(errno.EAGAIN, "shed a connection: out of file descriptors") from None
+
+    def _shed(self, error: OSError) -> None:
+        os.close(self.spare)
+        try:
+            connection, _ = super().accept()
+            connection.close()
+        except OSError:
+            pass
+        try:
+            self.spare = os.open(os.devnull, os.O_RDONLY)
+        except OSError:
+            self.spare = None  # taken meanwhile: from now on asyncio's own handling
+        if time.monotonic() - self.warned_at >= 1:
+            self.warned_at = time.monotonic()
+            logging.getLogger(__name__).warning("out of file descriptors (%s): closing new connections at once",
+                                                error.strerror)
+
+    def close(self) -> None:
+        if self.spare is not None:
+            os.close(self.spare)
+            self.spare = None
+        super().close()
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port), for uvicorn to listen on; ConfigError naming the flags when the
     address cannot be had (taken, not this machine's, not an address)."""
@@ -133,7 +180,8 @@ def _listen(host: str, port: int) -> socket.socket:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except (socket.gaierror, UnicodeError) as e:
         raise ConfigError(f"--host {host!r} is not an address to listen on: {e}") from None
-    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener = _SheddingSocket(family, socket.SOCK_STREAM)
+    listener.spare = os.open(os.devnull, os.O_RDONLY)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart reuses the port
     # Connections accepted from it inherit TCP_NODELAY. Without it, on the asyncio loop serve.py runs, a reply
     # written in two pieces (headers, then body) waited for the client's delayed ACK: 40 ms per request.
@@ -198,29 +246,24 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
     server = GracefulServer(uvicorn_config(app, config), engine, config.shutdown_deadline_s)
 
     async def main():
-        asyncio.get_running_loop().set_exception_handler(_one_line_for_accept_errors)
         task = asyncio.create_task(server.serve(sockets=[listener]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            port = listener.getsockname()[1]
-            over = f", over a mesh {' x '.join(f'{k}={v}' for k, v in mesh.shape.items())}" if mesh is not None else ""
-            key = ", API key required" if config.api_key else ""
-            print(f"serving {name!r} on http://{config.host}:{port}/v1 ({engine.num_slots} slots{over}{key})", flush=True)
-            if not config.api_key and not _is_loopback(config.host):
-                print(f"warning: serving {config.host} beyond this machine with no API key: anyone who can reach "
-                      f"the port gets completions (--api_key, or {API_KEY_VARIABLE})", flush=True)
+            for line in startup_lines(config, name, listener.getsockname()[1], engine.num_slots, mesh):
+                print(line, flush=True)
         await task
 
     asyncio.run(main())  # uvicorn re-raises the signal that stopped it: `cli_main` exits 128 + its number
 
 
-def _one_line_for_accept_errors(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """asyncio's accept loop, out of descriptors, backs off a second and reports it with a traceback: one
-    line instead. Everything else as asyncio would."""
-    error = context.get("exception")
-    if isinstance(error, OSError) and "accept" in context.get("message", ""):
-        logging.getLogger(__name__).warning("cannot accept a connection (%s); retrying in a second", error.strerror)
-        return
-    loop.default_exception_handler(context)
-
+def startup_lines(config: ServeConfig, name: str, port: int, slots: int, mesh: Mesh | None) -> list[str]:
+    """What serve.py prints once it serves: where, and a warning when an address beyond this machine is
+    served with no API key."""
+    over = f", over a mesh {' x '.join(f'{k}={v}' for k, v in mesh.shape.items())}" if mesh is not None else ""
+    key = ", API key required" if config.api_key else ""
+    lines = [f"serving {name!r} on http://{config.host}:{port}/v1 ({slots} slots{over}{key})"]
+    if not config.api_key and not _is_loopback(config.host):
+        lines.append(f"warning: serving {config.host} beyond this machine with no API key: anyone who can reach the "
+                     f"port gets completions (--api_key, or {API_KEY_VARIABLE})")
+    return lines
