@@ -9,9 +9,17 @@ import openai
 from flax import nnx
 
 from gpt import GPT, GPTConfig
+from gpt.generate import generate_text
 from gpt.inference.engine import Engine
 from gpt.serve import ServeConfig, create_app
 from gpt.serve.server import GracefulServer, uvicorn_config
+
+EOT = 50256
+
+
+def alone(model, prompt: str, max_tokens: int) -> str:
+    """What a greedy completion of `prompt` is with no server: the reference for what the server answers."""
+    return generate_text(model, [prompt], max_tokens, temperature=0, stop_tokens=[EOT])[0]
 
 
 def decisive_model() -> GPT:

@@ -15,14 +15,11 @@ import jax
 import openai
 import pytest
 
-from gpt.generate import generate_text
 from gpt.model import gpt2
 from gpt.tokenizer import get_tokenizer
 
-from serving import Server, decisive_model
+from serving import Server, alone, decisive_model
 from training import ROOT
-
-EOT = 50256
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +32,6 @@ def server(model):
     server = Server(model, slots=4, max_queue=16, cache_length=128)
     yield server
     server.stop()
-
-
-def alone(model, prompt: str, max_tokens: int) -> str:
-    return generate_text(model, [prompt], max_tokens, temperature=0, stop_tokens=[EOT])[0]
 
 
 def test_openai_client_completions_equal_generate_text(server, model):

@@ -16,16 +16,13 @@ import httpx
 import openai
 import pytest
 
-from gpt.generate import generate_text
 from gpt.serve import ServeConfig
 from gpt.serve import app as app_module
 from gpt.serve.server import startup_lines
 from gpt.tokenizer import get_tokenizer
 
-from serving import Server, decisive_model
+from serving import Server, alone, decisive_model
 from training import ROOT
-
-EOT = 50256
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +35,6 @@ def server(model):
     server = Server(model, slots=4, max_queue=16, cache_length=128)
     yield server
     server.stop()
-
-
-def alone(model, prompt: str, max_tokens: int) -> str:
-    return generate_text(model, [prompt], max_tokens, temperature=0, stop_tokens=[EOT])[0]
 
 
 def post(server, content: bytes, path: str = "/v1/completions", **kwargs) -> httpx.Response:

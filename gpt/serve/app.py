@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -119,18 +120,29 @@ async def _off_the_loop(parse: Callable, raw: bytes, limits: Limits):
     return await asyncio.to_thread(parse, raw, limits)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    """What the routes share: the engine, the model's name, the request limits, the metrics, the body limit."""
+
+    engine: Engine
+    model_name: str
+    limits: Limits
+    metrics: Metrics
+    max_request_bytes: int
+
+
 def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown_deadline_s: float = 10.0,
                max_request_bytes: int = 8 << 20, api_key: str | None = None,
                log: Callable[[str], None] = print) -> FastAPI:
     """The ASGI app over `engine`. Its lifespan warms the engine up and starts its thread, and at shutdown
     stops it (running requests get up to `shutdown_deadline_s`, then end with finish_reason "abort"). A
     body over `max_request_bytes` gets 413; with `api_key`, a request without it gets 401."""
-    metrics = Metrics(engine)
-    state = {"serving": False}
     tokenizer = get_tokenizer()
     eot = tokenizer.eot_id if engine.config.vocab_size > tokenizer.eot_id else None
     limits = Limits(model_name, engine.config.vocab_size, engine.cache_length, engine.max_queue,
                     engine.max_stop_tokens, eot)
+    served = _Served(engine, model_name, limits, Metrics(engine), max_request_bytes)
+    state = {"serving": False}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -147,7 +159,24 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
     app = FastAPI(title="gpt", lifespan=lifespan)
     if api_key:
         app.add_middleware(_RequireKey, api_key=api_key)
+    _add_error_handlers(app)
+    _add_info_routes(app, served, state)
+    _add_tokenizer_routes(app, served)
 
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        try:
+            reply = await _complete(http, served)
+        except Exception as error:  # every failure, expected or not, answered and counted here
+            reply = error_reply(error)
+        served.metrics.requests.labels(str(reply.status_code)).inc()
+        return reply
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Errors raised anywhere (ApiError, a route that does not exist, a bug) become `error_reply`'s JSON."""
     @app.exception_handler(Exception)
     async def unexpected(http: HTTPRequest, error: Exception):
         return error_reply(error)
@@ -162,6 +191,11 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
         reply = error_reply(ApiError(error.status_code, message))
         reply.headers.update(error.headers or {})  # a 405's Allow
         return reply
+
+
+def _add_info_routes(app: FastAPI, served: _Served, state: dict) -> None:
+    """/health, /v1/models and /metrics."""
+    engine, model_name = served.engine, served.model_name
 
     @app.get("/health")
     async def health():
@@ -183,27 +217,30 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(prometheus_client.generate_latest(metrics.registry),
+        return Response(prometheus_client.generate_latest(served.metrics.registry),
                         media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
-    special = EOT if eot is not None else None
-    tokenizer_info = {"tokenizer_class": "GPT2Tokenizer", "bos_token": special, "eos_token": special,
-                      "unk_token": special, "pad_token": None, "model_max_length": engine.cache_length,
-                      "vocab_size": engine.config.vocab_size}
+
+def _add_tokenizer_routes(app: FastAPI, served: _Served) -> None:
+    """/tokenizer_info, /tokenize and /detokenize (and under /v1), as vLLM answers them."""
+    tokenizer, limits, cache_length = get_tokenizer(), served.limits, served.engine.cache_length
+    special = EOT if limits.eot is not None else None
+    info = {"tokenizer_class": "GPT2Tokenizer", "bos_token": special, "eos_token": special, "unk_token": special,
+            "pad_token": None, "model_max_length": cache_length, "vocab_size": limits.vocab_size}
 
     @app.get("/tokenizer_info")
     @app.get("/v1/tokenizer_info")
-    async def tokenizer_info_():
-        return tokenizer_info
+    async def tokenizer_info():
+        return info
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(http: HTTPRequest):
-        text = await _off_the_loop(parse_tokenize, await _read_body(http, max_request_bytes), limits)
+        text = await _off_the_loop(parse_tokenize, await _read_body(http, served.max_request_bytes), limits)
 
         def reply() -> bytes:  # off the event loop: a long text takes a while to tokenize and to write out
             ids = tokenizer.encode(text, True)
-            return json.dumps({"count": len(ids), "max_model_len": engine.cache_length, "tokens": ids,
+            return json.dumps({"count": len(ids), "max_model_len": cache_length, "tokens": ids,
                                "token_strs": None}).encode()
 
         return Response(await asyncio.to_thread(reply), media_type="application/json")
@@ -211,52 +248,44 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(http: HTTPRequest):
-        ids = await _off_the_loop(parse_detokenize, await _read_body(http, max_request_bytes), limits)
+        ids = await _off_the_loop(parse_detokenize, await _read_body(http, served.max_request_bytes), limits)
         reply = await asyncio.to_thread(lambda: json.dumps({"prompt": tokenizer.decode(ids)}).encode())
         return Response(reply, media_type="application/json")
 
-    @app.post("/v1/completions")
-    async def completions(http: HTTPRequest):
-        try:
-            reply = await complete(http)
-        except Exception as error:  # every failure, expected or not, answered and counted here
-            reply = error_reply(error)
-        metrics.requests.labels(str(reply.status_code)).inc()
-        return reply
 
-    async def complete(http: HTTPRequest) -> Response:
-        arrived = time.monotonic()
-        parsed = await _off_the_loop(parse_completion, await _read_body(http, max_request_bytes), limits)
-        choices = [Choice(i, r.prompt, text) for i, (r, text) in enumerate(zip(parsed.requests, parsed.prompt_texts))]
-        updates: asyncio.Queue = asyncio.Queue()
-        hook = _updates_hook(metrics, arrived, updates, asyncio.get_running_loop())
-        try:
-            for request, choice in zip(parsed.requests, choices):
-                choice.completion = engine.submit(request, hook(choice))
-        except Exception:
-            _cancel(choices)
-            raise
+async def _complete(http: HTTPRequest, served: _Served) -> Response:
+    """A /v1/completions request: parsed, submitted, then streamed or answered whole; raises what
+    `error_reply` answers."""
+    arrived = time.monotonic()
+    parsed = await _off_the_loop(parse_completion, await _read_body(http, served.max_request_bytes), served.limits)
+    choices = [Choice(i, r.prompt, text) for i, (r, text) in enumerate(zip(parsed.requests, parsed.prompt_texts))]
+    updates: asyncio.Queue = asyncio.Queue()
+    hook = _updates_hook(served.metrics, arrived, updates, asyncio.get_running_loop())
+    try:
+        for request, choice in zip(parsed.requests, choices):
+            choice.completion = served.engine.submit(request, hook(choice))
+    except Exception:
+        _cancel(choices)
+        raise
 
-        header = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                  "model": model_name}
-        next_update = lambda: wait_for_update(updates, http.is_disconnected)  # noqa: E731
-        if parsed.stream:
-            return StreamingResponse(_cancelling(stream_events(header, choices, parsed, next_update), choices),
-                                     media_type="text/event-stream")
-        try:
-            while not all(c.completion.done.is_set() for c in choices):
-                if await next_update() is None:
-                    return Response(status_code=499)  # nobody is listening; the choices are cancelled below
-        finally:
-            _cancel(choices)
-        cut = sum(c.completion.finish_reason == "abort" for c in choices)
-        if cut:
-            raise ApiError(503, f"the server shut down before {cut} of the request's {len(choices)} completions "
-                                "ended (finish_reason abort); retry on another server", None, "server_error")
-        return JSONResponse({**header, "choices": [choice_json(c, parsed) for c in choices],
-                             "usage": usage(choices, parsed.prompt_tokens)})
-
-    return app
+    header = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+              "model": served.model_name}
+    next_update = lambda: wait_for_update(updates, http.is_disconnected)  # noqa: E731
+    if parsed.stream:
+        return StreamingResponse(_cancelling(stream_events(header, choices, parsed, next_update), choices),
+                                 media_type="text/event-stream")
+    try:
+        while not all(c.completion.done.is_set() for c in choices):
+            if await next_update() is None:
+                return Response(status_code=499)  # nobody is listening; the choices are cancelled below
+    finally:
+        _cancel(choices)
+    cut = sum(c.completion.finish_reason == "abort" for c in choices)
+    if cut:
+        raise ApiError(503, f"the server shut down before {cut} of the request's {len(choices)} completions "
+                            "ended (finish_reason abort); retry on another server", None, "server_error")
+    return JSONResponse({**header, "choices": [choice_json(c, parsed) for c in choices],
+                         "usage": usage(choices, parsed.prompt_tokens)})
 
 
 def _cancel(choices: list[Choice]) -> None:
