@@ -178,6 +178,9 @@ def _edit_checksum(step_dir: Path) -> None:
 
 
 @pytest.mark.slow
+# A truncated array fails orbax's read with its other reads still pending: Python reports those coroutines,
+# never awaited, when they are collected. Expected here, where the checkpoint is broken on purpose.
+@pytest.mark.filterwarnings("ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put")
 @pytest.mark.parametrize("damage", [_flip_bytes, _truncate, _edit_checksum], ids=["flipped", "truncated", "checksum"])
 def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_run_resumes_from_the_previous(tmp_path, corpus, damage):
     straight = run(tmp_path / "a", corpus, max_steps=6)
