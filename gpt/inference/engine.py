@@ -237,6 +237,7 @@ class Engine:
         for i, (kind, what, run) in enumerate(programs):
             log(f"warm-up: compiling {kind} {i + 1}/{len(programs)} ({what})")
             run()
+        jax.block_until_ready(self._slots)  # the time below includes the last program's run
         log(f"warm-up: done in {time.perf_counter() - start:.1f} s")
 
     def _warmup_programs(self) -> list[tuple[str, str, Callable[[], None]]]:

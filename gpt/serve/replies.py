@@ -12,7 +12,7 @@ from gpt.inference.completion import Completion
 from gpt.serve.protocol import Parsed
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["Choice", "choice_json", "usage", "stream_events"]
+__all__ = ["Choice", "choice_json", "usage", "stream_events", "wait_for_update"]
 
 
 class Choice:
