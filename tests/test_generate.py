@@ -14,14 +14,18 @@ from gpt.inference.decoding import compiled_programs
 from gpt.inference.engine import Engine
 
 POSITIONS = ("learned", "sinusoidal", "rope")
-# The quick tier decodes with rotary positions, whose cache keys rotate by position (the others: slow).
+# The modern recipe's model: rotary positions, QK-norm, relu(x)^2, an untied head, no biases.
+MODERN = dict(position="rope", qk_norm=True, activation="relu2", tied_head=False, bias=False)
+# The quick tier decodes the modern model, whose cache keys rotate by position (the others: slow).
 MODEL_POSITIONS = [pytest.param("learned", marks=pytest.mark.slow), pytest.param("sinusoidal", marks=pytest.mark.slow),
-                   "rope"]
+                   pytest.param("rope", marks=pytest.mark.slow), "modern"]
 
 
 def scaled_model(position: str, scale: float = 4.0, seed: int = 0, **fields) -> GPT:
-    """A tiny random model whose matrices are scaled up, so greedy paths are varied and far from ties."""
-    model = GPT(GPTConfig.preset("tiny", position=position, **fields), rngs=nnx.Rngs(seed))
+    """A tiny random model whose matrices are scaled up, so greedy paths are varied and far from ties;
+    `position` "modern" is the modern recipe's model."""
+    fields = {**MODERN, **fields} if position == "modern" else {"position": position, **fields}
+    model = GPT(GPTConfig.preset("tiny", **fields), rngs=nnx.Rngs(seed))
     for path, param in nnx.iter_graph(model):
         if isinstance(param, nnx.Param) and param.ndim >= 2:
             param[...] = param[...] * scale

@@ -44,6 +44,27 @@ def test_value_and_gradients_equal_the_materialized_logits(positions_per_chunk):
     np.testing.assert_allclose(scaled[1], -2.5 * ref_dtable, atol=1e-6)
 
 
+@pytest.mark.parametrize("positions_per_chunk", [5, 37])
+def test_label_smoothing_equals_optax_smoothed_labels(positions_per_chunk):
+    x = jax.random.normal(jax.random.key(0), (B, T, D))
+    table = jax.random.normal(jax.random.key(1), (V, D))
+    targets = jax.random.randint(jax.random.key(2), (B, T), 0, V)
+
+    def chunked(x, table):
+        return lm_head_cross_entropy(x, table, targets, chunk_bytes=positions_per_chunk * B * V * 4,
+                                     label_smoothing=0.1)
+
+    def reference(x, table):
+        logits = jnp.einsum("BTD,VD->BTV", x, table, preferred_element_type=jnp.float32)
+        return optax.softmax_cross_entropy(logits, optax.smooth_labels(jax.nn.one_hot(targets, V), 0.1)).mean()
+
+    loss, (dx, dtable) = jax.jit(jax.value_and_grad(chunked, (0, 1)))(x, table)
+    ref_loss, (ref_dx, ref_dtable) = jax.value_and_grad(reference, (0, 1))(x, table)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(dx, ref_dx, atol=1e-7)
+    np.testing.assert_allclose(dtable, ref_dtable, atol=1e-7)
+
+
 def test_bfloat16_inputs_give_bfloat16_gradients_close_to_float32():
     x = jax.random.normal(jax.random.key(0), (B, T, D))
     table = jax.random.normal(jax.random.key(1), (V, D)) * 0.3

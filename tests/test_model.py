@@ -71,6 +71,7 @@ def test_bf16_compute_with_float32_params():
         (dict(dtype="float8"), "GPTConfig.dtype must be one of"),
         (dict(rope_theta=float("nan")), "GPTConfig.rope_theta must be positive and finite, got nan"),
         (dict(layer_norm_epsilon=float("inf")), "GPTConfig.layer_norm_epsilon must be positive and finite, got inf"),
+        (dict(activation="swish"), "GPTConfig.activation must be 'gelu' or 'relu2', got 'swish'"),
     ],
 )
 def test_invalid_config_names_the_field(fields, message):
@@ -102,3 +103,55 @@ def test_presets_have_openai_shapes():
               ((n, GPTConfig.preset(n)) for n in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"))}
     assert shapes == {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024),
                       "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
+
+
+def plain_forward(config: GPTConfig, p: dict, tokens: np.ndarray) -> np.ndarray:
+    """The logits of a model with rotary positions, relu(x)^2, an untied head, no biases and optionally
+    QK-norm, in float64 numpy, one operation at a time: the reference for those pieces."""
+    def norm(x, scale=None):
+        x = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + config.layer_norm_epsilon)
+        return x * scale
+
+    def rms(x):
+        return x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6)
+
+    def rotate(x):  # x [T, N, H]: channel i pairs with i + H/2, turned by position x theta^(-i / (H/2))
+        half = x.shape[-1] // 2
+        angle = np.arange(x.shape[0])[:, None, None] * config.rope_theta ** (-np.arange(half) / half)
+        a, b = x[..., :half], x[..., half:]
+        return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], -1)
+
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+    blocks, (T,) = p["blocks"], tokens.shape
+    x = p["wte"][tokens]
+    for layer in range(config.n_layer):
+        h = norm(x, blocks["ln1_scale"][layer])
+        q, k, v = (np.einsum("td,dnh->tnh", h, blocks["qkv_kernel"][layer][:, i]) for i in range(3))
+        if config.qk_norm:
+            q, k = rms(q), rms(k)
+        q, k = rotate(q), rotate(k)
+        scores = np.einsum("tnh,snh->nts", q, k) / np.sqrt(config.head_dim)
+        scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+        attention = np.exp(scores - scores.max(-1, keepdims=True))
+        attention /= attention.sum(-1, keepdims=True)
+        x = x + np.einsum("nts,snh,nhd->td", attention, v, blocks["out_kernel"][layer])
+        hidden = norm(x, blocks["ln2_scale"][layer]) @ blocks["fc_kernel"][layer]
+        x = x + np.maximum(hidden, 0) ** 2 @ blocks["proj_kernel"][layer]  # relu(x)^2
+    return norm(x, p["lnf_scale"]) @ p["lm_head"].T
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_the_modern_pieces_equal_a_plain_implementation(qk_norm):
+    config = GPTConfig.preset("tiny", position="rope", qk_norm=qk_norm, activation="relu2", tied_head=False,
+                              bias=False)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model))
+    # Scaled up, so that attention is far from uniform and QK-norm changes it.
+    params = jax.tree.map(lambda a: a * 8.0 if a.ndim >= 3 else a, params)
+    nnx.update(model, params)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, 24)
+    want = plain_forward(config, params, tokens)
+    got = np.asarray(model(jnp.asarray(tokens[None], jnp.int32)))[0]
+    np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max(), rtol=0)
+    assert set(params) == {"wte", "blocks", "lnf_scale", "lm_head"}  # no biases, no position table
+    assert config.num_params() == sum(a.size for a in jax.tree.leaves(params))

@@ -94,9 +94,9 @@ def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
     faster so). Made once per engine, in a jit of its own so that the new layout is real memory (inside
     the decode jit, XLA would fold it away again). Costs one copy of the block weights.
 
-    quantize: "none" keeps float32 (`OutputMajor`); "int8" stores every matrix, the tied embedding / LM
-    head included, as int8 with a float32 scale per output (`gpt.model.layouts.Int8Matrix`; the embedding
-    lookup rescales the rows it reads, and the table is stored once for both uses); "bf16" stores them in
+    quantize: "none" keeps float32 (`OutputMajor`); "int8" stores every matrix, the embedding and LM head
+    included, as int8 with a float32 scale per output (`gpt.model.layouts.Int8Matrix`; the embedding
+    lookup rescales the rows it reads, and a tied table is stored once for both uses); "bf16" stores them in
     bfloat16 (`Bf16Matrix`). Biases, LayerNorms, learned positions and the KV cache stay in the compute
     dtype, and so do all activations.
     """
@@ -119,7 +119,8 @@ def _lay_out(graphdef: nnx.GraphDef, state: nnx.State, quantize: str) -> Weights
     if quantize == "none":
         return dataclasses.replace(weights, layers=layers)
     table = store(weights.embedding)  # [V, D] is already output-major for the head
-    return dataclasses.replace(weights, layers=layers, embedding=table, head=table)
+    head = table if model.config.tied_head else store(weights.head.matrix_KD)
+    return dataclasses.replace(weights, layers=layers, embedding=table, head=head)
 
 
 @jax.tree_util.register_dataclass

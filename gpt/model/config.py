@@ -13,6 +13,7 @@ from gpt.errors import ConfigError
 __all__ = ["GPTConfig", "PRESETS"]
 
 Position = Literal["learned", "sinusoidal", "rope"]
+Activation = Literal["gelu", "relu2"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -39,6 +40,10 @@ class GPTConfig:
       rope_theta: the rotary base frequency.
       dropout: dropout rate on embeddings and residual branches while training.
       bias: biases in linear layers and LayerNorms (GPT-2 has them).
+      qk_norm: normalize each head's queries and keys (RMS, no weights) before the position rotation and the
+        dot product, so that attention logits stay bounded however large the weights grow.
+      activation: the MLP's nonlinearity: `gelu` (tanh approximation, GPT-2) or `relu2`, relu(x)^2.
+      tied_head: the LM head is the token embedding transposed (GPT-2); False gives it its own matrix.
       layer_norm_epsilon: LayerNorm's epsilon (GPT-2: 1e-5).
       mlp_ratio: hidden width of the MLP over n_embd.
       dtype: the compute dtype of activations and matmuls.
@@ -58,6 +63,9 @@ class GPTConfig:
     rope_theta: float = 10000.0
     dropout: float = 0.0
     bias: bool = True
+    qk_norm: bool = False
+    activation: Activation = "gelu"
+    tied_head: bool = True
     layer_norm_epsilon: float = 1e-5
     mlp_ratio: int = 4
     dtype: DType = "float32"
@@ -83,6 +91,8 @@ class GPTConfig:
                 f"GPTConfig.position='rope' needs an even head_dim, but n_embd/n_head = "
                 f"{self.n_embd}/{self.n_head} = {self.head_dim}"
             )
+        if self.activation not in ("gelu", "relu2"):
+            raise ConfigError(f"GPTConfig.activation must be 'gelu' or 'relu2', got {self.activation!r}")
         if self.position == "sinusoidal" and self.n_embd % 2:
             raise ConfigError(f"GPTConfig.position='sinusoidal' needs an even n_embd, got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:
@@ -124,7 +134,7 @@ class GPTConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
 
     def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count; the LM head is tied to the token embedding, so it is counted once."""
+        """Parameter count; a tied LM head is the token embedding, counted once."""
         d, f, layers = self.n_embd, self.mlp_dim, self.n_layer
         bias = 1 if self.bias else 0
         per_layer = (
@@ -135,6 +145,8 @@ class GPTConfig:
             + f * d + bias * d  # mlp out
         )
         count = layers * per_layer + d * (1 + bias)  # + final LayerNorm
+        if not self.tied_head:
+            count += self.vocab_size * d
         if include_embedding:
             count += self.vocab_size * d
             if self.position == "learned":

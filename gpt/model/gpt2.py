@@ -98,12 +98,18 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     return GPTConfig(**{**fields, **overrides})
 
 
+# What GPT-2's format can hold: (field, the value it needs).
+_GPT2_ARCHITECTURE = (("position", "learned"), ("bias", True), ("qk_norm", False), ("activation", "gelu"),
+                      ("tied_head", True))
+
+
 def config_to_hf(config: GPTConfig) -> dict:
-    if config.position != "learned" or not config.bias:
-        raise ConfigError(
-            f"the GPT-2 format needs position='learned' and bias=True, got position={config.position!r}, "
-            f"bias={config.bias}"
-        )
+    """The Hugging Face `config.json` of a GPT-2; ConfigError naming every field its format cannot hold."""
+    unlike = [f"{name}={getattr(config, name)!r} (GPT-2 has {value!r})" for name, value in _GPT2_ARCHITECTURE
+              if getattr(config, name) != value]
+    if unlike:
+        raise ConfigError(f"the GPT-2 format cannot hold this model: {', '.join(unlike)}; it can still be "
+                          f"sampled, served and evaluated from its training run's out_dir")
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
         "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_ctx": config.block_size,

@@ -1,4 +1,4 @@
-"""Next-token cross-entropy through the tied LM head, in chunks, without materializing the logits.
+"""Next-token cross-entropy through the LM head, in chunks, without materializing the logits.
 
 For the CPU benchmark config (8 x 256 tokens, GPT-2's 50257-token vocabulary) the logits are 411 MB of
 float32, and the plain `softmax_cross_entropy(x @ wte.T)` streams them through memory about six times
@@ -23,16 +23,19 @@ __all__ = ["lm_head_cross_entropy"]
 
 
 def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax.Array,
-                          chunk_bytes: int | None = None) -> jax.Array:
+                          chunk_bytes: int | None = None, label_smoothing: float = 0.0) -> jax.Array:
     """Mean cross-entropy of `targets` under the logits `x @ table.T`, as
-    `optax.softmax_cross_entropy_with_integer_labels(x @ table.T, targets).mean()` computes it.
+    `optax.softmax_cross_entropy_with_integer_labels(x @ table.T, targets).mean()` computes it (with
+    `label_smoothing` e: against `optax.smooth_labels(one_hot(targets), e)`, i.e. 1 - e on the target and
+    e / V spread over the whole vocabulary).
 
     Args:
       x_BTD: final hidden states [B, T, D] (any float dtype; the matmuls run in it).
-      table_VD: the tied embedding table [V, D], in x's dtype.
+      table_VD: the LM head [V, D] (the embedding table when tied), in x's dtype.
       targets_BT: int32 next-token ids [B, T] in [0, V).
       chunk_bytes: the float32 logits each device holds at once (default: 128 MiB on CPU, 1 GiB
         elsewhere). The chunks split T and keep B whole, so a batch split over devices stays split.
+      label_smoothing: e in [0, 1); 0 is the plain cross-entropy.
     Returns:
       the float32 scalar mean loss (nats). Differentiable in x and table.
     """
@@ -41,7 +44,7 @@ def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax
         chunk_bytes = choices().loss_chunk_bytes
     shards = _batch_shards(B)
     longest = chunk_bytes // (B // shards * table_VD.shape[0] * 4)
-    return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, longest), shards)
+    return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, longest), shards, float(label_smoothing))
 
 
 def _batch_shards(B: int) -> int:
@@ -83,42 +86,46 @@ def _chunked_inputs(x_BTD, targets_BT, chunk):
     return _chunks(x_BTD, chunk), _chunks(targets_BT, chunk), _chunks(valid_BT, chunk)
 
 
-def _chunk_loss(x_MD, table_VD, targets_M, valid_M):
-    """A chunk's summed loss, and the softmax-minus-one-hot gradient of its logits [M, V] (float32)."""
+def _chunk_loss(x_MD, table_VD, targets_M, valid_M, smoothing):
+    """A chunk's summed loss, and the softmax-minus-target gradient of its logits [M, V] (float32)."""
     logits_MV = jax.lax.dot_general(x_MD, table_VD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     top_M1 = logits_MV.max(-1, keepdims=True)
     exp_MV = jnp.exp(logits_MV - top_M1)
     total_M1 = exp_MV.sum(-1, keepdims=True)
     target_logit_M = jnp.take_along_axis(logits_MV, targets_M[:, None], axis=-1)[:, 0]
-    loss_M = (top_M1[:, 0] + jnp.log(total_M1[:, 0])) - target_logit_M
+    log_total_M = top_M1[:, 0] + jnp.log(total_M1[:, 0])
+    loss_M = log_total_M - target_logit_M
     is_target_MV = jnp.arange(logits_MV.shape[-1]) == targets_M[:, None]
     dlogits_MV = exp_MV / total_M1 - is_target_MV
+    if smoothing:  # the target distribution (1 - e) one_hot + e / V: e of the mean of -log p over V
+        loss_M = (1 - smoothing) * loss_M + smoothing * (log_total_M - logits_MV.mean(-1))
+        dlogits_MV = exp_MV / total_M1 - ((1 - smoothing) * is_target_MV + smoothing / logits_MV.shape[-1])
     # Padding rows need no mask in the gradient: their x is zero, so they add nothing to the table's
     # gradient, and their rows of x's gradient are cut off.
     return jnp.where(valid_M, loss_M, 0.0).sum(), dlogits_MV
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked_loss(x_BTD, table_VD, targets_BT, chunk, shards):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked_loss(x_BTD, table_VD, targets_BT, chunk, shards, smoothing):
     B, T, _ = x_BTD.shape
 
     def add_chunk(total, xs):
         x_MD, targets_M, valid_M = xs
-        return total + _chunk_loss(x_MD, table_VD, targets_M, valid_M)[0], None
+        return total + _chunk_loss(x_MD, table_VD, targets_M, valid_M, smoothing)[0], None
 
     xs = _chunked_inputs(x_BTD, targets_BT, chunk)
     total, _ = jax.lax.scan(add_chunk, jnp.zeros((), jnp.float32), xs)
     return total / (B * T)
 
 
-def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards):
+def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards, smoothing):
     B, T, D = x_BTD.shape
     V = table_VD.shape[0]
 
     def add_chunk(carry, xs):
         total, dtable_SVD = carry
         x_MD, targets_M, valid_M = xs
-        loss, dlogits_MV = _chunk_loss(x_MD, table_VD, targets_M, valid_M)
+        loss, dlogits_MV = _chunk_loss(x_MD, table_VD, targets_M, valid_M, smoothing)
         dlogits_MV = dlogits_MV.astype(x_MD.dtype)
         dx_MD = dlogits_MV @ table_VD
         # The table's gradient sums over the rows, which are split over `shards` devices: keep one partial
@@ -137,7 +144,7 @@ def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards):
     return total / (B * T), (dx_BTD, dtable_VD)
 
 
-def _chunked_loss_backward(chunk, shards, residuals, cotangent):
+def _chunked_loss_backward(chunk, shards, smoothing, residuals, cotangent):
     dx_BTD, dtable_VD = residuals
     return (cotangent * dx_BTD).astype(dx_BTD.dtype), (cotangent * dtable_VD).astype(dtable_VD.dtype), None
 

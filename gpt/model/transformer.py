@@ -4,8 +4,11 @@ Shape letters: B batch, T positions, S cache slots, D width, N heads, H head dim
 V vocabulary, L layers. Every parameter carries logical axis names in its `axes` metadata; gpt/model/sharding.py
 maps them onto a device mesh.
 
-    tokens -> embed (+ learned or sinusoidal positions) -> L x Block -> LayerNorm -> x @ wte.T -> logits
-    Block:  x + Attention(LayerNorm(x)),  then  x + MLP(LayerNorm(x))       (pre-LN, GELU-tanh MLP)
+    tokens -> embed (+ learned or sinusoidal positions) -> L x Block -> LayerNorm -> x @ head.T -> logits
+    Block:  x + Attention(LayerNorm(x)),  then  x + MLP(LayerNorm(x))       (pre-LN)
+
+GPT-2's choices are the defaults (GELU-tanh MLP, biases, the head tied to the token embedding); the
+config can switch each to a newer one: rotary positions, QK-norm, a relu(x)^2 MLP, an untied head.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from gpt.model.layouts import OutputMajor, dense
 from gpt.model.loss import lm_head_cross_entropy
 from gpt.model.sharding import constrain
 
-__all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm"]
+__all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_normalize"]
 
 
 def _normal(rngs: nnx.Rngs, shape, axes, dtype, std: float) -> nnx.Param:
@@ -44,6 +47,18 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, epsilon: 
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x.dtype)
+
+
+def rms_normalize(x: jax.Array, epsilon: float = 1e-6) -> jax.Array:
+    """x / RMS(x) over the last axis, without weights: computed in float32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + epsilon)).astype(x.dtype)
+
+
+ACTIVATIONS = {
+    "gelu": lambda h: jax.nn.gelu(h, approximate=True),  # GPT-2's tanh approximation
+    "relu2": lambda h: jnp.square(jax.nn.relu(h)),  # sparse and cheap; trains faster at small scale
+}
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -123,6 +138,8 @@ def block(
         qkv_BTK = qkv_BTK + cast(p["qkv_bias"]).reshape(3 * N * H)
     qkv_BT3NH = qkv_BTK.reshape(B, T, 3, N, H)
     q_BTNH, k_BTNH, v_BTNH = qkv_BT3NH[:, :, 0], qkv_BT3NH[:, :, 1], qkv_BT3NH[:, :, 2]
+    if config.qk_norm:
+        q_BTNH, k_BTNH = rms_normalize(q_BTNH), rms_normalize(k_BTNH)
     if config.position == "rope":
         q_BTNH = apply_rope(q_BTNH, positions_BT, config.rope_theta)
         k_BTNH = apply_rope(k_BTNH, positions_BT, config.rope_theta)
@@ -147,7 +164,7 @@ def block(
     h_BTF = dense(h_BTD, cast(p["fc_kernel"]))
     if p["fc_bias"] is not None:
         h_BTF = h_BTF + cast(p["fc_bias"])
-    h_BTF = constrain(jax.nn.gelu(h_BTF, approximate=True), ("batch", None, "mlp"))
+    h_BTF = constrain(ACTIVATIONS[config.activation](h_BTF), ("batch", None, "mlp"))
     h_BTD = dense(h_BTF, cast(p["proj_kernel"]))
     if p["proj_bias"] is not None:
         h_BTD = h_BTD + cast(p["proj_bias"])
@@ -169,7 +186,8 @@ class Weights:
       positional: the learned position table [block_size, D], or None.
       layers: the blocks' weights: a dict of stacked [L, ...] arrays, or a tuple of L per-layer dicts.
       final_scale, final_bias: the last LayerNorm's [D] (bias None without biases).
-      head: the LM head, a kernel `dense` takes; GPT-2 ties it to the embedding (`OutputMajor(embedding)`).
+      head: the LM head [V, D] as a kernel `dense` takes: `OutputMajor(embedding)` when tied (GPT-2), else its
+        own matrix's.
     """
 
     embedding: jax.Array
@@ -270,7 +288,7 @@ def lm_head(weights: Weights, x_BTD: jax.Array) -> jax.Array:
 
 
 class GPT(nnx.Module):
-    """A decoder-only transformer with a tied LM head.
+    """A decoder-only transformer.
 
     `model(tokens_BT)` -> float32 logits [B, T, V].
     `model(tokens_BT, positions_BT, cache)` -> (logits [B, T, V], the updated cache).
@@ -287,6 +305,8 @@ class GPT(nnx.Module):
         self.blocks = Blocks(config, rngs=rngs)
         self.lnf_scale = _constant(1.0, (D,), ("embed",), dtype)
         self.lnf_bias = _constant(0.0, (D,), ("embed",), dtype) if config.bias else None
+        # Untied, the head has its own [V, D] table (output-major, like the embedding it would be tied to).
+        self.lm_head = None if config.tied_head else _normal(rngs, (config.vocab_size, D), ("vocab", "embed"), dtype, 0.02)
 
     def weights(self) -> Weights:
         """The parameters as the forward reads them, the blocks' stacked (no copy is made)."""
@@ -297,7 +317,7 @@ class GPT(nnx.Module):
             layers=self.blocks.stacked(),
             final_scale=self.lnf_scale[...],
             final_bias=None if self.lnf_bias is None else self.lnf_bias[...],
-            head=OutputMajor(embedding),
+            head=OutputMajor(embedding if self.lm_head is None else self.lm_head[...]),
         )
 
     def hidden(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
@@ -305,14 +325,17 @@ class GPT(nnx.Module):
         positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
         return forward(self.config, self.weights(), tokens_BT, positions_BT, dropout_key=dropout_key)[0]
 
-    def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Mean next-token cross-entropy (float32 nats) of int32 targets [B, T] after tokens [B, T].
+    def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array, *, dropout_key: jax.Array | None = None,
+             label_smoothing: float = 0.0) -> jax.Array:
+        """Mean next-token cross-entropy (float32 nats) of int32 targets [B, T] after tokens [B, T], against
+        targets smoothed by `label_smoothing` (0: the plain cross-entropy).
 
         Equal to the cross-entropy of `self(tokens_BT)`, but the [B, T, V] logits are never held at once
         (`gpt.model.loss.lm_head_cross_entropy`): faster on CPU, and the memory they would take on a GPU.
         """
         x_BTD = self.hidden(tokens_BT, dropout_key=dropout_key)
-        return lm_head_cross_entropy(x_BTD, self.wte[...].astype(x_BTD.dtype), targets_BT)
+        table_VD = (self.wte if self.lm_head is None else self.lm_head)[...].astype(x_BTD.dtype)
+        return lm_head_cross_entropy(x_BTD, table_VD, targets_BT, label_smoothing=label_smoothing)
 
     def __call__(
         self,
