@@ -7,6 +7,7 @@ import argparse
 import tyro
 
 from gpt.model.config import PRESETS, GPTConfig
+from gpt.train.recipes import RECIPES, with_recipe
 from gpt.train.trainer import TrainConfig
 
 __all__ = ["parse_train_config"]
@@ -15,15 +16,19 @@ __all__ = ["parse_train_config"]
 def parse_train_config(argv: list[str]) -> TrainConfig:
     """A TrainConfig from `train.py`'s flags.
 
-    `--preset NAME` is read first and supplies the defaults of every `--model.FIELD` flag (so `--help`
-    after it shows that preset's values); any `--model.FIELD` then changes one field.
+    `--preset NAME` (the model's shape) and `--recipe NAME` (its architecture and optimizer choices,
+    `gpt.train.recipes`) are read first and supply the defaults of every other flag (so `--help` after
+    them shows their values); any `--model.FIELD` or other flag then changes one field.
     """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", choices=list(PRESETS), default="small")
+    pre.add_argument("--recipe", choices=list(RECIPES), default="gpt2")
     known, rest = pre.parse_known_args(argv)
-    default = TrainConfig(model=GPTConfig.preset(known.preset))
+    default = with_recipe(TrainConfig(model=GPTConfig.preset(known.preset)), known.recipe)
     presets = ", ".join(f"{name} ({c.n_layer} layers x {c.n_embd} wide)" for name, c in PRESETS.items())
     description = (f"Train a GPT (from scratch, or GPT-2 weights with --init_from). --preset NAME sets the "
-                   f"--model.* defaults, one of: {presets}; default small.")
+                   f"--model.* shape, one of: {presets}; default small. --recipe NAME sets the architecture "
+                   f"and optimizer: {' or '.join(RECIPES)} (default gpt2; modern: rotary positions, QK-norm, "
+                   f"relu^2, no biases, an untied head, Muon, a warmup-stable-decay schedule).")
     config = tyro.cli(TrainConfig, args=rest, default=default, description=description)
     return config

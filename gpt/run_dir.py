@@ -84,11 +84,14 @@ class RunLock:
             self.file = None
 
 
-# The settings that make a run this run. Model and corpus can never change under a resume; the training
-# settings may, with --resume_anyway (a longer max_steps, a lower lr after a spike), at the cost of the
-# exact-resume guarantee when the loader's settings (batch_size, block_size, seed) change.
+# The settings that make a run this run. Model, optimizer and corpus can never change under a resume (another
+# optimizer keeps other state); the training settings may, with --resume_anyway (a longer max_steps, a lower
+# lr after a spike), at the cost of the exact-resume guarantee when the loader's settings (batch_size,
+# block_size, seed) change.
 RESUMABLE_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                    "batch_size", "grad_accum", "block_size", "seed")
+                    "batch_size", "grad_accum", "block_size", "seed", "muon_lr", "muon_momentum", "schedule",
+                    "decay_fraction", "label_smoothing")
+_FIXED_GROUPS = ("model", "optimizer", "corpus")
 # Fields of GPTConfig that change how it runs, not what it is.
 _MODEL_RUNTIME_FIELDS = ("dropout", "dtype", "remat", "scan_layers")
 
@@ -97,29 +100,34 @@ def identity(model_config: dict, training: dict, corpus: dict) -> dict:
     """The record stored with every checkpoint and compared at resume (JSON-ready dicts)."""
     return {
         "model": {k: v for k, v in model_config.items() if k not in _MODEL_RUNTIME_FIELDS},
+        "optimizer": {"optimizer": training["optimizer"]},
         "training": {k: training[k] for k in RESUMABLE_FIELDS},
         "corpus": corpus,
     }
 
 
-def _differences(saved: dict, current: dict, group: str) -> list[str]:
-    old, new = saved.get(group, {}), current[group]
+def _differences(saved: dict, current: dict, group: str, defaults: dict) -> list[str]:
+    old, new, default = saved.get(group, {}), current[group], defaults.get(group, {})
+    old = {**{key: default[key] for key in new if key in default}, **old}  # a record from before a field existed
     return [f"{group}.{key}: {old.get(key)!r} -> {new.get(key)!r}"
             for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
 
 
 def check_identity(saved: dict | None, current: dict, out_dir: str | os.PathLike, step: int,
-                   resume_anyway: bool, log=print) -> None:
+                   resume_anyway: bool, log=print, defaults: dict | None = None) -> None:
     """Raise ConfigError, listing every differing field, when `current` is not the run that wrote the
     checkpoint of `step` (whose identity record is `saved`). Differences in the training settings pass
-    with `resume_anyway` (and are logged); the model and the corpus never do."""
+    with `resume_anyway` (and are logged); the model, the optimizer and the corpus never do. `defaults`
+    (an identity record of the default settings) stands in for fields a record written before they
+    existed lacks."""
     if saved is None:
         raise ConfigError(
             f"{out_dir} holds checkpoint step {step} without a record of the run that wrote it (written by an "
             f"older version); use another --out_dir"
         )
-    fixed = _differences(saved, current, "model") + _differences(saved, current, "corpus")
-    adjustable = _differences(saved, current, "training")
+    defaults = defaults or {}
+    fixed = [line for group in _FIXED_GROUPS for line in _differences(saved, current, group, defaults)]
+    adjustable = _differences(saved, current, "training", defaults)
     if not fixed and not adjustable:
         return
     if fixed or not resume_anyway:

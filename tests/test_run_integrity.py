@@ -150,6 +150,28 @@ def test_resume_of_a_different_run_is_refused_naming_the_field(tmp_path, corpus,
         assert run(tmp_path, corpus, max_steps=4, lr=0.01, resume_anyway=True).start_step == 2
 
 
+def test_a_record_written_before_a_setting_existed_takes_its_default():
+    # A checkpoint from before the recipe's settings existed resumes with them at their defaults, and is
+    # another run when one of them is set otherwise.
+    from gpt.run_dir import check_identity, identity
+    from gpt.train.trainer import _default_identity
+
+    defaults = _default_identity()
+    current = identity({"n_embd": 64, "qk_norm": False, "tied_head": True}, dict(defaults["training"], optimizer="adamw"),
+                       {"sha256": "x"})
+    older = {"model": {"n_embd": 64}, "training": {k: v for k, v in current["training"].items()
+                                                   if k not in ("muon_lr", "schedule", "label_smoothing")},
+             "corpus": {"sha256": "x"}}  # no optimizer group either
+    check_identity(older, current, "out", 4, resume_anyway=False, defaults=defaults)
+    with pytest.raises(ConfigError, match="these settings differ from it: model.qk_norm: False -> True"):
+        check_identity(older, identity({"n_embd": 64, "qk_norm": True, "tied_head": True},
+                                       dict(defaults["training"], optimizer="adamw"), {"sha256": "x"}),
+                       "out", 4, resume_anyway=True, defaults=defaults)
+    with pytest.raises(ConfigError, match="optimizer.optimizer: 'adamw' -> 'muon'"):
+        check_identity(older, identity({"n_embd": 64}, dict(defaults["training"], optimizer="muon"), {"sha256": "x"}),
+                       "out", 4, resume_anyway=True, defaults=defaults)
+
+
 # ------------------------------------------------------------------------------------------ corruption
 
 def _largest_array_file(step_dir: Path) -> Path:

@@ -36,7 +36,7 @@ def mesh_of(data, fsdp, tensor):
 
 
 LR = 1e-2
-ADAMW, _ = make_optimizer(TrainConfig(lr=LR, warmup_steps=0, max_steps=10).optimizer)  # the training optimizer
+ADAMW, _ = make_optimizer(TrainConfig(lr=LR, warmup_steps=0, max_steps=10).optimizer_config)  # the training optimizer
 SGD = optax.sgd(1.0)  # params - gradient: shows the gradient itself
 
 
@@ -82,6 +82,22 @@ def test_train_step_matches_one_device(shape, one_device):
     assert abs(loss - one_device["adamw"][0]) < 1e-5
     assert_trees_close(adamw_params, one_device["adamw"][1], atol=1e-5, mask=conditioned)
     assert_trees_close(adamw_params, one_device["adamw"][1], atol=2 * LR)
+
+
+def test_the_modern_recipe_trains_on_a_mesh_as_on_one_device():
+    # Rotary positions, QK-norm, relu(x)^2, an untied head and no biases, stepped by Muon (the blocks'
+    # matrices) and AdamW (the rest). Newton-Schulz normalizes each matrix's momentum as a whole, so its
+    # updates agree to float32 noise; the AdamW ones, as above, within lr where a gradient is ~0.
+    config = CONFIG.replace(position="rope", qk_norm=True, activation="relu2", tied_head=False, bias=False)
+    muon, _ = make_optimizer(TrainConfig(lr=LR, warmup_steps=0, max_steps=10, optimizer="muon").optimizer_config)
+    loss, want, _ = one_step(mesh_of(1, 1, 1), muon, config)
+    sharded_loss, got, (_, opt_state) = one_step(mesh_of(2, 2, 2), muon, config)
+    assert abs(sharded_loss - loss) < 1e-5
+    assert_trees_close(got["blocks"], want["blocks"], atol=1e-5)
+    assert_trees_close(got, want, atol=2 * LR)
+    initial = nnx.to_pure_dict(nnx.state(GPT(config, rngs=nnx.Rngs(0))))
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), initial, want)
+    assert min(jax.tree.leaves(moved["blocks"])) > 1e-3  # every block's weights took a step
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "data{}-fsdp{}-tensor{}".format(*s))

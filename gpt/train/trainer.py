@@ -28,6 +28,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import jax
 import numpy as np
@@ -95,14 +96,29 @@ class TrainConfig:
     """Sequences per micro-batch (the global batch, over all devices and hosts)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW for every parameter. muon: Muon (momentum orthogonalized by Newton-Schulz) for the
+    blocks' matrices, AdamW for the embeddings, the head, norms and biases."""
     lr: float = 1e-3
-    """Peak learning rate."""
+    """Peak learning rate (AdamW's)."""
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay (Muon's ends at the same fraction of muon_lr)."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (--optimizer muon)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    """After the warmup: a cosine decay over the whole run, or wsd (warmup-stable-decay): the peak held,
+    then a linear decay over the last decay_fraction of the steps."""
+    decay_fraction: float = 0.2
+    """wsd: the share of max_steps spent decaying (at least one step)."""
+    label_smoothing: float = 0.0
+    """Train against targets smoothed by this much (1 - e on the next token, e spread over the vocabulary):
+    a regularizer that costs perplexity; the validation loss is always the plain cross-entropy."""
     warmup_steps: int | None = None
     """Linear warmup steps (default: 30, or a tenth of max_steps when that is fewer)."""
     max_steps: int = 300
-    """Optimizer steps; the cosine decay spans them."""
+    """Optimizer steps; the schedule spans them."""
     stop_after: int | None = None
     """Stop (with a checkpoint) at this step, though the schedule spans max_steps; resume later."""
     weight_decay: float = 0.1
@@ -158,11 +174,23 @@ class TrainConfig:
                 raise ConfigError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup < self.max_steps:  # the cosine decay needs at least one step after the warmup
             raise ConfigError(f"TrainConfig.warmup_steps={self.warmup} must be in [0, max_steps={self.max_steps})")
-        if not 0 < self.lr < math.inf:
-            raise ConfigError(f"TrainConfig.lr must be positive and finite, got {self.lr}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"TrainConfig.optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ConfigError(f"TrainConfig.schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"TrainConfig.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.schedule == "wsd" and self.warmup + self.decay_steps > self.max_steps:
+            raise ConfigError(f"TrainConfig.warmup_steps={self.warmup} and the decay's {self.decay_steps} steps "
+                              f"(decay_fraction={self.decay_fraction}) are more than max_steps={self.max_steps}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"TrainConfig.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        for name in ("lr", "muon_lr"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"TrainConfig.{name} must be positive and finite, got {getattr(self, name)}")
         if not 0 < self.min_lr <= self.lr:
             raise ConfigError(f"TrainConfig.min_lr={self.min_lr} must be in (0, lr={self.lr}]")
-        for name in ("beta1", "beta2"):
+        for name in ("beta1", "beta2", "muon_momentum"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         for name in ("weight_decay", "grad_clip"):
@@ -188,11 +216,17 @@ class TrainConfig:
         return self.warmup_steps if self.warmup_steps is not None else min(30, self.max_steps // 10)
 
     @property
-    def optimizer(self) -> OptimizerConfig:
+    def decay_steps(self) -> int:
+        """wsd: the steps of the final decay, decay_fraction of max_steps (at least 1)."""
+        return max(1, round(self.decay_fraction * self.max_steps))
+
+    @property
+    def optimizer_config(self) -> OptimizerConfig:
         """The optimizer's settings among these."""
         return OptimizerConfig(lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup, max_steps=self.max_steps,
                                weight_decay=self.weight_decay, beta1=self.beta1, beta2=self.beta2,
-                               grad_clip=self.grad_clip)
+                               grad_clip=self.grad_clip, optimizer=self.optimizer, schedule=self.schedule,
+                               decay_steps=self.decay_steps, muon_lr=self.muon_lr, muon_momentum=self.muon_momentum)
 
 
 class NonFiniteStep(RunFailed):
@@ -273,6 +307,12 @@ def plan(config: TrainConfig, log=print) -> Plan:
     return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity)
 
 
+def _default_identity() -> dict:
+    """The identity record of the default settings, which stand in for fields an older record lacks."""
+    default = TrainConfig()
+    return identity(config_to_json(default.model), {**dataclasses.asdict(default), "warmup_steps": default.warmup}, {})
+
+
 def _main_process_only(log):
     """`log` on process 0; nothing on the others (one process speaks for the run)."""
     return log if jax.process_index() == 0 else lambda *_: None
@@ -315,7 +355,7 @@ def train(config: TrainConfig, log=print) -> TrainResult:
         newest = checkpoints.newest_metadata()
         if newest is not None:  # before the corpus is re-tokenized or anything restored
             check_identity(newest[1].get("identity"), checked.identity, checked.out_dir, newest[0],
-                           config.resume_anyway, log)
+                           config.resume_anyway, log, defaults=_default_identity())
         return loop(setup(checked, checkpoints, log), log)
 
 
@@ -411,7 +451,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
 
     # From here on, work is compiled.
-    optimizer, schedule = make_optimizer(config.optimizer)
+    optimizer, schedule = make_optimizer(config.optimizer_config)
     graphdef, params, opt_state, shardings = init_train_state(_build_model(config, model_config), optimizer, mesh)
     restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state},
                                                  {"params": shardings[0], "opt_state": shardings[1]}, log)
@@ -428,7 +468,8 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
         log(f"nothing to train: {checked.out_dir} is at step {start} and this run ends at step {end} (raise "
             f"--max_steps, with --resume_anyway, to train further)")
     return Run(config, model_config, mesh, checked.identity, graphdef, params, opt_state,
-               make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0, mesh=mesh, shardings=shardings),
+               make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0, mesh=mesh, shardings=shardings,
+                               label_smoothing=config.label_smoothing),
                make_eval_step(graphdef, mesh), schedule, train_batches, val_batches, checkpoints,
                MetricsWriter(checked.out_dir, resume_step=start, enabled=pid == 0), start, end)
 

@@ -1,0 +1,82 @@
+"""The optimizers and schedules of the training step against optax's own, on small arrays."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from gpt.train.step import OptimizerConfig, make_optimizer, make_schedule, muon_or_adamw
+
+L, D, N, H, F, V = 2, 8, 2, 4, 12, 10
+SHAPES = {"qkv_kernel": (L, D, 3, N, H), "out_kernel": (L, N, H, D), "fc_kernel": (L, D, F),
+          "proj_kernel": (L, F, D), "ln1_scale": (L, D)}
+MUON = OptimizerConfig(optimizer="muon", lr=1e-2, muon_lr=0.05, warmup_steps=0, max_steps=10, schedule="wsd",
+                       decay_steps=2, grad_clip=0.0, weight_decay=0.1)
+
+
+def as_matrices(name: str, a: np.ndarray) -> list[np.ndarray]:
+    """The separate [inputs, outputs] matrices Muon orthogonalizes in a stacked kernel: one per layer
+    (and per q, k, v)."""
+    if name == "qkv_kernel":
+        return [a[layer, :, part].reshape(D, N * H) for layer in range(L) for part in range(3)]
+    if name == "out_kernel":
+        return [a[layer].reshape(N * H, D) for layer in range(L)]
+    return [a[layer] for layer in range(L)]
+
+
+def params_and_grads(seed: int):
+    rng = np.random.default_rng(seed)
+    params = {"wte": rng.normal(size=(V, D)).astype(np.float32),
+              "blocks": {name: rng.normal(size=shape).astype(np.float32) for name, shape in SHAPES.items()}}
+    grads = [jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params) for _ in range(2)]
+    return params, grads
+
+
+def updates_of(optimizer, params, grads) -> list:
+    """The updates of two steps from `params` with gradients `grads` (the second uses the momentum)."""
+    state, out = optimizer.init(params), []
+    for grad in grads:
+        update, state = optimizer.update(grad, state, params)
+        params = optax.apply_updates(params, update)
+        out.append(update)
+    return out
+
+
+def test_muon_updates_each_matrix_as_optax_muon_does_and_adamw_the_rest():
+    params, grads = params_and_grads(0)
+    ours = updates_of(make_optimizer(MUON)[0], params, grads)
+    assert muon_or_adamw(params) == {"wte": "adamw", "blocks": {"qkv_kernel": "muon", "out_kernel": "muon",
+                                                                "fc_kernel": "muon", "proj_kernel": "muon",
+                                                                "ln1_scale": "adamw"}}
+    reference_muon = optax.contrib.muon(MUON.muon_lr, beta=MUON.muon_momentum, weight_decay=MUON.weight_decay)
+    for name in ("qkv_kernel", "out_kernel", "fc_kernel", "proj_kernel"):
+        matrices = zip(*(as_matrices(name, g["blocks"][name]) for g in grads))
+        for index, (matrix, (grad0, grad1)) in enumerate(zip(as_matrices(name, params["blocks"][name]), matrices)):
+            want = updates_of(reference_muon, matrix, [grad0, grad1])
+            for step in range(2):
+                got = as_matrices(name, np.asarray(ours[step]["blocks"][name]))[index]
+                np.testing.assert_allclose(got, want[step], atol=2e-6, err_msg=f"{name} #{index}, step {step}")
+    reference_adamw = optax.adamw(MUON.lr, b1=MUON.beta1, b2=MUON.beta2, weight_decay=MUON.weight_decay,
+                                  mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p))
+    others = {"wte": params["wte"], "ln1_scale": params["blocks"]["ln1_scale"]}
+    want = updates_of(reference_adamw, others, [{"wte": g["wte"], "ln1_scale": g["blocks"]["ln1_scale"]} for g in grads])
+    for step in range(2):
+        np.testing.assert_allclose(ours[step]["wte"], want[step]["wte"], atol=1e-7)
+        np.testing.assert_allclose(ours[step]["blocks"]["ln1_scale"], want[step]["ln1_scale"], atol=1e-7)
+
+
+def test_warmup_stable_decay_holds_the_peak_then_falls_linearly_to_min_lr():
+    config = OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=100, schedule="wsd", decay_steps=20)
+    schedule = make_schedule(config, config.lr)
+    assert float(schedule(0)) == 0.0 and float(schedule(5)) == pytest.approx(5e-4)
+    assert all(float(schedule(step)) == pytest.approx(1e-3) for step in (10, 50, 80))
+    assert float(schedule(90)) == pytest.approx(5.5e-4) and float(schedule(100)) == pytest.approx(1e-4)
+    muon = make_schedule(config, 0.02)  # Muon's has the same shape, ending at the same fraction of its peak
+    assert float(muon(50)) == pytest.approx(0.02) and float(muon(100)) == pytest.approx(0.002)
+
+
+def test_the_cosine_schedule_is_optax_warmup_cosine():
+    config = OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=100)
+    want = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100, 1e-4)
+    for step in (0, 5, 10, 40, 99, 100):
+        assert float(make_schedule(config, config.lr)(step)) == pytest.approx(float(want(step)))
