@@ -121,7 +121,8 @@ def jax_worker(job: Job) -> dict:
 
     from gpt.model.sharding import make_mesh
     from gpt.model.transformer import GPT
-    from gpt.train.step import OptimizerConfig, init_train_state, make_optimizer, make_train_step
+    from gpt.train.optimizer import OptimizerConfig, make_optimizer
+    from gpt.train.step import init_train_state, make_train_step
 
     dtype = "float32" if job.preset == "smoke" else "bfloat16"
     config = model_config(job.preset, job.block_size, dtype=dtype, param_dtype="float32",

@@ -31,7 +31,8 @@ from flax import nnx
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh
 from gpt.model.transformer import GPT
-from gpt.train.step import OptimizerConfig, init_train_state, make_optimizer, make_train_step
+from gpt.train.optimizer import OptimizerConfig, make_optimizer
+from gpt.train.step import init_train_state, make_train_step
 
 FLOAT32_BOUND, BFLOAT16_BOUND = 1e-4, 1e-2
 

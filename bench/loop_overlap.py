@@ -33,7 +33,8 @@ from gpt.data.prepare import default_corpus  # noqa: E402
 from gpt.model.config import GPTConfig  # noqa: E402
 from gpt.model.sharding import make_mesh  # noqa: E402
 from gpt.model.transformer import GPT  # noqa: E402
-from gpt.train.step import init_train_state, make_optimizer, make_train_step  # noqa: E402
+from gpt.train.optimizer import make_optimizer  # noqa: E402
+from gpt.train.step import init_train_state, make_train_step  # noqa: E402
 from gpt.train.trainer import TrainConfig, train  # noqa: E402
 
 from machine import cpu_name  # noqa: E402

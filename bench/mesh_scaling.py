@@ -20,7 +20,8 @@ from flax import nnx  # noqa: E402
 from gpt.model.config import GPTConfig  # noqa: E402
 from gpt.model.sharding import bytes_per_device, make_mesh  # noqa: E402
 from gpt.model.transformer import GPT  # noqa: E402
-from gpt.train.step import OptimizerConfig, init_train_state, make_optimizer, make_train_step  # noqa: E402
+from gpt.train.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
+from gpt.train.step import init_train_state, make_train_step  # noqa: E402
 
 MESHES = [(1, 1, 1), (8, 1, 1), (2, 2, 2), (1, 2, 4), (1, 1, 8), (1, 8, 1)]
 

@@ -24,14 +24,8 @@ from flax import nnx
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh
 from gpt.model.transformer import GPT
-from gpt.train.step import (
-    PEAK_BF16_FLOPS,
-    OptimizerConfig,
-    flops_per_token,
-    init_train_state,
-    make_optimizer,
-    make_train_step,
-)
+from gpt.train.optimizer import OptimizerConfig, make_optimizer
+from gpt.train.step import PEAK_BF16_FLOPS, flops_per_token, init_train_state, make_train_step
 
 from machine import cpu_name
 

@@ -19,7 +19,8 @@ from gpt.model.sharding import bytes_per_device, make_mesh, param_shardings
 from gpt.model.transformer import GPT
 from gpt.train import TrainConfig, train
 from gpt.train.checkpoint import load_model
-from gpt.train.step import init_train_state, make_optimizer, make_train_step
+from gpt.train.optimizer import make_optimizer
+from gpt.train.step import init_train_state, make_train_step
 
 from training import free_port
 

@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from gpt.train.step import OptimizerConfig, make_optimizer, make_schedule, muon_or_adamw
+from gpt.train.optimizer import OptimizerConfig, make_optimizer, make_schedule, muon_or_adamw
 
 L, D, N, H, F, V = 2, 8, 2, 4, 12, 10
 SHAPES = {"qkv_kernel": (L, D, 3, N, H), "out_kernel": (L, N, H, D), "fc_kernel": (L, D, F),

@@ -1,15 +1,12 @@
-"""The training step: the optimizer, the train state on a mesh, one jitted update with donated state, and eval.
+"""The training step: the train state on a mesh, one jitted update with donated state, and eval.
 
-The step (forward, backward, gradient accumulation, clipping, the update) is one `jax.jit` with the params
-and optimizer state donated and sharded by `gpt.model.sharding` over a mesh; the same code runs on one CPU,
-one GPU, or many devices and hosts. It also reports, as one fused reduction, whether the step's loss,
+The step (forward, backward, gradient accumulation, the optimizer's update: `gpt.train.optimizer`) is one
+`jax.jit` with the params and optimizer state donated and sharded by `gpt.model.sharding` over a mesh; the
+same code runs on one CPU, one GPU, or many devices and hosts. It also reports, as one fused reduction, whether the step's loss,
 gradient norm and updated parameters are all finite: the loop never saves a step that is not.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +17,8 @@ from gpt.model.config import GPTConfig
 from gpt.model.sharding import param_shardings, replicated
 from gpt.model.transformer import GPT
 
-__all__ = ["OptimizerConfig", "loss_fn", "make_optimizer", "make_schedule", "muon_axes", "init_train_state", "make_train_step", "make_eval_step", "all_finite",
-           "flops_per_token", "peak_flops", "PEAK_BF16_FLOPS"]
+__all__ = ["loss_fn", "init_train_state", "make_train_step", "make_eval_step", "all_finite", "flops_per_token",
+           "peak_flops", "PEAK_BF16_FLOPS"]
 
 
 def loss_fn(model: GPT, batch_BT1: jax.Array, dropout_key: jax.Array | None = None,
@@ -29,81 +26,6 @@ def loss_fn(model: GPT, batch_BT1: jax.Array, dropout_key: jax.Array | None = No
     """Mean next-token cross-entropy (nats, float32) of int32 windows [B, T + 1] (against smoothed targets
     with `label_smoothing` > 0)."""
     return model.loss(batch_BT1[:, :-1], batch_BT1[:, 1:], dropout_key=dropout_key, label_smoothing=label_smoothing)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """The optimizer's own settings (`TrainConfig.optimizer_config` makes one from a run's flags)."""
-
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 0
-    max_steps: int = 300
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    schedule: Literal["cosine", "wsd"] = "cosine"
-    decay_steps: int = 0
-    """wsd: the steps of the final linear decay to min_lr (the rest after warmup holds lr)."""
-    muon_lr: float = 0.02
-    muon_momentum: float = 0.95
-
-
-def make_schedule(config: OptimizerConfig, peak: float) -> optax.Schedule:
-    """The learning rate at each step, rising linearly from 0 to `peak` over the warmup, then either a cosine
-    to min_lr x peak / lr at max_steps (`cosine`) or held at `peak` until the last `decay_steps`, which fall
-    linearly to it (`wsd`, warmup-stable-decay: the decay can start whenever the run is to end)."""
-    end = config.min_lr * peak / config.lr
-    if config.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=config.warmup_steps,
-                                                  decay_steps=config.max_steps, end_value=end)
-    stable = config.max_steps - config.warmup_steps - config.decay_steps
-    return optax.join_schedules(
-        [optax.linear_schedule(0.0, peak, config.warmup_steps), optax.constant_schedule(peak),
-         optax.linear_schedule(peak, end, config.decay_steps)],
-        boundaries=[config.warmup_steps, config.warmup_steps + stable])
-
-
-# Muon's matrices, by parameter name: which axes a matrix's inputs are (reduction) and which its outputs;
-# every other axis is a batch of matrices orthogonalized one by one (the layers; q, k and v apart).
-_MUON_AXES = {
-    "qkv_kernel": optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=(3, 4)),  # [L, D, 3, N, H]
-    "out_kernel": optax.contrib.MuonDimensionNumbers(reduction_axis=(1, 2), output_axis=3),  # [L, N, H, D]
-    "fc_kernel": optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2),  # [L, D, F]
-    "proj_kernel": optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2),  # [L, F, D]
-}
-
-
-def _leaf_name(path) -> str:
-    return str(getattr(path[-1], "key", path[-1]))
-
-
-def muon_axes(params) -> dict:
-    """The `MuonDimensionNumbers` of each of the blocks' matrices in a params tree; None for the rest."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: _MUON_AXES.get(_leaf_name(path)), params)
-
-
-def muon_or_adamw(params) -> dict:
-    """Each parameter's optimizer under `--optimizer muon`: "muon" for the blocks' matrices, else "adamw"."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: "muon" if _leaf_name(path) in _MUON_AXES else "adamw",
-                                            params)
-
-
-def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Global-norm clipping, then AdamW (weight decay on matrices only) over every parameter (`adamw`), or
-    Muon over the blocks' matrices and AdamW over the rest: embeddings, the head, norms and biases (`muon`).
-    Returns (the optimizer, AdamW's learning-rate schedule); Muon's follows the same shape from muon_lr."""
-    schedule = make_schedule(config, config.lr)
-    adamw = optax.adamw(schedule, b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay,
-                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
-    if config.optimizer == "muon":
-        muon = optax.contrib.muon(make_schedule(config, config.muon_lr), beta=config.muon_momentum,
-                                  weight_decay=config.weight_decay, muon_weight_dimension_numbers=muon_axes)
-        adamw = optax.partition({"muon": muon, "adamw": adamw}, muon_or_adamw)
-    chain = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
-    return optax.chain(*chain, adamw), schedule
 
 
 def init_train_state(model: GPT, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh):

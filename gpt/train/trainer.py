@@ -13,7 +13,7 @@
   a checkpoint, an evaluation and the end are the only points where it waits for the device to drain,
   and a step is saved only after its finiteness flag (and every earlier step's) has been read True.
 
-The pieces: `gpt.train.step` (the jitted step), `gpt.run_dir` (lock and identity), `gpt.train.checkpoint` (which
+The pieces: `gpt.train.step` (the jitted step), `gpt.train.optimizer` (AdamW or Muon, the schedule), `gpt.run_dir` (lock and identity), `gpt.train.checkpoint` (which
 checkpoints can be trusted), `gpt.train.metrics` (what is logged), `gpt.data.prepare` (corpus and loader), `gpt.train.peers`
 (what the processes of a multi-host run settle together).
 """
@@ -54,16 +54,9 @@ from gpt.signals import StopSignals
 from gpt.tokenizer import get_tokenizer
 from gpt.train.checkpoint import CheckpointManager, config_to_json, newest_step
 from gpt.train.metrics import MetricsWriter
+from gpt.train.optimizer import OptimizerConfig, make_optimizer
 from gpt.train.peers import PeerWatch, agree_on_signal, wait_for_all
-from gpt.train.step import (
-    OptimizerConfig,
-    flops_per_token,
-    init_train_state,
-    make_eval_step,
-    make_optimizer,
-    make_train_step,
-    peak_flops,
-)
+from gpt.train.step import flops_per_token, init_train_state, make_eval_step, make_train_step, peak_flops
 
 __all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setup", "loop", "Plan", "Run"]
 
