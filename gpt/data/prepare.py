@@ -198,6 +198,65 @@ def _clear_shards(out_dir: Path) -> None:
             path.unlink()
 
 
+def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, writers: dict, workers: int,
+              progress: bool | None) -> tuple[collections.Counter, BadRecords]:
+    """Read the sections of `paths` past those both splits' writers already hold, tokenize them in batches on
+    `workers` threads (at most two batches each in flight) and hand each, in order, to its split's writer.
+    Returns the counts of sections, documents and replaced bytes over the whole corpus, and the bad records."""
+    resume_at = min(w.next_section for w in writers.values())
+    bad = BadRecords()
+    counts = collections.Counter()
+
+    def batches() -> Iterator[list[tuple[int, Section]]]:
+        batch, size = [], 0
+        for index, section in _numbered_sections(paths, text_field, bad):
+            counts["sections"] += 1
+            counts["documents"] += section.last
+            counts["replaced_invalid_utf8"] += section.text.count("\ufffd")
+            if index < resume_at:
+                continue  # both splits already hold it in finished shards
+            batch.append((index, section))
+            size += len(section.text)
+            if size >= _BATCH_CHARS:
+                yield batch
+                batch, size = [], 0
+        if batch:
+            yield batch
+
+    total_bytes = sum(p.stat().st_size for p in paths if p.is_file())
+    with ThreadPoolExecutor(workers) as pool, tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
+                                                   disable=None if progress is None else not progress,
+                                                   file=sys.stderr) as bar:
+        in_flight: collections.deque = collections.deque()
+
+        def drain_one() -> None:
+            for index, split, tokens in in_flight.popleft().result():
+                writers[split].write(index, tokens)
+
+        for batch in batches():
+            in_flight.append(pool.submit(_encode, batch, val_fraction, dtype))
+            bar.update(sum(len(section.text) for _, section in batch))
+            if len(in_flight) >= 2 * workers:
+                drain_one()
+        while in_flight:
+            drain_one()
+    return counts, bad
+
+
+def _check_splits(inputs, counts: collections.Counter, bad: BadRecords, totals: dict, val_fraction: float) -> None:
+    """ConfigError for a corpus that gave no documents, no tokens, or an empty split."""
+    if counts["documents"] == 0:
+        detail = f": every record was bad: {bad.describe()}" if bad.total else ""
+        raise ConfigError(f"the corpus {[str(i) for i in inputs]} holds no documents{detail}")
+    if totals["train"] + totals["val"] == counts["documents"]:  # nothing but the separators
+        raise ConfigError(f"the corpus {[str(i) for i in inputs]} is empty: it has no tokens")
+    for split, name in (("train", "training"), ("val", "validation")):
+        if totals[split] == 0:
+            raise ConfigError(f"the {name} split of {[str(i) for i in inputs]} is empty ({counts['sections']} "
+                              f"sections of ~{SECTION_CHARS} characters, val_fraction={val_fraction}): use more "
+                              f"text or another val_fraction")
+
+
 def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val_fraction: float = 0.1,
             text_field: str = "text", workers: int | None = None, shard_tokens: int = 100_000_000,
             progress: bool | None = None, corpus_sources: list[dict] | None = None) -> dict:
@@ -245,56 +304,11 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
 
     writers = {split: _ShardWriter(out_dir, split, dtype, shard_tokens, state.get(split), save_progress)
                for split in ("train", "val")}
-    resume_at = min(w.next_section for w in writers.values())
-    bad = BadRecords()
-    counts = collections.Counter()
-
-    def batches() -> Iterator[list[tuple[int, Section]]]:
-        batch, size = [], 0
-        for index, section in _numbered_sections(paths, text_field, bad):
-            counts["sections"] += 1
-            counts["documents"] += section.last
-            counts["replaced_invalid_utf8"] += section.text.count("\ufffd")
-            if index < resume_at:
-                continue  # both splits already hold it in finished shards
-            batch.append((index, section))
-            size += len(section.text)
-            if size >= _BATCH_CHARS:
-                yield batch
-                batch, size = [], 0
-        if batch:
-            yield batch
-
-    total_bytes = sum(p.stat().st_size for p in paths if p.is_file())
-    with ThreadPoolExecutor(workers) as pool, tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
-                                                   disable=None if progress is None else not progress,
-                                                   file=sys.stderr) as bar:
-        in_flight: collections.deque = collections.deque()
-
-        def drain_one() -> None:
-            for index, split, tokens in in_flight.popleft().result():
-                writers[split].write(index, tokens)
-
-        for batch in batches():
-            in_flight.append(pool.submit(_encode, batch, val_fraction, dtype))
-            bar.update(sum(len(section.text) for _, section in batch))
-            if len(in_flight) >= 2 * workers:
-                drain_one()
-        while in_flight:
-            drain_one()
+    counts, bad = _tokenize(paths, text_field, val_fraction, dtype, writers, workers, progress)
     shards = {split: writer.close() for split, writer in writers.items()}
 
-    if counts["documents"] == 0:
-        detail = f": every record was bad: {bad.describe()}" if bad.total else ""
-        raise ConfigError(f"the corpus {[str(i) for i in inputs]} holds no documents{detail}")
     totals = {split: sum(s["tokens"] for s in shards[split]) for split in shards}
-    if totals["train"] + totals["val"] == counts["documents"]:  # nothing but the separators
-        raise ConfigError(f"the corpus {[str(i) for i in inputs]} is empty: it has no tokens")
-    for split, name in (("train", "training"), ("val", "validation")):
-        if totals[split] == 0:
-            raise ConfigError(f"the {name} split of {[str(i) for i in inputs]} is empty ({counts['sections']} "
-                              f"sections of ~{SECTION_CHARS} characters, val_fraction={val_fraction}): use more "
-                              f"text or another val_fraction")
+    _check_splits(inputs, counts, bad, totals, val_fraction)
     if bad.total:
         print(f"warning: skipped {bad.total} bad records: {bad.describe()}", file=sys.stderr)
     meta = {**settings, "sources": corpus_sources, "shards": shards,

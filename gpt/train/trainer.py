@@ -215,11 +215,11 @@ class TrainConfig:
 
     @property
     def optimizer_config(self) -> OptimizerConfig:
-        """The optimizer's settings among these."""
-        return OptimizerConfig(lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup, max_steps=self.max_steps,
-                               weight_decay=self.weight_decay, beta1=self.beta1, beta2=self.beta2,
-                               grad_clip=self.grad_clip, optimizer=self.optimizer, schedule=self.schedule,
-                               decay_steps=self.decay_steps, muon_lr=self.muon_lr, muon_momentum=self.muon_momentum)
+        """The optimizer's settings among these: each of OptimizerConfig's fields by name, with the warmup
+        and the decay's steps resolved."""
+        same = {field.name: getattr(self, field.name) for field in dataclasses.fields(OptimizerConfig)
+                if field.name not in ("warmup_steps", "decay_steps")}
+        return OptimizerConfig(**same, warmup_steps=self.warmup, decay_steps=self.decay_steps)
 
 
 class NonFiniteStep(RunFailed):
