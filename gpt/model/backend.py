@@ -8,6 +8,7 @@ is for mesh axes). Each choice was measured; the figures are in bench/RESULTS.md
 | `few_rows_matmul` | 2-16 float32 rows as a multiply and a sum | a dot | XLA's CPU runs 2-16 rows as a GEMM far from the memory's speed ("Serving") |
 | `kv_page_length` | an engine's cache in pages of 128 slots | one page | a decode step reads only the pages its rows reached ("Paged KV cache"); cuDNN reads one buffer under the mask |
 | `narrow_decodes` | decodes compiled for 1, 2, 4, ... rows | for every slot | a step over 8 rows costs about twice one over 1 on a CPU, about the same on a GPU ("Serving") |
+| `int8_kernel` | 1-16 int8 rows through the compiled kernel, where built | XLA's dot | XLA's CPU int8 dot reads weights at half the memory's speed for a few rows ("int8 decoding") |
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ class BackendChoices:
     few_rows_matmul: bool
     kv_page_length: int | None  # None: the whole cache is one page
     narrow_decodes: bool
+    int8_kernel: bool  # `gpt.model.int8_kernel`, a CPU custom call
 
 
 CHOICES = {
     "cpu": BackendChoices(fused_attention=False, loss_chunk_bytes=128 << 20, few_rows_matmul=True,
-                          kv_page_length=128, narrow_decodes=True),
+                          kv_page_length=128, narrow_decodes=True, int8_kernel=True),
     "gpu": BackendChoices(fused_attention=True, loss_chunk_bytes=1 << 30, few_rows_matmul=False,
-                          kv_page_length=None, narrow_decodes=False),
+                          kv_page_length=None, narrow_decodes=False, int8_kernel=False),
 }
 _OTHER = dataclasses.replace(CHOICES["gpu"], fused_attention=False)  # a TPU: XLA's own attention
 

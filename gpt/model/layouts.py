@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt.model.backend import choices
+from gpt.model.int8_kernel import int8_product
 
 __all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "QUANTIZED_LAYOUTS", "dense", "few_rows_matmul"]
 
@@ -73,9 +74,8 @@ def dense(x_BTD: jax.Array, kernel) -> jax.Array:
 
 
 def _at_least_two_rows(x_MD: jax.Array) -> jax.Array:
-    """XLA's CPU dot for int8 or bfloat16 operands falls off its fast path for a single row (a chain of
-    GPT-2's block matrices: 113 ms against float32's 10.6 ms; at two rows, 7.2 ms), so one row runs as
-    two (the second all zeros)."""
+    """XLA's CPU dot for bfloat16 operands, as for int8 (`gpt.model.int8_kernel.xla_product`), falls off its
+    fast path for a single row, so one row runs as two (the second all zeros)."""
     return jnp.concatenate([x_MD, jnp.zeros_like(x_MD)]) if x_MD.shape[0] == 1 else x_MD
 
 
@@ -85,8 +85,9 @@ class Int8Matrix:
     """An output-major matrix [K, D] stored as int8 with one float32 scale per output (symmetric):
     matrix ~= values * scale[:, None]. A quarter of float32's bytes, which is what a decode step streams.
 
-    `matmul` quantizes each row of x to int8 with its own scale (max |x| / 127) and runs an
-    int8 x int8 -> int32 dot (VNNI on x86), rescaled by both scales: the float matrix is never made. Its
+    `matmul` quantizes each row of x to int8 with its own scale (max |x| / 127), takes the exact
+    int8 x int8 -> int32 product (`gpt.model.int8_kernel`: a compiled kernel for a decode step's few rows
+    on a CPU, XLA's dot otherwise) and rescales it by both scales: the float matrix is never made. Its
     `astype` keeps it int8 (the block casts kernels to the compute dtype; this one stays as stored).
     """
 
@@ -109,14 +110,12 @@ class Int8Matrix:
         return self
 
     def matmul(self, x_MD: jax.Array) -> jax.Array:
-        M = x_MD.shape[0]
-        x_MD32 = _at_least_two_rows(x_MD).astype(jnp.float32)
+        x_MD32 = x_MD.astype(jnp.float32)
         x_scale_M = jnp.abs(x_MD32).max(axis=1) / 127.0
         x_scale_M = jnp.where(x_scale_M > 0, x_scale_M, 1.0)
         x_int8 = jnp.round(x_MD32 / x_scale_M[:, None]).astype(jnp.int8)
-        y_MK = jax.lax.dot_general(x_int8, self.values_KD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-        y_MK = y_MK.astype(jnp.float32) * x_scale_M[:, None] * self.scale_K[None, :]
-        return y_MK[:M].astype(x_MD.dtype)
+        y_MK = int8_product(x_int8, self.values_KD).astype(jnp.float32) * x_scale_M[:, None] * self.scale_K[None, :]
+        return y_MK.astype(x_MD.dtype)
 
     def rows(self, ids: jax.Array) -> jax.Array:
         """Rows `ids` of the matrix as float32 (an embedding lookup of a tied table): [..., D]."""

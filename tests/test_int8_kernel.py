@@ -1,0 +1,125 @@
+"""The int8 decoding kernel (`gpt.model.int8_kernel`): exactly XLA's int8 product on each instruction set, for
+every row count it takes and odd shapes; within the quantization bound of the float64 product; the XLA
+fallback where it does not run; and an install that goes on without a C++ compiler."""
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gpt import GPT, GPTConfig
+from gpt.inference.decoding import decoding_weights
+from gpt.model import int8_kernel
+from gpt.model.int8_kernel import MAX_KERNEL_ROWS, kernel_isa, kernel_product, limit_isa, xla_product
+from gpt.model.layouts import Int8Matrix
+from gpt.model.transformer import forward, lm_head
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+ISAS = [isa for isa, flags in (("avx2", {"avx2"}), ("avx512_vnni", {"avx512f", "avx512bw", "avx512_vnni"}))
+        if flags <= _cpu_flags()]
+
+
+def test_the_kernel_is_built_and_runs_where_it_can():
+    # An x86-64 CPU with AVX2 and a C++ compiler at install: the kernel must be there (else every test of it
+    # below would skip and hide a broken build).
+    if platform.machine() != "x86_64" or not ISAS or shutil.which("c++") is None:
+        pytest.skip("no x86-64 CPU with AVX2, or no C++ compiler")
+    assert kernel_isa() == ISAS[-1]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    if kernel_isa() is None:
+        pytest.skip("the int8 kernel is not built here")
+    assert limit_isa(request.param) == request.param
+    yield request.param
+    limit_isa(ISAS[-1])
+
+
+@pytest.mark.parametrize("K, D", [(37, 100), (5, 64), (130, 1), (64, 200), (2304, 768), (768, 3079)])
+def test_it_equals_xla_and_integer_products_exactly(isa, K, D):
+    rng = np.random.default_rng(K * D)
+    x = rng.integers(-127, 128, (MAX_KERNEL_ROWS, D), dtype=np.int8)
+    w = rng.integers(-127, 128, (K, D), dtype=np.int8)
+    w[0] = 127  # the largest products (AVX2's 16-bit pairs: 2 * 127 * 127 must not saturate)
+    x[0], x[1] = 127, -127
+    kernel, xla = jax.jit(kernel_product), jax.jit(xla_product)
+    for M in range(1, MAX_KERNEL_ROWS + 1):
+        exact = x[:M].astype(np.int64) @ w.astype(np.int64).T
+        got = np.asarray(kernel(x[:M], w))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, exact, err_msg=f"{isa}, {M} rows")
+        np.testing.assert_array_equal(np.asarray(xla(x[:M], w)), got)
+
+
+def test_quantized_rows_stay_within_the_bound_of_the_float64_product(isa):
+    # Per-row int8 activations and per-output int8 weights, each rounded to 1/254 of its range: the
+    # product's relative error stays near 1% for Gaussian rows (test_quantize's bound for one matrix, x2).
+    rng = np.random.default_rng(1)
+    matrix = rng.normal(0, 0.02, (2304, 768))
+    quantized = Int8Matrix.quantize(jnp.asarray(matrix, jnp.float32))
+    for M in (1, 5, 16):
+        x = rng.normal(size=(M, 768))
+        exact = x @ matrix.T
+        got = np.asarray(jax.jit(quantized.matmul)(jnp.asarray(x, jnp.float32)), np.float64)
+        assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.02, (isa, M)
+
+
+def _int8_logits(model, weights):
+    tokens = jnp.asarray([list(range(1, 17))] * 2, jnp.int32)  # 32 rows: XLA's dot; 2 rows: the kernel's
+    hidden = forward(model.config, weights, tokens, jnp.arange(16)[None])[0]
+    return lm_head(weights, hidden[:, -1:])
+
+
+def test_the_fallback_gives_the_same_logits(monkeypatch):
+    # With the kernel off (not built, another backend, GPT_INT8_KERNEL=0) every product is XLA's: exactly
+    # the same integers, so exactly the same logits.
+    model = GPT(GPTConfig.preset("tiny", n_embd=64), rngs=nnx.Rngs(0))
+    weights = decoding_weights(model, "int8")
+    with_kernel = np.asarray(jax.jit(_int8_logits, static_argnums=0)(model, weights))
+    monkeypatch.setattr(int8_kernel, "kernel_isa", lambda: None)
+    fallback = np.asarray(jax.jit(_int8_logits, static_argnums=0)(model, weights))
+    np.testing.assert_array_equal(with_kernel, fallback)
+
+
+@pytest.mark.slow
+def test_it_installs_and_runs_without_a_compiler(tmp_path):
+    # The package copied and installed with the C++ compiler replaced by `false`: the install succeeds
+    # without the kernel, and int8 products go through XLA's dot.
+    source = tmp_path / "source"
+    shutil.copytree(REPO / "gpt", source / "gpt", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    env = {**os.environ, "CC": "false", "CXX": "false"}
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+                              "--no-index", "--target", str(tmp_path / "site"), str(source)],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    installed = tmp_path / "site" / "gpt" / "model"
+    assert (installed / "int8_kernel.py").exists() and not list(installed.glob("_int8_kernel*"))
+    check = ("import jax.numpy as jnp, numpy as np\n"
+             "from gpt.model.int8_kernel import int8_product, kernel_isa\n"
+             "x = jnp.asarray(np.arange(-6, 6, dtype=np.int8).reshape(2, 6))\n"
+             "print(kernel_isa(), int8_product(x, x).tolist())\n")
+    ran = subprocess.run([sys.executable, "-c", check], env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["None", "[[91,", "-35],", "[-35,", "55]]"]
