@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from gpt.inference import decoding, engine
-from gpt.model import attention, backend, layouts, loss
+from gpt.model import attention, backend, few_rows, loss
 from gpt.model.config import GPTConfig
 
 
@@ -17,13 +17,17 @@ def test_the_cpu_row_is_in_force_here():
 @pytest.mark.parametrize("row", ["cpu", "gpu"])
 def test_each_choice_follows_the_table(monkeypatch, row):
     chosen = backend.CHOICES[row]
-    for module in (attention, layouts, loss, decoding, engine):
+    for module in (attention, few_rows, loss, decoding, engine):
         monkeypatch.setattr(module, "choices", lambda: chosen)
 
     assert engine.decode_widths(8, None) == ([1, 2, 4, 8] if chosen.narrow_decodes else [8])
     cache = decoding.init_slots(GPTConfig.preset("tiny", block_size=512), 2, 300, 1).cache
     assert [page.shape[1] for page in cache.pages(0)[0]] == ([128, 128, 44] if chosen.kv_page_length else [300])
-    assert layouts._runs_as_few_rows(jnp.ones((4, 8), jnp.float32)) == chosen.few_rows_matmul
+    four_rows = jnp.ones((4, 8), jnp.float32), jnp.ones((3, 8), jnp.float32)
+    kernel_built = few_rows._library() is not None
+    traced = lambda fn: str(jax.make_jaxpr(lambda x, w: fn(x, w))(*four_rows))  # noqa: E731 (a new trace each)
+    assert ("ffi_call" in traced(few_rows.product)) == (chosen.few_rows_kernels and kernel_built)
+    assert ("dot_general" in traced(few_rows.xla_product)) != chosen.few_rows_matmul
 
     lengths = []
     monkeypatch.setattr(loss, "_chunked_loss", lambda x, table, targets, length, shards, smoothing: lengths.append(length))

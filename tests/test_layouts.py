@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gpt.model import few_rows
 from gpt.model.layouts import OutputMajor
 
 
@@ -19,14 +20,21 @@ def test_output_major_matmul_equals_the_float64_product(rows):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the few-rows product is XLA's CPU path")
-def test_a_decode_steps_few_rows_run_without_a_gemm():
-    # The reason the few-rows path exists: 2 to 16 rows run as a fused multiply and sum, not a dot
-    # (XLA's CPU GEMM was ~1.6x slower at 8 rows on an AMD EPYC); 1 row and many rows stay dots.
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the few-rows paths are the CPU's")
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_decode_steps_few_rows_run_without_a_gemm(monkeypatch, kernels):
+    # The reason the few-rows paths exist: 1 to 16 rows go through the compiled kernel where it is built,
+    # else 2 to 16 through a fused multiply and sum, not XLA's GEMM (~1.6x slower at 8 rows on an AMD
+    # EPYC); more rows stay dots.
+    if kernels and few_rows.kernel_isa() is None:
+        pytest.skip("the few-rows kernels are not built here")
+    if not kernels:
+        monkeypatch.setattr(few_rows, "kernel_isa", lambda: None)
     matrix = OutputMajor(jnp.ones((300, 96), jnp.float32))
 
-    def has_dot(rows):
+    def path(rows):
         text = jax.jit(matrix.matmul).lower(jnp.ones((rows, 96), jnp.float32)).compile().as_text()
-        return " dot(" in text
+        return "kernel" if "gpt_few_rows_float32" in text else "dot" if " dot(" in text else "multiply-sum"
 
-    assert [has_dot(rows) for rows in (1, 2, 8, 16, 17)] == [True, False, False, False, True]
+    expected = (["kernel"] * 4 if kernels else ["dot", "multiply-sum", "multiply-sum", "multiply-sum"]) + ["dot"]
+    assert [path(rows) for rows in (1, 2, 8, 16, 17)] == expected

@@ -5,10 +5,10 @@ is for mesh axes). Each choice was measured; the figures are in bench/RESULTS.md
 | --- | --- | --- | --- |
 | `fused_attention` | no: softmax(q k^T) v written out, heads as a batch axis | yes on a GPU: `jax.nn.dot_product_attention` (cuDNN's fused kernel) | XLA's CPU has no fused kernel; the plain form avoids a transposed copy of k |
 | `loss_chunk_bytes` | 128 MiB of float32 logits a chunk | 1 GiB | a chunk stays in the last-level cache; elsewhere fewer, larger chunks keep the matmuls big ("Training") |
-| `few_rows_matmul` | 2-16 float32 rows as a multiply and a sum | a dot | XLA's CPU runs 2-16 rows as a GEMM far from the memory's speed ("Serving") |
+| `few_rows_kernels` | 1-16 int8 or float32 rows through compiled kernels, where built | XLA's dots | XLA's CPU dots read a few rows' weights below the memory's speed ("CPU decoding") |
+| `few_rows_matmul` | without the kernels, 2-16 float32 rows as a multiply and a sum | a dot | XLA's CPU runs 2-16 rows as a GEMM far from the memory's speed ("Serving") |
 | `kv_page_length` | an engine's cache in pages of 128 slots | one page | a decode step reads only the pages its rows reached ("Paged KV cache"); cuDNN reads one buffer under the mask |
 | `narrow_decodes` | decodes compiled for 1, 2, 4, ... rows | for every slot | a step over 8 rows costs about twice one over 1 on a CPU, about the same on a GPU ("Serving") |
-| `int8_kernel` | 1-16 int8 rows through the compiled kernel, where built | XLA's dot | XLA's CPU int8 dot reads weights at half the memory's speed for a few rows ("int8 decoding") |
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ class BackendChoices:
 
     fused_attention: bool
     loss_chunk_bytes: int
+    few_rows_kernels: bool  # `gpt.model.few_rows`: CPU custom calls
     few_rows_matmul: bool
     kv_page_length: int | None  # None: the whole cache is one page
     narrow_decodes: bool
-    int8_kernel: bool  # `gpt.model.int8_kernel`, a CPU custom call
 
 
 CHOICES = {
-    "cpu": BackendChoices(fused_attention=False, loss_chunk_bytes=128 << 20, few_rows_matmul=True,
-                          kv_page_length=128, narrow_decodes=True, int8_kernel=True),
-    "gpu": BackendChoices(fused_attention=True, loss_chunk_bytes=1 << 30, few_rows_matmul=False,
-                          kv_page_length=None, narrow_decodes=False, int8_kernel=False),
+    "cpu": BackendChoices(fused_attention=False, loss_chunk_bytes=128 << 20, few_rows_kernels=True,
+                          few_rows_matmul=True, kv_page_length=128, narrow_decodes=True),
+    "gpu": BackendChoices(fused_attention=True, loss_chunk_bytes=1 << 30, few_rows_kernels=False,
+                          few_rows_matmul=False, kv_page_length=None, narrow_decodes=False),
 }
 _OTHER = dataclasses.replace(CHOICES["gpu"], fused_attention=False)  # a TPU: XLA's own attention
 

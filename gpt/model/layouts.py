@@ -13,10 +13,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gpt.model.backend import choices
-from gpt.model.int8_kernel import int8_product
+from gpt.model.few_rows import product
 
-__all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "QUANTIZED_LAYOUTS", "dense", "few_rows_matmul"]
+__all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "QUANTIZED_LAYOUTS", "dense"]
 
 
 @jax.tree_util.register_dataclass
@@ -33,30 +32,8 @@ class OutputMajor:
 
     def matmul(self, x_MD: jax.Array) -> jax.Array:
         """x [M, D] -> [M, K]. Contracting D of both operands directly: spelled `x @ matrix.T`, XLA on CPU
-        would copy the transposed matrix first. A decode step's few rows take `few_rows_matmul`."""
-        matrix_KD = self.matrix_KD.astype(x_MD.dtype)
-        if _runs_as_few_rows(x_MD):
-            return few_rows_matmul(x_MD, matrix_KD)
-        return jax.lax.dot_general(x_MD, matrix_KD, (((1,), (1,)), ((), ())))
-
-
-# XLA's CPU dot runs 1 row as a matrix-vector product at the memory's speed, but 2 to 16 rows as a GEMM
-# far from it. On a 2-core AMD EPYC (Zen 4) a chain of GPT-2's block matrices (340 MB in float32) took
-# 12.3 ms for 1 row and 34.1 ms for 8, where the same products written as a multiply and a sum over D
-# took 21.3 ms (the LM head at 8 rows: 15.5 -> 10.1 ms); on an Intel Xeon with AMX the two forms are
-# within -1..+16% of each other (`bench/decode_parts.py`; bench/RESULTS.md "Serving"). From 64 rows the
-# GEMM wins again.
-_FEW_ROWS = range(2, 17)  # on the backends whose `choices().few_rows_matmul` is set
-
-
-def _runs_as_few_rows(x_MD: jax.Array) -> bool:
-    return x_MD.shape[0] in _FEW_ROWS and x_MD.dtype == jnp.float32 and choices().few_rows_matmul
-
-
-def few_rows_matmul(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:
-    """x [M, D] times matrix [K, D] contracting D, for small M: one elementwise multiply and a sum over D,
-    which XLA fuses into one loop that reads each output's weights once for all M rows: [M, K]."""
-    return (matrix_KD[:, None, :] * x_MD[None, :, :]).sum(axis=-1).T
+        would copy the transposed matrix first. A decode step's few rows take `gpt.model.few_rows`."""
+        return product(x_MD, self.matrix_KD.astype(x_MD.dtype))
 
 
 def dense(x_BTD: jax.Array, kernel) -> jax.Array:
@@ -74,7 +51,7 @@ def dense(x_BTD: jax.Array, kernel) -> jax.Array:
 
 
 def _at_least_two_rows(x_MD: jax.Array) -> jax.Array:
-    """XLA's CPU dot for bfloat16 operands, as for int8 (`gpt.model.int8_kernel.xla_product`), falls off its
+    """XLA's CPU dot for bfloat16 operands, as for int8 (`gpt.model.few_rows.xla_product`), falls off its
     fast path for a single row, so one row runs as two (the second all zeros)."""
     return jnp.concatenate([x_MD, jnp.zeros_like(x_MD)]) if x_MD.shape[0] == 1 else x_MD
 
@@ -86,7 +63,7 @@ class Int8Matrix:
     matrix ~= values * scale[:, None]. A quarter of float32's bytes, which is what a decode step streams.
 
     `matmul` quantizes each row of x to int8 with its own scale (max |x| / 127), takes the exact
-    int8 x int8 -> int32 product (`gpt.model.int8_kernel`: a compiled kernel for a decode step's few rows
+    int8 x int8 -> int32 product (`gpt.model.few_rows`: a compiled kernel for a decode step's few rows
     on a CPU, XLA's dot otherwise) and rescales it by both scales: the float matrix is never made. Its
     `astype` keeps it int8 (the block casts kernels to the compute dtype; this one stays as stored).
     """
@@ -114,7 +91,7 @@ class Int8Matrix:
         x_scale_M = jnp.abs(x_MD32).max(axis=1) / 127.0
         x_scale_M = jnp.where(x_scale_M > 0, x_scale_M, 1.0)
         x_int8 = jnp.round(x_MD32 / x_scale_M[:, None]).astype(jnp.int8)
-        y_MK = int8_product(x_int8, self.values_KD).astype(jnp.float32) * x_scale_M[:, None] * self.scale_K[None, :]
+        y_MK = product(x_int8, self.values_KD).astype(jnp.float32) * x_scale_M[:, None] * self.scale_K[None, :]
         return y_MK.astype(x_MD.dtype)
 
     def rows(self, ids: jax.Array) -> jax.Array:

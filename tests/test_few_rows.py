@@ -1,6 +1,7 @@
-"""The int8 decoding kernel (`gpt.model.int8_kernel`): exactly XLA's int8 product on each instruction set, for
-every row count it takes and odd shapes; within the quantization bound of the float64 product; the XLA
-fallback where it does not run; and an install that goes on without a C++ compiler."""
+"""The decode step's few-rows kernels (`gpt.model.few_rows`), on each instruction set, for every row count they
+take and odd shapes: int8 exactly XLA's integer product, and within the quantization bound of the float64
+product; float32 within float32's rounding of the float64 product. XLA's paths where they do not run, and
+an install that goes on without a C++ compiler."""
 
 import os
 import platform
@@ -17,8 +18,8 @@ from flax import nnx
 
 from gpt import GPT, GPTConfig
 from gpt.inference.decoding import decoding_weights
-from gpt.model import int8_kernel
-from gpt.model.int8_kernel import MAX_KERNEL_ROWS, kernel_isa, kernel_product, limit_isa, xla_product
+from gpt.model import few_rows
+from gpt.model.few_rows import MAX_KERNEL_ROWS, kernel_isa, kernel_product, limit_isa, xla_product
 from gpt.model.layouts import Int8Matrix
 from gpt.model.transformer import forward, lm_head
 
@@ -33,13 +34,13 @@ def _cpu_flags() -> set[str]:
     return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
-ISAS = [isa for isa, flags in (("avx2", {"avx2"}), ("avx512_vnni", {"avx512f", "avx512bw", "avx512_vnni"}))
+ISAS = [isa for isa, flags in (("avx2", {"avx2", "fma"}), ("avx512_vnni", {"avx512f", "avx512bw", "avx512_vnni"}))
         if flags <= _cpu_flags()]
 
 
-def test_the_kernel_is_built_and_runs_where_it_can():
-    # An x86-64 CPU with AVX2 and a C++ compiler at install: the kernel must be there (else every test of it
-    # below would skip and hide a broken build).
+def test_the_kernels_are_built_and_run_where_they_can():
+    # An x86-64 CPU with AVX2 and a C++ compiler at install: the kernels must be there (else every test of
+    # them below would skip and hide a broken build).
     if platform.machine() != "x86_64" or not ISAS or shutil.which("c++") is None:
         pytest.skip("no x86-64 CPU with AVX2, or no C++ compiler")
     assert kernel_isa() == ISAS[-1]
@@ -48,14 +49,17 @@ def test_the_kernel_is_built_and_runs_where_it_can():
 @pytest.fixture(params=ISAS)
 def isa(request):
     if kernel_isa() is None:
-        pytest.skip("the int8 kernel is not built here")
+        pytest.skip("the few-rows kernels are not built here")
     assert limit_isa(request.param) == request.param
     yield request.param
     limit_isa(ISAS[-1])
 
 
-@pytest.mark.parametrize("K, D", [(37, 100), (5, 64), (130, 1), (64, 200), (2304, 768), (768, 3079)])
-def test_it_equals_xla_and_integer_products_exactly(isa, K, D):
+SHAPES = [(37, 100), (5, 64), (130, 1), (64, 200), (2304, 768), (768, 3079)]
+
+
+@pytest.mark.parametrize("K, D", SHAPES)
+def test_int8_equals_xla_and_integer_products_exactly(isa, K, D):
     rng = np.random.default_rng(K * D)
     x = rng.integers(-127, 128, (MAX_KERNEL_ROWS, D), dtype=np.int8)
     w = rng.integers(-127, 128, (K, D), dtype=np.int8)
@@ -68,6 +72,21 @@ def test_it_equals_xla_and_integer_products_exactly(isa, K, D):
         assert got.dtype == np.int32
         np.testing.assert_array_equal(got, exact, err_msg=f"{isa}, {M} rows")
         np.testing.assert_array_equal(np.asarray(xla(x[:M], w)), got)
+
+
+@pytest.mark.parametrize("K, D", SHAPES)
+def test_float32_is_the_float64_product_within_rounding(isa, K, D):
+    rng = np.random.default_rng(K + D)
+    x = rng.standard_normal((MAX_KERNEL_ROWS, D)).astype(np.float32)
+    w = rng.standard_normal((K, D)).astype(np.float32)
+    kernel = jax.jit(kernel_product)
+    for M in range(1, MAX_KERNEL_ROWS + 1):
+        exact = x[:M].astype(np.float64) @ w.astype(np.float64).T
+        got = np.asarray(kernel(x[:M], w))
+        assert got.dtype == np.float32
+        # float32 sums of D products of unit normals: each rounding ~6e-8 of a partial sum of size ~sqrt(D)
+        bound = 1e-6 * np.sqrt(D) * np.log2(2 * D)
+        np.testing.assert_allclose(got, exact, rtol=0, atol=bound, err_msg=f"{isa}, {M} rows")
 
 
 def test_quantized_rows_stay_within_the_bound_of_the_float64_product(isa):
@@ -89,13 +108,13 @@ def _int8_logits(model, weights):
     return lm_head(weights, hidden[:, -1:])
 
 
-def test_the_fallback_gives_the_same_logits(monkeypatch):
-    # With the kernel off (not built, another backend, GPT_INT8_KERNEL=0) every product is XLA's: exactly
-    # the same integers, so exactly the same logits.
+def test_without_the_kernels_int8_logits_are_the_same(monkeypatch):
+    # With the kernels off (not built, another backend, GPT_FEW_ROWS_KERNELS=0) every product is XLA's:
+    # exactly the same integers, so exactly the same logits.
     model = GPT(GPTConfig.preset("tiny", n_embd=64), rngs=nnx.Rngs(0))
     weights = decoding_weights(model, "int8")
     with_kernel = np.asarray(jax.jit(_int8_logits, static_argnums=0)(model, weights))
-    monkeypatch.setattr(int8_kernel, "kernel_isa", lambda: None)
+    monkeypatch.setattr(few_rows, "kernel_isa", lambda: None)
     fallback = np.asarray(jax.jit(_int8_logits, static_argnums=0)(model, weights))
     np.testing.assert_array_equal(with_kernel, fallback)
 
@@ -103,7 +122,7 @@ def test_the_fallback_gives_the_same_logits(monkeypatch):
 @pytest.mark.slow
 def test_it_installs_and_runs_without_a_compiler(tmp_path):
     # The package copied and installed with the C++ compiler replaced by `false`: the install succeeds
-    # without the kernel, and int8 products go through XLA's dot.
+    # without the kernels, and products go through XLA's dots.
     source = tmp_path / "source"
     shutil.copytree(REPO / "gpt", source / "gpt", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     for name in ("setup.py", "pyproject.toml", "README.md"):
@@ -114,11 +133,11 @@ def test_it_installs_and_runs_without_a_compiler(tmp_path):
                              env=env, capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr
     installed = tmp_path / "site" / "gpt" / "model"
-    assert (installed / "int8_kernel.py").exists() and not list(installed.glob("_int8_kernel*"))
+    assert (installed / "few_rows.py").exists() and not list(installed.glob("_few_rows*"))
     check = ("import jax.numpy as jnp, numpy as np\n"
-             "from gpt.model.int8_kernel import int8_product, kernel_isa\n"
+             "from gpt.model.few_rows import product, kernel_isa\n"
              "x = jnp.asarray(np.arange(-6, 6, dtype=np.int8).reshape(2, 6))\n"
-             "print(kernel_isa(), int8_product(x, x).tolist())\n")
+             "print(kernel_isa(), product(x, x).tolist())\n")
     ran = subprocess.run([sys.executable, "-c", check], env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr

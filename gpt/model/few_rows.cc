@@ -1,0 +1,374 @@
+// The products of a decode step's few rows on CPU, as XLA FFI custom calls: x [M, D] times an output-major
+// matrix w [K, D], contracting D, for M in 1..16.
+//
+//   FewRowsInt8:    int8 x int8, accumulated exactly in int32      y [M, K] int32
+//   FewRowsFloat32: float32 x float32, accumulated in float32      y [M, K] float32
+//
+// A decode step is bound by reading the weights, so the loop reads each output's row of w once and
+// multiplies it into all M rows of x while it is in registers; XLA's own dots do not stream at the
+// memory's speed for so few rows (its int8 dot at half of it; its float32 GEMM for 2-16 rows far from it).
+// Two instruction sets, picked at run time (the library is compiled for plain x86-64):
+//   AVX-512 (int8: with VNNI): vpdpbusd multiplies unsigned by signed bytes, so x is shifted to x + 128
+//     (unsigned) and the shift taken back with the row sums of w: sum (x + 128) w = sum x w + 128 sum w.
+//   AVX2 (float32: with FMA): int8 by vpmaddubsw on |w| and x with w's sign, then vpmaddwd into int32;
+//     each pair of products is at most 2 * 127 * 127 < 2^15, so the 16-bit step never saturates (both
+//     operands lie in [-127, 127], as `Int8Matrix` makes them).
+// The outputs are split over XLA's own CPU thread pool. `FewRowsIsa` says which set runs (2 = AVX-512 with
+// VNNI, 1 = AVX2 with FMA, 0 = neither, when the caller keeps to XLA's dots); `FewRowsLimitIsa` caps it,
+// so that the AVX2 paths can be run and tested on a CPU that has both.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxRows = 16;
+
+// y[m, k] for every row m and the outputs k in [k_begin, k_end); x [M, D], w [K, D], y [M, K].
+using Kernel = void (*)(const void* x, const void* w, int64_t D, int64_t K, int64_t k_begin, int64_t k_end,
+                        void* y);
+
+// ---------------------------------------------------------------- AVX-512 (int8 with VNNI)
+//
+// Outputs in tiles of Ops::TileOutputs(M), rows in groups of at most kTileRows: each vector of x loaded is
+// used for the tile's outputs and each vector of w for the group's rows, with the tile's sums in registers
+// (at most 6 x 4 accumulators and 4 w vectors of the 32). One vector per output and row, summed at the end.
+// The tile sizes are the fastest measured on a chain of GPT-2's matrices (bench/RESULTS.md, "CPU decoding").
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni")
+
+namespace avx512 {
+
+constexpr int kTileRows = 6;
+
+// int8: x arrives shifted to unsigned (x + 128, as vpdpbusd wants), corrected by the row sums of w.
+struct Int8 {
+  using X = uint8_t;
+  using W = int8_t;
+  using Out = int32_t;
+  using Vec = __m512i;
+  using Mask = __mmask64;
+  static constexpr int64_t kLanes = 64;
+  static constexpr int TileOutputs(int) { return 2; }
+  static Mask Lanes(int64_t n) { return n >= kLanes ? ~Mask{0} : (Mask{1} << n) - 1; }
+  static Vec Zero() { return _mm512_setzero_si512(); }
+  static Vec Load(const void* p, Mask m) { return _mm512_maskz_loadu_epi8(m, p); }
+  static Vec Madd(Vec acc, Vec x, Vec w) { return _mm512_dpbusd_epi32(acc, x, w); }
+  static Out Sum(Vec v) { return _mm512_reduce_add_epi32(v); }
+  // y[m, k] -= 128 sum_d w[k, d] for the tile's outputs, while their rows of w are in the cache.
+  static void Finish(const W* w, int64_t D, int outputs, int rows, int64_t K, Out* y) {
+    for (int j = 0; j < outputs; ++j) {
+      Vec sum = Zero();
+      for (int64_t d = 0; d < D; d += kLanes) sum = Madd(sum, _mm512_set1_epi8(1), Load(w + j * D + d, Lanes(D - d)));
+      const Out shift = 128 * Sum(sum);
+      for (int m = 0; m < rows; ++m) y[m * K + j] -= shift;
+    }
+  }
+};
+
+struct Float32 {
+  using X = float;
+  using W = float;
+  using Out = float;
+  using Vec = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kLanes = 16;
+  static constexpr int TileOutputs(int rows) { return rows <= 2 ? 1 : 4; }  // 1-2 rows: one stream of w
+  static Mask Lanes(int64_t n) { return n >= kLanes ? Mask(0xffff) : Mask((1u << n) - 1); }
+  static Vec Zero() { return _mm512_setzero_ps(); }
+  static Vec Load(const void* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+  static Vec Madd(Vec acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+  static Out Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+  static void Finish(const W*, int64_t, int, int, int64_t, Out*) {}
+};
+
+// y[r, j] for R rows of x and `Outputs` rows of w (masked loads read zeros past D: they add nothing).
+template <class Ops, int R, int Outputs>
+void Tile(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t K, typename Ops::Out* y) {
+  typename Ops::Vec acc[R][Outputs];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < Outputs; ++j) acc[r][j] = Ops::Zero();
+  const auto step = [&](int64_t d, typename Ops::Mask lanes) {
+    typename Ops::Vec w_chunk[Outputs];
+#pragma GCC unroll 16
+    for (int j = 0; j < Outputs; ++j) w_chunk[j] = Ops::Load(w + j * D + d, lanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const auto x_chunk = Ops::Load(x + r * D + d, lanes);
+#pragma GCC unroll 16
+      for (int j = 0; j < Outputs; ++j) acc[r][j] = Ops::Madd(acc[r][j], x_chunk, w_chunk[j]);
+    }
+  };
+  const int64_t full = D / Ops::kLanes * Ops::kLanes;
+  for (int64_t d = 0; d < full; d += Ops::kLanes) step(d, Ops::Lanes(Ops::kLanes));
+  if (D > full) step(full, Ops::Lanes(D - full));
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < Outputs; ++j) y[r * K + j] = Ops::Sum(acc[r][j]);
+}
+
+// All M rows in groups of at most kTileRows, against `Outputs` rows of w.
+template <class Ops, int M, int Outputs>
+void Groups(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t K, typename Ops::Out* y) {
+  constexpr int R = M < kTileRows ? M : kTileRows;
+  Tile<Ops, R, Outputs>(x, w, D, K, y);
+  if constexpr (M > R) Groups<Ops, M - R, Outputs>(x + R * D, w, D, K, y + R * K);
+}
+
+template <class Ops, int M>
+void Rows(const void* x_void, const void* w_void, int64_t D, int64_t K, int64_t k_begin, int64_t k_end,
+          void* y_void) {
+  const auto* x = static_cast<const typename Ops::X*>(x_void);
+  const auto* w = static_cast<const typename Ops::W*>(w_void);
+  auto* y = static_cast<typename Ops::Out*>(y_void);
+  constexpr int outputs = Ops::TileOutputs(M);
+  int64_t k = k_begin;
+  for (; k + outputs <= k_end; k += outputs) {
+    Groups<Ops, M, outputs>(x, w + k * D, D, K, y + k);
+    Ops::Finish(w + k * D, D, outputs, M, K, y + k);
+  }
+  for (; k < k_end; ++k) {
+    Groups<Ops, M, 1>(x, w + k * D, D, K, y + k);
+    Ops::Finish(w + k * D, D, 1, M, K, y + k);
+  }
+}
+
+}  // namespace avx512
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------- int8, AVX2
+
+__attribute__((target("avx2"))) inline __m256i TailLoad(const int8_t* p, int64_t n) {
+  alignas(32) int8_t buffer[32] = {0};
+  std::memcpy(buffer, p, n);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(buffer));
+}
+
+__attribute__((target("avx2"))) inline int32_t Sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <int M>
+__attribute__((target("avx2"))) void Int8Avx2(const void* x_void, const void* w_void, int64_t D, int64_t K,
+                                              int64_t k_begin, int64_t k_end, void* y_void) {
+  const auto* x = static_cast<const int8_t*>(x_void);
+  const auto* w = static_cast<const int8_t*>(w_void);
+  auto* y = static_cast<int32_t*>(y_void);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  const int64_t full = D / 32 * 32;
+  for (int64_t k = k_begin; k < k_end; ++k) {
+    const int8_t* w_row = w + k * D;
+    __m256i acc[M];
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
+    for (int64_t d = 0; d < D; d += 32) {
+      const bool whole = d < full;
+      const __m256i w_chunk = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w_row + d))
+                                    : TailLoad(w_row + d, D - d);
+      const __m256i w_abs = _mm256_sign_epi8(w_chunk, w_chunk);
+      #pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) {
+        const __m256i x_chunk = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * D + d))
+                                      : TailLoad(x + m * D + d, D - d);
+        const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x_chunk, w_chunk));
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(pairs, ones16));
+      }
+    }
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) y[m * K + k] = Sum8(acc[m]);
+  }
+}
+
+// ---------------------------------------------------------------- float32, AVX2 with FMA
+
+__attribute__((target("avx2,fma"))) inline float Sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int M>
+__attribute__((target("avx2,fma"))) void Float32Avx2(const void* x_void, const void* w_void, int64_t D, int64_t K,
+                                                     int64_t k_begin, int64_t k_end, void* y_void) {
+  const auto* x = static_cast<const float*>(x_void);
+  const auto* w = static_cast<const float*>(w_void);
+  auto* y = static_cast<float*>(y_void);
+  const int64_t full = D / 8 * 8;
+  alignas(32) int32_t lanes[8];
+  for (int i = 0; i < 8; ++i) lanes[i] = i < D - full ? -1 : 0;
+  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  for (int64_t k = k_begin; k < k_end; ++k) {
+    const float* w_row = w + k * D;
+    __m256 acc[M];
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < full; d += 8) {
+      const __m256 w_chunk = _mm256_loadu_ps(w_row + d);
+      #pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * D + d), w_chunk, acc[m]);
+    }
+    if (D > full) {
+      const __m256 w_chunk = _mm256_maskload_ps(w_row + full, tail);
+      #pragma GCC unroll 16
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * D + full, tail), w_chunk, acc[m]);
+    }
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) y[m * K + k] = Sum8(acc[m]);
+  }
+}
+
+// ---------------------------------------------------------------- dispatch
+
+std::atomic<int> isa_limit{2};
+
+int Isa() {
+  static const int detected = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vnni"))
+      return 2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+  }();
+  return std::min(detected, isa_limit.load());
+}
+
+// The kernels of one (dtype, instruction set), one per row count M: Table::At<M>.
+struct Int8Avx512Table {
+  template <int M>
+  static constexpr Kernel At = &avx512::Rows<avx512::Int8, M>;
+};
+struct Float32Avx512Table {
+  template <int M>
+  static constexpr Kernel At = &avx512::Rows<avx512::Float32, M>;
+};
+struct Int8Avx2Table {
+  template <int M>
+  static constexpr Kernel At = &Int8Avx2<M>;
+};
+struct Float32Avx2Table {
+  template <int M>
+  static constexpr Kernel At = &Float32Avx2<M>;
+};
+
+template <class Table, int... Ms>
+Kernel Pick(int rows, std::integer_sequence<int, Ms...>) {
+  Kernel kernel = nullptr;
+  ((rows == Ms + 1 ? (kernel = Table::template At<Ms + 1>) : kernel), ...);
+  return kernel;
+}
+
+// The work one call shares between threads: outputs in blocks, each claimed by whichever thread is free.
+// Held by a shared_ptr so that a pool task starting after the call has returned finds nothing left to do.
+struct Work {
+  Kernel kernel;
+  const void* x;
+  const void* w;
+  void* y;
+  int64_t D, K, block, blocks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Drain() {
+    for (int64_t b; (b = next.fetch_add(1)) < blocks;) {
+      kernel(x, w, D, K, b * block, std::min(K, (b + 1) * block), y);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+void RunOnPool(ffi::ThreadPool& pool, Kernel kernel, const void* x, const void* w, void* y, int64_t D, int64_t K) {
+  auto work = std::make_shared<Work>();
+  work->kernel = kernel;
+  work->x = x;
+  work->w = w;
+  work->y = y;
+  work->D = D;
+  work->K = K;
+  // Blocks of outputs several times more than the threads, so an uneven pool still finishes together;
+  // at least 64 outputs each, so a small matrix is not split into pieces smaller than a task's cost.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  work->block = std::max<int64_t>(64, (K + 4 * threads - 1) / (4 * threads));
+  work->blocks = (K + work->block - 1) / work->block;
+  for (int64_t t = 1; t < std::min(threads, work->blocks); ++t) pool.Schedule([work] { work->Drain(); });
+  work->Drain();  // this thread works too, so the call finishes even if no pool thread is free
+  while (work->done.load(std::memory_order_acquire) < work->blocks) _mm_pause();
+}
+
+// [M, D] and [K, D] with 1 <= M <= 16 on a CPU the kernels run on, or the error to return.
+std::optional<ffi::Error> CheckShapes(ffi::AnyBuffer::Dimensions x, ffi::AnyBuffer::Dimensions w) {
+  if (x.size() != 2 || w.size() != 2 || x[1] != w[1])
+    return ffi::Error::InvalidArgument("few_rows: x must be [M, D] and w [K, D]");
+  if (x[0] < 1 || x[0] > kMaxRows || Isa() == 0)
+    return ffi::Error::InvalidArgument("few_rows: 1 to 16 rows on a CPU with AVX2 and FMA");
+  return std::nullopt;
+}
+
+ffi::Error FewRowsInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                           ffi::ResultBuffer<ffi::S32> y) {
+  if (auto error = CheckShapes(x.dimensions(), w.dimensions())) return *error;
+  const int64_t M = x.dimensions()[0], D = x.dimensions()[1], K = w.dimensions()[0];
+  const auto rows = std::make_integer_sequence<int, kMaxRows>{};
+  if (Isa() == 2) {  // VNNI's unsigned operand: x + 128, made once per call (M * D bytes, a few KB)
+    std::vector<uint8_t> shifted(M * D);
+    for (int64_t i = 0; i < M * D; ++i) shifted[i] = static_cast<uint8_t>(x.typed_data()[i] + 128);
+    RunOnPool(pool, Pick<Int8Avx512Table>(M, rows), shifted.data(), w.typed_data(), y->typed_data(), D, K);
+  } else {
+    RunOnPool(pool, Pick<Int8Avx2Table>(M, rows), x.typed_data(), w.typed_data(), y->typed_data(), D, K);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error FewRowsFloat32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  if (auto error = CheckShapes(x.dimensions(), w.dimensions())) return *error;
+  const int64_t M = x.dimensions()[0], D = x.dimensions()[1], K = w.dimensions()[0];
+  const auto rows = std::make_integer_sequence<int, kMaxRows>{};
+  const Kernel kernel = Isa() == 2 ? Pick<Float32Avx512Table>(M, rows) : Pick<Float32Avx2Table>(M, rows);
+  RunOnPool(pool, kernel, x.typed_data(), w.typed_data(), y->typed_data(), D, K);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsInt8, FewRowsInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsFloat32, FewRowsFloat32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+extern "C" int FewRowsIsa() { return Isa(); }
+
+extern "C" int FewRowsLimitIsa(int limit) {
+  isa_limit.store(limit);
+  return Isa();
+}
