@@ -8,9 +8,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 quiet() { grep -v -e "it/s]" -e "s/it]" -e Warn; }
 { date -u; python3 -c "import sys; sys.path.insert(0, 'bench'); from machine import cpu_name; print(cpu_name())"; git log -1 --format=%h; } | tee "$OUT/machine.log"
-python3 bench/sample_bench.py --quantize none int8 2>&1 | quiet | tee "$OUT/sample.log"
+python3 bench/sample_bench.py --quantize none int8 --llama-cpp 2>&1 | quiet | tee "$OUT/sample.log"
 python3 bench/train_bench.py 2>&1 | quiet | tee "$OUT/train_bench.log"
-python3 bench/serve_bench.py --quantize none int8 --skip-generate 2>&1 | quiet | tee "$OUT/serve.log"
+python3 bench/serve_bench.py --quantize none int8 --skip-generate --llama-cpp 2>&1 | quiet | tee "$OUT/serve.log"
 python3 bench/parity.py 2>&1 | quiet | tee "$OUT/parity.log"
 work=$(mktemp -d)
 ( cd "$work" && /usr/bin/time -v python3 "$OLDPWD/train.py" --no-compile_cache ) > "$OUT/train_default.log" 2>&1

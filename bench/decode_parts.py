@@ -3,7 +3,8 @@
     python bench/decode_parts.py
 
 1. Matmuls: a chain of GPT-2 124M's 48 block matrices (340 MB, output-major [K, D]) in one jit, for a
-   few rows: XLA's dot, the few-row multiply-and-sum (`gpt.model.layouts.few_rows_matmul`), and torch's
+   few rows: XLA's dot, the few-row multiply-and-sum (`gpt.model.few_rows.xla_few_rows`), the compiled
+   few-rows kernel (`gpt.model.few_rows.kernel_product`, where built), and torch's
    `x @ W.T` on the same matrices. A step streams every weight once, so these set its floor.
 2. Attention over an 8-row x 12-head cache of 1024 slots, all 12 layers (600 MB, more than the cache
    of a CPU, as in a real step): the paged read (`attend_paged`, pages of `PAGE_LENGTH` slots, each its
@@ -24,7 +25,7 @@ import numpy as np
 
 from gpt.model.attention import attend, attend_paged
 from gpt.model.backend import CHOICES
-from gpt.model.layouts import few_rows_matmul
+from gpt.model.few_rows import kernel_isa, kernel_product, xla_few_rows
 
 PAGE_LENGTH = CHOICES["cpu"].kv_page_length  # an engine's pages on a CPU
 
@@ -61,9 +62,10 @@ def matmul_chain(rows_list, repeats: int) -> None:
         return run
 
     dot = chain(lambda x, m: jax.lax.dot_general(x, m, (((1,), (1,)), ((), ()))))
-    few_rows = chain(few_rows_matmul)
-    print("| rows | XLA dot | few-row multiply-and-sum | torch |")
-    print("| --- | --- | --- | --- |")
+    few_rows = chain(xla_few_rows)
+    kernel = chain(kernel_product) if kernel_isa() else None
+    print(f"| rows | XLA dot | few-row multiply-and-sum | few-rows kernel ({kernel_isa()}) | torch |")
+    print("| --- | --- | --- | --- | --- |")
     for rows in rows_list:
         x_MD = jnp.ones((rows, D))
 
@@ -74,8 +76,10 @@ def matmul_chain(rows_list, repeats: int) -> None:
                     y = x @ m.T
                     x = y[:, :D].contiguous() if m.shape[0] == 3 * D else y
 
-        times = [_median_ms(lambda f=f: f(matrices, x_MD).block_until_ready(), repeats) for f in (dot, few_rows)]
-        print(f"| {rows} | {times[0]:.1f} | {times[1]:.1f} | {_median_ms(torch_chain, repeats):.1f} |", flush=True)
+        times = [_median_ms(lambda f=f: f(matrices, x_MD).block_until_ready(), repeats) if f else float("nan")
+                 for f in (dot, few_rows, kernel)]
+        print(f"| {rows} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | {_median_ms(torch_chain, repeats):.1f} |",
+              flush=True)
 
 
 def attention(positions_list, repeats: int, layers: int = 12) -> None:

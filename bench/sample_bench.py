@@ -1,8 +1,10 @@
 """Sampling speed: gpt.generate against transformers' GPT2LMHeadModel.generate on the same weights, and
-(with --ctranslate2) CTranslate2's Generator in float32 and int8.
+(with --ctranslate2) CTranslate2's Generator in float32 and int8, (with --llama-cpp) llama.cpp in f32 and
+q8_0 (bench/llama_peer.py: its own GGUF of the same weights, llama-batched-bench's timing, greedy tokens
+from llama-server; its first-token column is its prefill, there being nothing to compile).
 
     python bench/sample_bench.py                     # GPT-2 124M shapes, float32, CPU
-    python bench/sample_bench.py --quantize none int8 bf16 --ctranslate2     # quantized decoding
+    python bench/sample_bench.py --quantize none int8 --ctranslate2 --llama-cpp     # the CPU peers
     python bench/sample_bench.py --dtype bfloat16 --batches 1 8 64   # on a GPU (the torch peer too)
 
 Random weights at the real gpt2 shapes, a 64-token prompt, 128 new tokens, greedy. For each batch size:
@@ -14,6 +16,7 @@ through streaming), and decode throughput after warm-up (best of --repeats). Our
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -86,6 +89,17 @@ def bench_ctranslate2(directory, prompts, new_tokens, repeats, compute_type):
     return ttft, len(prompts) * new_tokens / best, [r.sequences_ids[0] for r in results]
 
 
+def bench_llama_cpp(directory, prompts, new_tokens, outtype):
+    import llama_peer
+
+    threads = len(os.sched_getaffinity(0))
+    gguf = llama_peer.convert(Path(directory), outtype)
+    [(prefill, speed)] = llama_peer.batched_bench(gguf, len(prompts[0]), new_tokens, [len(prompts)], threads).values()
+    with llama_peer.LlamaServer(gguf, slots=1, slot_context=len(prompts[0]) + new_tokens, threads=threads) as server:
+        tokens = [server.greedy_tokens(prompt, new_tokens) for prompt in prompts]
+    return prefill, speed, tokens
+
+
 def bench_torch(directory, prompts, new_tokens, repeats, dtype):
     import torch
     import transformers
@@ -118,6 +132,7 @@ def main():
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "bf16"])
     parser.add_argument("--ctranslate2", action="store_true", help="also CTranslate2 float32 and int8")
+    parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp f32 and q8_0 (built on first use)")
     args = parser.parse_args()
 
     import torch
@@ -132,7 +147,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         reference.save_pretrained(Path(tmp))
         del reference
-        if args.ctranslate2:
+        if args.ctranslate2 or args.llama_cpp:
             write_gpt2_vocab(Path(tmp))
         for batch in args.batches:
             prompts = np.random.default_rng(batch).integers(0, 50256, (batch, args.prompt_tokens)).tolist()
@@ -147,6 +162,9 @@ def main():
                 for compute_type in ("float32", "int8"):
                     rows.append((f"CTranslate2 ({compute_type})",
                                  *bench_ctranslate2(tmp, prompts, args.new_tokens, args.repeats, compute_type)))
+            if args.llama_cpp:
+                for outtype in ("f32", "q8_0"):
+                    rows.append((f"llama.cpp ({outtype})", *bench_llama_cpp(tmp, prompts, args.new_tokens, outtype)))
             if theirs:
                 rows.append((f"transformers (torch, {args.dtype})", *theirs, None))
             for name, ttft, speed, tokens in rows:

@@ -19,6 +19,8 @@ together share their gap). Output tokens/s is all tokens over the wall time of t
   transformers CB      transformers' in-process continuous batching (`init_continuous_batching`),
                        the engine behind `transformers serve`, called directly: its server needs
                        a hub download, which this machine cannot make
+  llama-server         (--llama-cpp) llama.cpp's server, f32 and q8_0, with --slots parallel sequences,
+                       its own GGUF of the same weights (bench/llama_peer.py), streaming over HTTP
 Prints a Markdown table for bench/RESULTS.md.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import os
 import socket
 import tempfile
 import threading
@@ -178,6 +181,25 @@ def bench_transformers(directory, load, clients, dtype):
         manager.stop(block=True)
 
 
+def bench_llama_server(directory, load, clients, slots, outtype):
+    import llama_peer
+    from sample_bench import write_gpt2_vocab
+
+    write_gpt2_vocab(Path(directory))
+    gguf = llama_peer.convert(Path(directory), outtype)
+    longest = max(len(prompt) + max_tokens for prompt, max_tokens in load)
+    with llama_peer.LlamaServer(gguf, slots, slot_context=longest, threads=len(os.sched_getaffinity(0))) as server:
+        def send(prompt, max_tokens):
+            sent, times, counts = time.perf_counter(), [], []
+            for tokens in server.stream(prompt, max_tokens):
+                times.append(time.perf_counter())
+                counts.append(len(tokens))
+            return times[0] - sent, gaps_of(times, counts)
+
+        send(*load[0])  # first-request setup outside the timing, as the others'
+        return run_load(load, clients, send)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
@@ -194,6 +216,7 @@ def main():
                         help="ours without HTTP (the engine in process), then the peer; not serve.py or generate")
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--skip-generate", action="store_true")
+    parser.add_argument("--llama-cpp", action="store_true", help="also llama-server, f32 and q8_0 (built on first use)")
     args = parser.parse_args()
 
     import torch
@@ -230,6 +253,10 @@ def main():
         if not args.skip_torch:
             row(f"transformers continuous batching (torch, {args.dtype})",
                 bench_transformers(tmp, load, args.clients, args.dtype))
+        if args.llama_cpp:
+            for outtype in ("f32", "q8_0"):
+                row(f"llama-server ({args.slots} slots, {outtype})",
+                    bench_llama_server(tmp, load, args.clients, args.slots, outtype))
 
 
 if __name__ == "__main__":
