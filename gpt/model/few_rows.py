@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from gpt.model.backend import choices
 
-__all__ = ["MAX_KERNEL_ROWS", "kernel_isa", "limit_isa", "product", "kernel_product", "xla_product", "xla_few_rows"]
+__all__ = ["MAX_KERNEL_ROWS", "kernel_isa", "limit_isa", "product", "kernel_product", "xla_product", "xla_few_rows",
+           "at_least_two_rows"]
 
 MAX_KERNEL_ROWS = 16  # more rows (a prefill) make a GEMM, which XLA's dot runs well
 # The kernels' inputs' dtype -> (the FFI target, the result's dtype).
@@ -85,14 +86,18 @@ def xla_few_rows(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:
 _XLA_FEW_ROWS = range(2, 17)
 
 
+def at_least_two_rows(x_MD: jax.Array) -> jax.Array:
+    """XLA's CPU dot for int8 or bfloat16 operands falls off its fast path for a single row (GPT-2's block
+    matrices in int8: 113 ms against 7.2 at two rows), so one row runs as two (the second all zeros)."""
+    return jnp.concatenate([x_MD, jnp.zeros_like(x_MD)]) if x_MD.shape[0] == 1 else x_MD
+
+
 def xla_product(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:
-    """The same product through XLA: [M, K], int32 for int8 operands (exact; XLA's int8 dot falls off its
-    fast path for one row, 113 ms for GPT-2's block matrices against 7.2 at two, so one row runs as two),
-    else x's dtype."""
+    """The same product through XLA: [M, K], int32 for int8 operands (exact), else x's dtype."""
     M = x_MD.shape[0]
     if x_MD.dtype == jnp.int8:
-        x_MD = jnp.concatenate([x_MD, jnp.zeros_like(x_MD)]) if M == 1 else x_MD
-        return jax.lax.dot_general(x_MD, matrix_KD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)[:M]
+        return jax.lax.dot_general(at_least_two_rows(x_MD), matrix_KD, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.int32)[:M]
     if M in _XLA_FEW_ROWS and x_MD.dtype == jnp.float32 and choices().few_rows_matmul:
         return xla_few_rows(x_MD, matrix_KD)
     return jax.lax.dot_general(x_MD, matrix_KD, (((1,), (1,)), ((), ())))

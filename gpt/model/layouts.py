@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gpt.model.few_rows import product
+from gpt.model.few_rows import at_least_two_rows, product
 
 __all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "QUANTIZED_LAYOUTS", "dense"]
 
@@ -48,12 +48,6 @@ def dense(x_BTD: jax.Array, kernel) -> jax.Array:
     x_MD = x_BTD.reshape(B * T, D)
     y_MK = kernel.matmul(x_MD) if hasattr(kernel, "matmul") else x_MD @ kernel.reshape(D, -1).astype(x_MD.dtype)
     return y_MK.reshape(B, T, -1)
-
-
-def _at_least_two_rows(x_MD: jax.Array) -> jax.Array:
-    """XLA's CPU dot for bfloat16 operands, as for int8 (`gpt.model.few_rows.xla_product`), falls off its
-    fast path for a single row, so one row runs as two (the second all zeros)."""
-    return jnp.concatenate([x_MD, jnp.zeros_like(x_MD)]) if x_MD.shape[0] == 1 else x_MD
 
 
 @jax.tree_util.register_dataclass
@@ -119,7 +113,7 @@ class Bf16Matrix:
 
     def matmul(self, x_MD: jax.Array) -> jax.Array:
         M = x_MD.shape[0]
-        y_MK = jax.lax.dot_general(_at_least_two_rows(x_MD).astype(jnp.bfloat16), self.values_KD,
+        y_MK = jax.lax.dot_general(at_least_two_rows(x_MD).astype(jnp.bfloat16), self.values_KD,
                                    (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return y_MK[:M].astype(x_MD.dtype)
 
