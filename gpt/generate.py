@@ -19,9 +19,10 @@ from jax.sharding import Mesh
 
 from gpt.errors import ConfigError
 from gpt.inference.decoding import Decoder
-from gpt.inference.engine import Engine, prompt_buckets
+from gpt.inference.engine import Engine
 from gpt.inference.request import Request, check_prompts, check_stop_tokens, is_int
 from gpt.inference.sampling import SamplingParams
+from gpt.inference.shapes import prompt_buckets
 from gpt.inference.text_stream import TextStream
 from gpt.model.transformer import GPT
 from gpt.tokenizer import get_tokenizer

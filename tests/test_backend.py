@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gpt.inference import decoding, engine
+from gpt.inference import decoding, shapes
 from gpt.model import attention, backend, few_rows, loss
 from gpt.model.config import GPTConfig
 
@@ -17,10 +17,10 @@ def test_the_cpu_row_is_in_force_here():
 @pytest.mark.parametrize("row", ["cpu", "gpu"])
 def test_each_choice_follows_the_table(monkeypatch, row):
     chosen = backend.CHOICES[row]
-    for module in (attention, few_rows, loss, decoding, engine):
+    for module in (attention, few_rows, loss, decoding, shapes):
         monkeypatch.setattr(module, "choices", lambda: chosen)
 
-    assert engine.decode_widths(8, None) == ([1, 2, 4, 8] if chosen.narrow_decodes else [8])
+    assert shapes.decode_widths(8, None) == ([1, 2, 4, 8] if chosen.narrow_decodes else [8])
     cache = decoding.init_slots(GPTConfig.preset("tiny", block_size=512), 2, 300, 1).cache
     assert [page.shape[1] for page in cache.pages(0)[0]] == ([128, 128, 44] if chosen.kv_page_length else [300])
     four_rows = jnp.ones((4, 8), jnp.float32), jnp.ones((3, 8), jnp.float32)

@@ -4,14 +4,14 @@ ended. Written on the engine's thread, read by anyone; no JAX."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from gpt.inference.request import Request
 from gpt.inference.text_stream import TextStream
 
-__all__ = ["Completion"]
+__all__ = ["Completion", "deliver_prompt_scores"]
 
 
 class Completion:
@@ -83,3 +83,18 @@ class Completion:
     def _notify(self) -> None:
         if self.on_update is not None:
             self.on_update(self)
+
+
+def deliver_prompt_scores(completions: Sequence[Completion], start: int, scores) -> None:
+    """Hand each completion that asked its prompt's scores for a piece from token `start` on (row i of
+    `scores`, a `gpt.inference.decoding.PromptScores`, is completions[i]); read from the device only when
+    one asked."""
+    asked = [(row, c) for row, c in enumerate(completions) if c.request.prompt_logprobs]
+    if not asked:
+        return
+    logprob = np.asarray(scores.logprob)
+    top = any(c.request.logprobs for _, c in asked)
+    top_ids, top_lps = (np.asarray(scores.top_ids), np.asarray(scores.top_logprobs)) if top else (None, None)
+    for row, c in asked:
+        c._score_prompt(start, logprob[row], top_ids[row] if top else None, top_lps[row] if top else None)
+

@@ -101,6 +101,18 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.queue and not any(self.owners)
 
+    def drain(self) -> None:
+        """Take nothing new (`submit` raises EngineStopped); what runs or waits goes on."""
+        with self.lock:
+            self.stopping = True
+
+    def wait_for_work(self) -> bool:
+        """Block until there is a round to run (True), or until `cancel_everything` ended it all (False)."""
+        with self.lock:
+            while self.idle and not self.exit:
+                self.lock.wait()
+            return not (self.exit and self.idle)
+
     # -------------------------------------------------------------------------- the engine's own thread
 
     def release_cancelled(self) -> None:

@@ -7,7 +7,7 @@ import math
 from typing import Literal
 
 from gpt.errors import ConfigError
-from gpt.inference.engine import MIN_PROMPT_BUCKET
+from gpt.inference.shapes import MIN_PROMPT_BUCKET
 from gpt.model.config import DType
 
 __all__ = ["ServeConfig"]

@@ -1,0 +1,138 @@
+"""The engine's slots on the device, and the four verbs over them taking the host's requests.
+
+`gpt.inference.decoding` holds the verbs as pure jitted functions of arrays. `DeviceSlots` keeps what
+they run over (the weights, the slots' state, the mesh) and turns the host's side of a call into those
+arrays: requests into padded prompt pieces, each request's knobs into a row of settings, a slot number (or
+None, for a row that enters no slot) into an insert's target. It decides nothing: which request runs,
+where and when is the scheduler's (`gpt.inference.scheduler`), and the engine joins the two.
+
+Over a mesh's data axis a prefill and an insert run `rows_per_prefill` rows: the requests', then padding
+rows that go nowhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from gpt.inference.decoding import (
+    Admission,
+    Decoder,
+    Emitted,
+    Prefix,
+    PromptScores,
+    Settings,
+    compiled_decode,
+    compiled_free,
+    compiled_init_prefix,
+    compiled_init_slots,
+    compiled_insert,
+    compiled_prefill,
+)
+from gpt.inference.request import Request
+from gpt.inference.sampling import SamplingParams
+from gpt.model.sharding import data_parallel_size
+
+__all__ = ["DeviceSlots"]
+
+# A prefill's row that goes nowhere (over a mesh's data axis a prefill and an insert run rows_per_prefill rows).
+PADDING = Request([0], 1, temperature=0.0)
+
+
+class DeviceSlots:
+    """`num_slots` slots of `cache_length` positions over `decoder`'s weights (and mesh, if any).
+
+    Attributes:
+      num_slots: the slots, `num_slots` rounded up to a multiple of rows_per_prefill.
+      rows_per_prefill: the rows of every prefill and insert (the mesh's data-parallel size, else 1).
+      slots: the device state (`gpt.inference.decoding.Slots`), replaced by each verb that changes it.
+    """
+
+    def __init__(self, decoder: Decoder, num_slots: int, cache_length: int, max_stop_tokens: int):
+        self.config, self.weights, self.mesh = decoder.config, decoder.weights, decoder.mesh
+        self.rows_per_prefill = data_parallel_size(self.mesh) if self.mesh is not None else 1
+        self.num_slots = -(-num_slots // self.rows_per_prefill) * self.rows_per_prefill
+        self.max_stop_tokens = max_stop_tokens
+        with self.on_mesh():
+            self.slots = compiled_init_slots(self.config, self.num_slots, cache_length, max_stop_tokens)
+
+    def on_mesh(self):
+        """A context in which the verbs run over the mesh (none without one)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def settings(self, request: Request, stops: Sequence[int]) -> Settings:
+        """A request's knobs as host scalars (one row of an Admission's settings); `stops`: its stop tokens,
+        as `check_stop_tokens` returned them."""
+        stop_tokens = np.full((self.max_stop_tokens,), -2, np.int32)
+        stop_tokens[: len(stops)] = stops
+        params = SamplingParams.create(request.temperature, request.top_k, request.top_p, request.min_p,
+                                       request.repetition_penalty)
+        seed, stream = (np.uint32(int(n) % 2**32) for n in (request.seed, request.stream))  # int(): a numpy seed too
+        return Settings(params=params, seed=seed, stream=stream, stop_tokens=stop_tokens,
+                        top_logprobs=np.bool_(request.logprobs > 0))
+
+    def fresh_prefix(self, length: int) -> Prefix:
+        """An empty Prefix of `rows_per_prefill` rows and `length` positions, for pieces to run into."""
+        with self.on_mesh():
+            return compiled_init_prefix(self.config, self.rows_per_prefill, length)
+
+    def prefill(self, requests: Sequence[Request], prefix: Prefix | None, start: int,
+                length: int) -> tuple[Prefix, PromptScores]:
+        """Run tokens start..start+length-1 of each request's prompt (row i: requests[i], then padding) into
+        `prefix` (None: a fresh one of `length` positions). Returns the prefix and the pieces' scores."""
+        rows = self._rows(requests)
+        tokens, lengths = _piece(rows, start, length)
+        targets = _piece(rows, start + 1, length)[0]
+        score = np.asarray([r.prompt_logprobs for r in rows], np.bool_)
+        top = np.asarray([r.logprobs > 0 for r in rows], np.bool_)
+        with self.on_mesh():
+            return compiled_prefill(self.config, self.weights, prefix, tokens, lengths, targets, score, top)
+
+    def insert(self, slots: Sequence[int | None], requests: Sequence[Request], settings: Sequence[Settings],
+               prefix: Prefix) -> Emitted:
+        """Move the requests' prompts (rows of `prefix`, run to their ends) into `slots`, each with its first
+        token; returns the Emitted [1, rows]. A slot of None, and a padding row, go nowhere."""
+        padding = self.rows_per_prefill - len(requests)
+        targets = [self.num_slots if slot is None else slot for slot in slots] + [self.num_slots] * padding  # past the end: dropped
+        settings = list(settings) + [self.settings(PADDING, ())] * padding
+        admission = Admission(slots=np.asarray(targets, np.int32),
+                              max_tokens=np.asarray([r.max_tokens for r in self._rows(requests)], np.int32),
+                              settings=jax.tree.map(lambda *rows: np.stack(rows), *settings))
+        with self.on_mesh():
+            self.slots, emitted = compiled_insert(self.config, self.weights, self.slots, prefix, admission)
+        return emitted
+
+    def decode(self, num_steps: int, stop_at_finish: bool, width: int, decoding: Sequence[int],
+               max_steps: int) -> Emitted:
+        """Up to `num_steps` (<= max_steps) decode steps over `width` rows that hold the `decoding` slots
+        (the slots' own order past them: distinct rows)."""
+        rows_R = None
+        if width < self.num_slots:
+            rest = [s for s in range(self.num_slots) if s not in decoding]
+            rows_R = np.asarray((list(decoding) + rest)[:width], np.int32)
+        with self.on_mesh():
+            self.slots, emitted = compiled_decode(self.config, self.weights, self.slots, np.int32(num_steps),
+                                                  np.bool_(stop_at_finish), max_steps=max_steps, rows_R=rows_R)
+        return emitted
+
+    def free(self, free_S: np.ndarray) -> None:
+        """Stop the slots in free_S (bool [S])."""
+        with self.on_mesh():
+            self.slots = compiled_free(self.slots, free_S)
+
+    def _rows(self, requests: Sequence[Request]) -> list[Request]:
+        """The requests of a prefill's `rows_per_prefill` rows: these, then padding."""
+        return list(requests) + [PADDING] * (self.rows_per_prefill - len(requests))
+
+
+def _piece(requests: Sequence[Request], start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens start..start+length-1 of each request's prompt: (int32 [b, length] right-padded, their real
+    lengths int32 [b])."""
+    pieces = [request.prompt[start: start + length] for request in requests]
+    tokens = np.zeros((len(pieces), length), np.int32)
+    for row, piece in enumerate(pieces):
+        tokens[row, : len(piece)] = piece
+    return tokens, np.asarray([len(piece) for piece in pieces], np.int32)

@@ -1,0 +1,87 @@
+"""Scored prompts' keys and values kept for later prompts that begin the same: the device's
+`PrefixPool` and the host's `PrefixIndex` of it, kept in step.
+
+A scored prompt (`Request.prompt_logprobs`) leaves its whole blocks in the pool after its prefill
+(`keep`); a later one loads what the pool holds of its beginning, with those tokens' scores, and runs only
+the rest (`load`). The choices of a multiple-choice item pay for their shared context once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpt.inference.completion import Completion
+from gpt.inference.decoding import (
+    PREFIX_BLOCK,
+    Prefix,
+    compiled_init_pool,
+    compiled_load_prefix,
+    compiled_save_blocks,
+)
+from gpt.inference.device_slots import DeviceSlots
+from gpt.inference.prefix_cache import PrefixIndex
+
+__all__ = ["PrefixStore"]
+
+
+def _blocks(length: int) -> int:
+    """How many pool blocks cover `length` positions (a load or a save of a prefix that long)."""
+    return -(-length // PREFIX_BLOCK)
+
+
+class PrefixStore:
+    """A pool of `tokens // PREFIX_BLOCK` blocks on `device`'s mesh (one row per prefill: not over a
+    data axis).
+
+    Attributes:
+      tokens_reused: prompt positions loaded from the pool instead of run (a running total).
+    """
+
+    def __init__(self, device: DeviceSlots, tokens: int):
+        self.device, self.index = device, PrefixIndex(tokens // PREFIX_BLOCK, PREFIX_BLOCK)
+        with device.on_mesh():
+            self.pool = compiled_init_pool(device.config, self.index.blocks)
+        self.tokens_reused = 0
+
+    def load(self, completion: Completion, length: int) -> tuple[Prefix, int]:
+        """A one-row prefix of `length` positions for `completion`'s prompt and how many of its tokens it
+        holds: what the pool holds of the prompt's beginning, except the last token held or the prompt's
+        last (that one runs again: what follows it needs its output); those tokens' scores go to the
+        completion. (A fresh prefix and 0 when the pool holds none of it.)"""
+        request = completion.request
+        held = self.index.match(request.prompt, request.logprobs)
+        done = min(len(held) * PREFIX_BLOCK - 1, len(request.prompt) - 1) if held else 0
+        if done <= 0:
+            return self.device.fresh_prefix(length), 0
+        self.tokens_reused += done
+        for logprob, top in [score for _, scores in held for score in scores][1: done + 1]:
+            completion.prompt_logprobs.append(logprob)
+            completion.prompt_top_logprobs.append(top)
+        ids = np.zeros((_blocks(length),), np.int32)
+        ids[: len(held)] = [block for block, _ in held]
+        tokens = np.zeros((length,), np.int32)
+        tokens[: len(request.prompt)] = request.prompt
+        with self.device.on_mesh():
+            return compiled_load_prefix(self.device.config, self.pool, ids, tokens, np.int32(done)), done
+
+    def keep(self, completion: Completion, prefix: Prefix) -> None:
+        """Put a scored prompt's whole blocks (row 0 of `prefix`, run to its end) in the pool."""
+        request = completion.request
+        scores = list(zip(completion.prompt_logprobs, completion.prompt_top_logprobs))
+        added = self.index.add(request.prompt, request.logprobs, scores)
+        if not added:
+            return
+        blocks = _blocks(prefix.cache.length)
+        starts, ids = np.zeros((blocks,), np.int32), np.full((blocks,), self.index.blocks, np.int32)  # past the end: skipped
+        starts[: len(added)], ids[: len(added)] = zip(*added)
+        with self.device.on_mesh():
+            self.pool = compiled_save_blocks(self.pool, prefix, starts, ids)
+
+    def warm(self, length: int) -> None:
+        """Run once a load from the pool and a save to it (of no block) of a prefix of `length` positions."""
+        blocks = _blocks(length)
+        with self.device.on_mesh():
+            prefix = compiled_load_prefix(self.device.config, self.pool, np.zeros((blocks,), np.int32),
+                                          np.zeros((length,), np.int32), np.int32(1))
+            self.pool = compiled_save_blocks(self.pool, prefix, np.zeros((blocks,), np.int32),
+                                             np.full((blocks,), self.index.blocks, np.int32))  # skips them all
