@@ -69,3 +69,24 @@ def fresh_compile_caches():
     import jax
 
     jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The server tests' model (`serving.decisive_model`: GPT-2's vocabulary, no greedy ties), one per module;
+    a module with a `model` of its own uses that."""
+    from serving import decisive_model
+
+    return decisive_model()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    """A server over `model` (4 slots, 16 queued, 128 positions) on an ephemeral port, one per module that
+    asks (each module's own: what one module's clients do to it never reaches another's), stopped after it."""
+    from serving import Server
+
+    server = Server(model, slots=4, max_queue=16, cache_length=128)
+    yield server
+    server.stop()
+

@@ -18,20 +18,8 @@ import pytest
 from gpt.model import gpt2
 from gpt.tokenizer import get_tokenizer
 
-from serving import Server, alone, decisive_model
+from serving import Server, alone
 from training import ROOT
-
-
-@pytest.fixture(scope="module")
-def model():
-    return decisive_model()
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    server = Server(model, slots=4, max_queue=16, cache_length=128)
-    yield server
-    server.stop()
 
 
 def test_openai_client_completions_equal_generate_text(server, model):

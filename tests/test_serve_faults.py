@@ -21,20 +21,8 @@ from gpt.serve import app as app_module
 from gpt.serve.server import startup_lines
 from gpt.tokenizer import get_tokenizer
 
-from serving import Server, alone, decisive_model
+from serving import Server, alone
 from training import ROOT
-
-
-@pytest.fixture(scope="module")
-def model():
-    return decisive_model()
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    server = Server(model, slots=4, max_queue=16, cache_length=128)
-    yield server
-    server.stop()
 
 
 def post(server, content: bytes, path: str = "/v1/completions", **kwargs) -> httpx.Response:
