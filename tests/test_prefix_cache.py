@@ -22,12 +22,26 @@ def test_the_index_finds_the_longest_run_of_whole_blocks_from_the_start():
     index = PrefixIndex(blocks=8, block=4)
     prompt = list(range(10))
     assert index.add(prompt, 1, scores(10)) == [(0, 0), (4, 1)]  # two whole blocks; the last two tokens are not one
-    assert [block for block, _ in index.match(prompt[:9] + [99], 1)] == [0, 1]
-    assert [block for block, _ in index.match(prompt[:6] + [99] * 4, 1)] == [0]  # block 1 differs
-    assert index.match([99] + prompt[1:], 1) == []  # a block is found only after the very same tokens
-    assert index.match(prompt, 2) == []  # another variant (more alternatives asked) is another entry
-    assert index.match(prompt, 1)[1][1] == scores(10)[4:8]
+    blocks, held = index.match(prompt[:9] + [99], 1)
+    assert [block for block, _ in blocks] == [0, 1] and held == 8
+    assert index.match([99] + prompt[1:], 1) == ([], 0)  # a block is found only after the very same tokens
+    assert index.match(prompt, 2) == ([], 0)  # another variant (more alternatives asked) is another entry
+    assert index.match(prompt, 1)[0][1][1] == scores(10)[4:8]
     assert index.add(prompt + [10, 11], 1, scores(12)) == [(8, 2)]  # held blocks are not added twice
+
+
+def test_past_its_whole_blocks_a_prompt_takes_the_block_after_them_that_agrees_with_it_longest():
+    index = PrefixIndex(blocks=8, block=4)
+    index.add(list(range(8)), 1, scores(8))  # block 0: [0, 1, 2, 3], block 1: [4, 5, 6, 7]
+    index.add([0, 1, 2, 3, 4, 5, 9, 9], 1, scores(8))  # block 2: [4, 5, 9, 9], after the same block 0
+    blocks, held = index.match([0, 1, 2, 3, 4, 5, 6, 50, 51], 1)
+    assert [block for block, _ in blocks] == [0, 1] and held == 7  # block 1 agrees on 4, 5, 6
+    blocks, held = index.match([0, 1, 2, 3, 4, 5, 9, 7], 1)
+    assert [block for block, _ in blocks] == [0, 2] and held == 7  # block 2 agrees on three, block 1 on two
+    blocks, held = index.match([0, 1, 9], 1)
+    assert [block for block, _ in blocks] == [0] and held == 2  # within the first block
+    assert index.match([0, 1, 2, 3, 8], 1)[1] == 4  # no block after the first agrees at all
+    assert index.match([0, 1, 2, 3, 4], 2) == ([], 0)  # nor does another variant's
 
 
 def test_a_full_index_lets_the_least_recently_used_blocks_go():
@@ -36,8 +50,9 @@ def test_a_full_index_lets_the_least_recently_used_blocks_go():
     index.add([5, 6, 7, 8], 0, scores(4))  # blocks 2, 3
     index.match([1, 2, 3, 4], 0)  # [1, 2, ...] is now the most recently used
     assert index.add([9, 10], 0, scores(2)) == [(0, 2)]  # takes [5, 6]'s block
-    assert index.match([5, 6, 7, 8], 0) == []  # [5, 6, 7, 8] now begins with a block that is gone
-    assert len(index.match([1, 2, 3, 4], 0)) == 2
+    assert index.match([5, 6, 7, 8], 0) == ([], 0)  # [5, 6, 7, 8] now begins with a block that is gone
+    assert index.match([9, 6], 0)[1] == 1  # the block that took its place is found in its place
+    assert len(index.match([1, 2, 3, 4], 0)[0]) == 2
     assert index.add(list(range(20, 30)), 0, scores(10)) == []  # five blocks never fit in four
 
 
@@ -75,11 +90,13 @@ def test_scored_prompts_that_share_a_beginning_give_what_they_give_without_the_p
         results[tokens] = completions, engine.prompt_tokens_reused
     (alone, none_reused), (pooled, reused) = results[0], results[pool_tokens]
     assert none_reused == 0
-    # Roomy: each later choice loads the context's 3 whole blocks but their last token (47), `other` + [5]
-    # its 2 (31), context[:33] 2 (31), context[:31] 1 (15). Four blocks: the others' blocks push the
-    # context's out, and only the fourth prompt (47), context[:33] (31) and context[:31] (15) find theirs.
-    # Together, each round's entrants run shortest first, an order of the engine's own.
-    assert reused == (47 + 47 + 31 + 47 + 31 + 15 if pool_tokens == 4096 else 47 + 31 + 15) or together and reused > 0
+    # Roomy: the second and third choices load the context's 3 whole blocks but their last token (47),
+    # `other` + [5] its 2 (31); the fourth also the first 2 tokens of the block the third left after them
+    # (the context's last two: 49); context[:33] 2 blocks and the 1 token it shares with the next (32),
+    # context[:31] 1 block and 15 of the next (30). Four blocks: the others' blocks push the context's out,
+    # and only the third choice (47), context[:33] (32) and context[:31] (30) find theirs. Together, each
+    # round's entrants run shortest first, an order of the engine's own.
+    assert reused == (47 + 47 + 31 + 49 + 32 + 30 if pool_tokens == 4096 else 47 + 32 + 30) or together and reused > 0
     for prompt, a, b in zip(prompts, alone, pooled):
         assert len(b.prompt_logprobs) == len(prompt) and b.prompt_logprobs[0] is None
         np.testing.assert_allclose(b.prompt_logprobs[1:], a.prompt_logprobs[1:], rtol=1e-5, atol=1e-5)

@@ -5,6 +5,9 @@ each keyed by every token from the prompt's start to the block's end (so a block
 the very same tokens), with the scores of its tokens. A later scored prompt that begins with the same
 blocks loads their keys and values and runs only the rest: the choices of a multiple-choice item, sent by
 lm-evaluation-harness as separate requests in an order of its own, pay for their shared context once.
+Past its whole blocks, a prompt also takes the block stored after the same beginning that agrees with it
+longest, as far as it agrees: a position's keys and values depend only on the tokens up to it, so a
+context that ends inside a block is loaded to its last token, not to the block before.
 When the pool is full the least recently used block goes.
 """
 
@@ -33,13 +36,15 @@ class PrefixIndex:
         self.block, self.blocks = block, blocks
         self._free = list(range(blocks - 1, -1, -1))
         self._entries: collections.OrderedDict[bytes, tuple[int, list[TokenScore]]] = collections.OrderedDict()
+        self._children: dict[bytes, set[bytes]] = {}  # a key of k blocks -> the keys of k + 1 blocks after it
 
     def _key(self, prompt: np.ndarray, blocks: int, variant: int) -> bytes:
         return variant.to_bytes(2, "little") + prompt[: blocks * self.block].tobytes()
 
-    def match(self, prompt: Sequence[int], variant: int) -> list[tuple[int, list[TokenScore]]]:
-        """The pool blocks (id, scores of its tokens) that hold the longest run of `prompt`'s whole blocks
-        from its start; each becomes the most recently used."""
+    def match(self, prompt: Sequence[int], variant: int) -> tuple[list[tuple[int, list[TokenScore]]], int]:
+        """The pool blocks (id, scores of its tokens) that hold the longest run of `prompt` from its start,
+        and how many of its tokens they hold: its whole blocks, then the block after them that agrees with
+        it longest (see the module's docstring). Each becomes the most recently used."""
         prompt = np.asarray(prompt, np.int32)
         found = []
         for k in range(1, len(prompt) // self.block + 1):
@@ -48,7 +53,19 @@ class PrefixIndex:
                 break
             self._entries.move_to_end(key)
             found.append(self._entries[key])
-        return found
+        held = len(found) * self.block
+        rest = prompt[held: held + self.block]
+        best, agreed = None, 0
+        for child in self._children.get(self._key(prompt, len(found), variant), ()):
+            tokens = np.frombuffer(child[-4 * self.block:], np.int32)[: len(rest)]
+            differ = np.flatnonzero(tokens != rest)
+            same = int(differ[0]) if differ.size else len(rest)
+            if same > agreed:
+                best, agreed = child, same
+        if best is not None:
+            self._entries.move_to_end(best)
+            found.append(self._entries[best])
+        return found, held + agreed
 
     def add(self, prompt: Sequence[int], variant: int, scores: Sequence[TokenScore]) -> list[tuple[int, int]]:
         """Index `prompt`'s whole blocks (its tokens' `scores` beside them), taking the least recently used
@@ -65,8 +82,14 @@ class PrefixIndex:
                 self._entries.move_to_end(key)
                 continue
             if not self._free:
-                self._free.append(self._entries.popitem(last=False)[1][0])
+                gone, (block, _) = self._entries.popitem(last=False)
+                self._free.append(block)
+                siblings = self._children[gone[: -4 * self.block]]
+                siblings.discard(gone)
+                if not siblings:
+                    del self._children[gone[: -4 * self.block]]
             block = self._free.pop()
             self._entries[key] = (block, list(scores[(k - 1) * self.block: k * self.block]))
+            self._children.setdefault(key[: -4 * self.block], set()).add(key)
             added.append(((k - 1) * self.block, block))
         return added
