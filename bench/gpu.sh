@@ -8,6 +8,8 @@
 #   bash bench/gpu.sh tests     # the engine, generate, model and server tests on the GPU
 #   bash bench/gpu.sh sample    # sample_bench in bfloat16, batch 1 / 8 / 64, torch on CUDA beside it
 #   bash bench/gpu.sh serve     # serve_bench's load in bfloat16, transformers' continuous batching beside it
+#   bash bench/gpu.sh ttl       # time_to_loss at GPT-2 124M's shape in bfloat16 (gpt2, modern, torch.compile),
+#                               # on the machine's own Python standard library; a call of its own (~6 minutes)
 #
 # Each job has a time budget (seconds, below) so that `all` ends inside one 10-minute call; a job cut off
 # at its budget leaves what it printed so far in $OUT/<job>.log. Logs go to $OUT.
@@ -25,6 +27,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax, torch, transformers; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__, 'transformers', transformers.__version__)"
 git log -1 --format='commit %h %cd' 2>/dev/null || true
 
+# Every .py of the standard library outside site-packages (~30 MB of text): a real corpus every machine has.
+STDLIB_FILES='import pathlib, sysconfig
+root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+print("\n".join(str(p) for p in sorted(root.rglob("*.py")) if not {"site-packages", "dist-packages"} & set(p.parts)))'
+
 jobs=("$@")
 [ "${jobs[*]}" = all ] && jobs=(check train tests sample serve)
 status=0
@@ -33,12 +40,16 @@ for job in "${jobs[@]}"; do
   case $job in
     check) timeout 60 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
     train) timeout 280 python3 bench/gpu_bench.py --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" ;;
-    tests) timeout 80 python3 -m pytest -q -x -p no:cacheprovider tests/test_model.py tests/test_engine.py \
+    tests) timeout 80 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/test_model.py tests/test_engine.py \
              tests/test_generate.py tests/test_serve.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     sample) timeout 60 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/sample.log" ;;
     serve) timeout 90 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/serve.log" ;;
+    ttl) timeout 570 python3 bench/time_to_loss.py --preset gpt2 --block_size 1024 --batch_size 32 \
+             --dtype bfloat16 --lr 6e-4 --max_steps 500 --eval_every 50 --variants gpt2 modern torch \
+             --results "$OUT/ttl.jsonl" --png "$OUT/ttl.png" --data $(python3 -c "$STDLIB_FILES") 2>&1 \
+             | grep -v -e "it/s]" -e Warn | tee "$OUT/ttl.log" ;;
     *) echo "unknown job $job"; exit 2 ;;
   esac
   code=${PIPESTATUS[0]}

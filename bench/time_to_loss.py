@@ -3,13 +3,17 @@
     python bench/time_to_loss.py                                # every variant below, seed 0
     python bench/time_to_loss.py --variants gpt2 modern --seeds 0 1 2
     python bench/time_to_loss.py --report-only                  # the table and plot from the saved results
+    python bench/time_to_loss.py --preset gpt2 --block_size 1024 --batch_size 32 --dtype bfloat16 \
+        --lr 6e-4 --variants gpt2 modern torch --data FILES      # GPT-2 124M's shape on a GPU (bench/gpu.sh ttl)
 
 Every variant trains `python train.py`'s default run (the `small` shape, batch 8 x 128 tokens, 300 steps,
 warmup 30) on the default corpus's own prepared shards, the same batches in the same order, from its own
 initial weights: `gpt2` (the default recipe), `modern` (`gpt.train.recipes`), each of the modern recipe's
 pieces alone on top of gpt2, label smoothing, and `torch` (the gpt2 recipe written the nanoGPT way:
 transformers' GPT2LMHeadModel, torch AdamW, the same schedule, clipping and weight decay, eager on the
-CPU). The validation loss (plain cross-entropy, the same `eval_iters` held-out batches for all) is taken
+CPU; on a GPU, in CUDA with torch.compile, and in bfloat16 autocast when --dtype is bfloat16). The
+shape, batch, dtype and corpus are flags, so the same comparison runs at GPT-2 124M's shape on a GPU. The
+validation loss (plain cross-entropy, the same `eval_iters` held-out batches for all) is taken
 every `--eval_every` steps with the clock stopped; compiling is done before the clock starts.
 
 The target is the gpt2 recipe's final validation loss (mean over its seeds); each variant's time to it
@@ -32,6 +36,7 @@ from flax import nnx
 
 from gpt.data.loader import Batches
 from gpt.data.prepare import default_corpus, prepare
+from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh
 from gpt.model.transformer import GPT
 from gpt.train import TrainConfig, with_recipe
@@ -64,8 +69,22 @@ class BenchConfig:
     """Steps between validation losses."""
     max_steps: int | None = None
     """Steps per run (default: train.py's, 300)."""
+    data: tuple[str, ...] = ()
+    """Corpus inputs to prepare and train on (files, directories, globs; default: the default corpus)."""
     data_dir: str = ""
-    """Prepared shards of the default corpus (default: prepared into a temporary directory)."""
+    """Prepared shards (`python -m gpt.data`) to train on (default: the default corpus, prepared into a
+    temporary directory)."""
+    preset: str = "small"
+    """The model's shape (a GPTConfig preset: `gpt2` is GPT-2 124M)."""
+    block_size: int = 128
+    batch_size: int = 8
+    dtype: str = "float32"
+    """The compute dtype (bfloat16 on a GPU; parameters stay float32)."""
+    lr: float | None = None
+    """The learning rate of the gpt2 recipe and the torch peer (default: TrainConfig's); the modern recipe
+    sets its own."""
+    warmup_steps: int | None = None
+    """Warmup steps (default: TrainConfig's, a tenth of the run)."""
     results: str = "bench/time_to_loss.jsonl"
     """Where each evaluation is appended (JSON lines; git ignores it)."""
     png: str = "bench/time_to_loss.png"
@@ -73,11 +92,14 @@ class BenchConfig:
     """Only print the table and draw the plot from --results."""
 
 
-def train_config(name: str, seed: int, max_steps: int | None) -> TrainConfig:
+def train_config(name: str, seed: int, bench: BenchConfig) -> TrainConfig:
     recipe, model_changes, changes = VARIANTS[name]
-    config = with_recipe(TrainConfig(seed=seed, block_size=128), recipe)
-    config = dataclasses.replace(config, model=config.model.replace(vocab_size=50257, **model_changes), **changes)
-    return config if max_steps is None else dataclasses.replace(config, max_steps=max_steps)
+    shape = GPTConfig.preset(bench.preset, dtype=bench.dtype)
+    given = {name: value for name, value in dict(lr=bench.lr, warmup_steps=bench.warmup_steps,
+                                                   max_steps=bench.max_steps).items() if value is not None}
+    config = with_recipe(TrainConfig(seed=seed, model=shape, block_size=bench.block_size,
+                                     batch_size=bench.batch_size, **given), recipe)
+    return dataclasses.replace(config, model=config.model.replace(vocab_size=50257, **model_changes), **changes)
 
 
 def jax_run(config: TrainConfig, data_dir: str):
@@ -113,29 +135,41 @@ def validation(config: TrainConfig, data_dir: str) -> list[np.ndarray]:
 
 
 def torch_run(config: TrainConfig, data_dir: str):
-    """The nanoGPT-style peer: the gpt2 recipe in PyTorch, on the same batches and schedule."""
+    """The nanoGPT-style peer: the gpt2 recipe in PyTorch, on the same batches and schedule. On a GPU (when
+    JAX's runs there too): CUDA, torch.compile (compiled before the clock starts), fused AdamW, and bfloat16
+    autocast when the model's dtype is bfloat16; on a CPU, eager float32."""
+    import contextlib
+
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(config.seed)
+    cuda = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
     m = config.model
     model = GPT2LMHeadModel(GPT2Config(vocab_size=m.vocab_size, n_positions=m.block_size, n_embd=m.n_embd,
                                        n_layer=m.n_layer, n_head=m.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                                       attn_pdrop=0.0)).train()
+                                       attn_pdrop=0.0)).to(device).train()
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": config.weight_decay},
                                    {"params": vectors, "weight_decay": 0.0}],
-                                  lr=config.lr, betas=(config.beta1, config.beta2))
+                                  lr=config.lr, betas=(config.beta1, config.beta2), fused=cuda)
     schedule = make_schedule(config.optimizer_config, config.lr)
     train_batches = Batches.of_split(data_dir, "train", config.block_size, config.batch_size, config.seed)
-    val_batches = [torch.from_numpy(b.astype(np.int64)) for b in validation(config, data_dir)]
+    val_batches = [torch.from_numpy(b.astype(np.int64)).to(device) for b in validation(config, data_dir)]
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda and m.dtype == "bfloat16"
+                else contextlib.nullcontext())
+    forward = torch.compile(model) if cuda else model
+
+    def loss_of(batch):
+        with autocast:
+            return forward(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss  # HF shifts the labels itself
 
     def step(i: int) -> float:
         for group in optimizer.param_groups:
             group["lr"] = float(schedule(i))
-        batch = torch.from_numpy(train_batches[i].astype(np.int64))
-        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss  # HF shifts the labels itself
+        loss = loss_of(torch.from_numpy(train_batches[i].astype(np.int64)).to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
@@ -145,16 +179,20 @@ def torch_run(config: TrainConfig, data_dir: str):
     def evaluate() -> float:
         with torch.no_grad():
             model.eval()
-            losses = [float(model(input_ids=b[:, :-1], labels=b[:, :-1]).loss) for b in val_batches]
+            losses = [float(loss_of(b)) for b in val_batches]
             model.train()
         return float(np.mean(losses))
 
+    if cuda:  # compile the training and the evaluation graphs before the clock starts; no weight changes
+        loss_of(torch.from_numpy(train_batches[0].astype(np.int64)).to(device)).backward()
+        optimizer.zero_grad(set_to_none=True)
+        evaluate()
     return step, evaluate
 
 
 def run(name: str, seed: int, bench: BenchConfig, data_dir: str) -> list[dict]:
     """One variant's curve: a record per evaluation with the step, tokens seen and training seconds."""
-    config = train_config(name, seed, bench.max_steps)
+    config = train_config(name, seed, bench)
     step, evaluate = (torch_run if name == "torch" else jax_run)(config, data_dir)
     tokens_per_step = config.batch_size * config.block_size
     records, seconds = [], 0.0
@@ -171,6 +209,11 @@ def run(name: str, seed: int, bench: BenchConfig, data_dir: str) -> list[dict]:
         else:
             seconds += time.perf_counter() - start
     return records
+
+
+def device_name() -> str:
+    """What the runs ran on: the GPU's name, or the CPU's."""
+    return jax.devices()[0].device_kind if jax.default_backend() == "gpu" else cpu_name()
 
 
 def time_to(curve: list[dict], target: float) -> float | None:
@@ -202,7 +245,7 @@ def report(bench: BenchConfig) -> None:
     target = float(np.mean([curve[-1]["val_loss"] for curve in baseline.values()]))
     baseline_time = float(np.mean([curve[-1]["seconds"] for curve in baseline.values()]))
     print(f"target: the gpt2 recipe's final validation loss, {target:.4f} (mean of {len(baseline)} seeds), "
-          f"after {baseline_time:.1f} s of training; {cpu_name()}")
+          f"after {baseline_time:.1f} s of training; {device_name()}")
     print("\n| variant | seeds | final val loss | s/step | time to target (s) | vs gpt2 | val loss at gpt2's time |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, by_seed in curves.items():
@@ -236,7 +279,7 @@ def plot(curves: dict, target: float, png: str) -> None:
             label = name if seed == min(by_seed) else None
             by_time.plot([r["seconds"] for r in curve], [r["val_loss"] for r in curve], label=label, **style)
             by_tokens.plot([r["tokens"] / 1e3 for r in curve], [r["val_loss"] for r in curve], **style)
-    for ax, label in ((by_time, "training seconds (2-core CPU)"), (by_tokens, "thousand tokens")):
+    for ax, label in ((by_time, f"training seconds ({device_name()})"), (by_tokens, "thousand tokens")):
         ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
@@ -244,7 +287,7 @@ def plot(curves: dict, target: float, png: str) -> None:
     lowest = min(r["val_loss"] for by_seed in curves.values() for c in by_seed.values() for r in c)
     by_time.set_ylim(lowest - 0.05, target + 1.0)
     by_time.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"time to loss, {cpu_name()}: dashed = the gpt2 recipe's final loss", fontsize=9)
+    fig.suptitle(f"time to loss, {device_name()}: dashed = the gpt2 recipe's final loss", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print(f"\nwrote {png}")
@@ -256,9 +299,11 @@ def main(bench: BenchConfig) -> None:
         if unknown:
             raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
         with tempfile.TemporaryDirectory() as scratch:
-            data_dir = bench.data_dir or str(Path(scratch) / "data")
-            prepare(default_corpus(), data_dir, TrainConfig().val_fraction)
-            print(f"# {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, jax {jax.__version__}")
+            data_dir = bench.data_dir
+            if not data_dir:
+                data_dir = str(Path(scratch) / "data")
+                prepare(list(bench.data) or default_corpus(), data_dir, TrainConfig().val_fraction)
+            print(f"# {device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, jax {jax.__version__}")
             for seed in bench.seeds:
                 for name in bench.variants:
                     with open(bench.results, "a") as out:
