@@ -95,8 +95,8 @@ class BenchConfig:
 def train_config(name: str, seed: int, bench: BenchConfig) -> TrainConfig:
     recipe, model_changes, changes = VARIANTS[name]
     shape = GPTConfig.preset(bench.preset, dtype=bench.dtype)
-    given = {name: value for name, value in dict(lr=bench.lr, warmup_steps=bench.warmup_steps,
-                                                   max_steps=bench.max_steps).items() if value is not None}
+    given = {field: value for field, value in dict(lr=bench.lr, warmup_steps=bench.warmup_steps,
+                                                    max_steps=bench.max_steps).items() if value is not None}
     config = with_recipe(TrainConfig(seed=seed, model=shape, block_size=bench.block_size,
                                      batch_size=bench.batch_size, **given), recipe)
     return dataclasses.replace(config, model=config.model.replace(vocab_size=50257, **model_changes), **changes)

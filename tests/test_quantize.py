@@ -67,14 +67,15 @@ def test_no_float_copy_of_a_quantized_matrix_in_the_decode_loop():
     model = GPT(config, rngs=nnx.Rngs(0))
     engine = Engine(model, slots=2, cache_length=32, quantize="int8")
     shapes = [(144, 48), (192, 48), (48, 192), (300, 48)]
-    text = compiled_decode.lower(config, engine.weights, engine.device.slots, np.int32(1), np.bool_(False),
+    device = engine.device
+    text = compiled_decode.lower(config, device.weights, device.slots, np.int32(1), np.bool_(False),
                                  max_steps=1).compile().as_text()
     assert "s8[144,48]" in text  # the int8 matrices are there...
     for k, d in shapes:
         for shape in (f"f32[{k},{d}]", f"f32[{d},{k}]", f"bf16[{k},{d}]", f"bf16[{d},{k}]"):
             assert not re.search(re.escape(shape) + r"[{ ]", text), shape  # ...and no float copy of them
-    float_engine = Engine(model, slots=2, cache_length=32)
-    text = compiled_decode.lower(config, float_engine.weights, float_engine.device.slots, np.int32(1), np.bool_(False),
+    device = Engine(model, slots=2, cache_length=32).device
+    text = compiled_decode.lower(config, device.weights, device.slots, np.int32(1), np.bool_(False),
                                  max_steps=1).compile().as_text()
     assert re.search(r"f32\[144,48\][{ ]", text)  # the check can see a float matrix when there is one
 

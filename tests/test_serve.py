@@ -93,7 +93,7 @@ def test_a_server_over_a_device_mesh_answers_as_one_device_does(model):
             replies = list(pool.map(lambda p: server.client.completions.create(
                 model="tiny", prompt=p, max_tokens=12, temperature=0), prompts))
         assert [r.choices[0].text for r in replies] == [alone(model, p, 12) for p in prompts]
-        assert {len(w.sharding.device_set) for w in jax.tree.leaves(server.engine.weights)} == {8}
+        assert {len(w.sharding.device_set) for w in jax.tree.leaves(server.engine.device.weights)} == {8}
     finally:
         server.stop()
 

@@ -43,7 +43,8 @@ PADDING = Request([0], 1, temperature=0.0)
 
 
 class DeviceSlots:
-    """`num_slots` slots of `cache_length` positions over `decoder`'s weights (and mesh, if any).
+    """`num_slots` slots of `cache_length` positions over `decoder`'s weights (and mesh, if any), decoded
+`max_steps` steps a call at most (one compiled decode loop).
 
     Attributes:
       num_slots: the slots, `num_slots` rounded up to a multiple of rows_per_prefill.
@@ -51,11 +52,11 @@ class DeviceSlots:
       slots: the device state (`gpt.inference.decoding.Slots`), replaced by each verb that changes it.
     """
 
-    def __init__(self, decoder: Decoder, num_slots: int, cache_length: int, max_stop_tokens: int):
+    def __init__(self, decoder: Decoder, num_slots: int, cache_length: int, max_stop_tokens: int, max_steps: int):
         self.config, self.weights, self.mesh = decoder.config, decoder.weights, decoder.mesh
         self.rows_per_prefill = data_parallel_size(self.mesh) if self.mesh is not None else 1
         self.num_slots = -(-num_slots // self.rows_per_prefill) * self.rows_per_prefill
-        self.max_stop_tokens = max_stop_tokens
+        self.max_stop_tokens, self.max_steps = max_stop_tokens, max_steps
         with self.on_mesh():
             self.slots = compiled_init_slots(self.config, self.num_slots, cache_length, max_stop_tokens)
 
@@ -96,7 +97,8 @@ class DeviceSlots:
         """Move the requests' prompts (rows of `prefix`, run to their ends) into `slots`, each with its first
         token; returns the Emitted [1, rows]. A slot of None, and a padding row, go nowhere."""
         padding = self.rows_per_prefill - len(requests)
-        targets = [self.num_slots if slot is None else slot for slot in slots] + [self.num_slots] * padding  # past the end: dropped
+        past_the_end = self.num_slots  # dropped
+        targets = [past_the_end if slot is None else slot for slot in slots] + [past_the_end] * padding
         settings = list(settings) + [self.settings(PADDING, ())] * padding
         admission = Admission(slots=np.asarray(targets, np.int32),
                               max_tokens=np.asarray([r.max_tokens for r in self._rows(requests)], np.int32),
@@ -105,8 +107,7 @@ class DeviceSlots:
             self.slots, emitted = compiled_insert(self.config, self.weights, self.slots, prefix, admission)
         return emitted
 
-    def decode(self, num_steps: int, stop_at_finish: bool, width: int, decoding: Sequence[int],
-               max_steps: int) -> Emitted:
+    def decode(self, num_steps: int, stop_at_finish: bool, width: int, decoding: Sequence[int]) -> Emitted:
         """Up to `num_steps` (<= max_steps) decode steps over `width` rows that hold the `decoding` slots
         (the slots' own order past them: distinct rows)."""
         rows_R = None
@@ -115,7 +116,7 @@ class DeviceSlots:
             rows_R = np.asarray((list(decoding) + rest)[:width], np.int32)
         with self.on_mesh():
             self.slots, emitted = compiled_decode(self.config, self.weights, self.slots, np.int32(num_steps),
-                                                  np.bool_(stop_at_finish), max_steps=max_steps, rows_R=rows_R)
+                                                  np.bool_(stop_at_finish), max_steps=self.max_steps, rows_R=rows_R)
         return emitted
 
     def free(self, free_S: np.ndarray) -> None:

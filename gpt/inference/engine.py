@@ -105,13 +105,13 @@ class Engine:
             _checked_arguments(config.block_size, slots=slots, cache_length=cache_length, max_queue=max_queue,
                                steps_per_call=steps_per_call, max_stop_tokens=max_stop_tokens,
                                prefill_chunk=prefill_chunk, prefix_cache_tokens=prefix_cache_tokens)
-        self.device = DeviceSlots(Decoder.of(model, quantize, mesh), slots, cache_length, max_stop_tokens)
+        self.device = DeviceSlots(Decoder.of(model, quantize, mesh), slots, cache_length, max_stop_tokens,
+                                  steps_per_call)
         self.config, self.num_slots, self.cache_length = config, self.device.num_slots, cache_length
         self.max_queue, self.steps_per_call, self.max_stop_tokens = max_queue, steps_per_call, max_stop_tokens
         self.prefill_chunk = min(prefill_chunk, cache_length)
         self.prompt_buckets = prompt_buckets(self.prefill_chunk)
-        self.mesh, self.weights = self.device.mesh, self.device.weights
-        self.decode_widths = decode_widths(self.num_slots, self.mesh)
+        self.decode_widths = decode_widths(self.num_slots, self.device.mesh)
         pooled = prefix_cache_tokens >= PREFIX_BLOCK and self.device.rows_per_prefill == 1
         self._store = PrefixStore(self.device, prefix_cache_tokens) if pooled else None
         self._scheduler = Scheduler(self.num_slots, max_queue, self.device.rows_per_prefill, self.prefill_chunk, pooled)
@@ -165,7 +165,7 @@ class Engine:
             return admitted or advanced
         stop_at_finish = bool(self._scheduler.queue)  # someone waits for a slot: come back as soon as one frees
         width = next(w for w in self.decode_widths if w >= len(decoding))
-        emitted = self.device.decode(self.steps_per_call, stop_at_finish, width, decoding, self.steps_per_call)
+        emitted = self.device.decode(self.steps_per_call, stop_at_finish, width, decoding)
         self._scheduler.deliver(list(range(self.num_slots)), emitted)
         return True
 
@@ -214,7 +214,7 @@ class Engine:
         programs += [("prefix pool", f"loading and keeping {n} positions", functools.partial(self._store.warm, n))
                      for n in pooled]
         programs += [("decode", f"{width} of {self.num_slots} slots",
-                      functools.partial(self.device.decode, 1, False, width, [0], self.steps_per_call))
+                      functools.partial(self.device.decode, 1, False, width, [0]))
                      for width in self.decode_widths]
         programs += [("free", "slot 0", functools.partial(self.device.free, np.arange(self.num_slots) == 0))]
         return programs

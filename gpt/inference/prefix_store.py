@@ -46,8 +46,8 @@ class PrefixStore:
     def load(self, completion: Completion, length: int) -> tuple[Prefix, int]:
         """A one-row prefix of `length` positions for `completion`'s prompt and how many of its tokens it
         holds: what the pool holds of the prompt's beginning (`PrefixIndex.match`), except the last token
-        held or the prompt's last (that one runs again: what follows it needs its output); those tokens' scores go to the
-        completion. (A fresh prefix and 0 when the pool holds none of it.)"""
+        held or the prompt's last (that one runs again: what follows it needs its output); those tokens'
+        scores go to the completion. (A fresh prefix and 0 when the pool holds none of it.)"""
         request = completion.request
         held, count = self.index.match(request.prompt, request.logprobs)
         done = min(count - 1, len(request.prompt) - 1) if held else 0
