@@ -93,6 +93,18 @@ def test_the_forward_refuses_what_it_would_silently_clamp(tokens, message):
     assert model([[1, 2]]).shape == (1, 2, 256)  # nested lists are ids too
 
 
+def test_ids_closed_over_by_a_jitted_function_are_checked_and_run():
+    # Under jit, the check's min and max of concrete ids would be traced (no values to compare) unless
+    # evaluated at once; ids that arrive as arguments are traced and go unchecked.
+    graphdef, params = nnx.split(GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0)))
+    good, bad = jnp.array([[1, 2, 3]]), jnp.array([[1, 256]])
+    logits = jax.jit(lambda params: nnx.merge(graphdef, params)(good))(params)
+    passed = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))(params, good)
+    np.testing.assert_array_equal(logits, passed)
+    with pytest.raises(ConfigError, match=r"token id 256 is outside the vocabulary"):
+        jax.jit(lambda params: nnx.merge(graphdef, params)(bad))(params)
+
+
 def test_unknown_preset_lists_known_ones():
     with pytest.raises(ConfigError, match="unknown GPTConfig preset 'gpt3'.*gpt2-medium"):
         GPTConfig.preset("gpt3")

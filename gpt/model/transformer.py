@@ -14,6 +14,8 @@ config can switch each to a newer one: rotary positions, QK-norm, a relu(x)^2 ML
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +32,16 @@ from gpt.model.sharding import constrain
 __all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_normalize"]
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def standard_normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """`jax.random.normal(key, shape, dtype)`, drawn flat and reshaped: the same values (the draw's counter
+    is the element's flat index), but XLA compiles a 1-D draw several times faster than a 5-D one (a tiny
+    model's first init took seconds in these compiles)."""
+    return jax.random.normal(key, (math.prod(shape),), dtype).reshape(shape)
+
+
 def _normal(rngs: nnx.Rngs, shape, axes, dtype, std: float) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
+    return nnx.Param(std * standard_normal(rngs.params(), tuple(shape), jnp.dtype(dtype)), axes=axes)
 
 
 def _constant(value: float, shape, axes, dtype) -> nnx.Param:
@@ -244,6 +254,11 @@ def forward(
     return transform(config, weights, x_BTD, positions_BT, cache, blocks_key)
 
 
+# What GPT's methods run: one program per shape when called eagerly (op by op, a first forward dispatches
+# and compiles hundreds of small programs: seconds for a tiny model); inlined into a caller's own jit.
+compiled_forward = jax.jit(forward, static_argnames="config")
+
+
 def transform(
     config: GPTConfig,
     weights: Weights,
@@ -323,7 +338,7 @@ class GPT(nnx.Module):
     def hidden(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         """The training forward's final hidden states [B, T, D] (after the last LayerNorm)."""
         positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
-        return forward(self.config, self.weights(), tokens_BT, positions_BT, dropout_key=dropout_key)[0]
+        return compiled_forward(self.config, self.weights(), tokens_BT, positions_BT, dropout_key=dropout_key)[0]
 
     def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array, *, dropout_key: jax.Array | None = None,
              label_smoothing: float = 0.0) -> jax.Array:
@@ -362,7 +377,7 @@ class GPT(nnx.Module):
             positions_BT = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BT.shape) if cache is None
                             else cache.next_positions(T))
         weights = self.weights()
-        x_BTD, cache = forward(self.config, weights, tokens_BT, positions_BT, cache, dropout_key=dropout_key)
+        x_BTD, cache = compiled_forward(self.config, weights, tokens_BT, positions_BT, cache, dropout_key=dropout_key)
         logits_BTV = lm_head(weights, x_BTD)
         return logits_BTV if cache is None else (logits_BTV, cache)
 
@@ -376,7 +391,8 @@ class GPT(nnx.Module):
         if from_position_0 and shape[1] > self.config.block_size:
             raise ConfigError(f"{shape[1]} tokens are more than the model's context of {self.config.block_size}")
         if not isinstance(tokens_BT, jax.core.Tracer) and tokens_BT.size:
-            low, high = int(tokens_BT.min()), int(tokens_BT.max())
+            with jax.ensure_compile_time_eval():  # concrete ids closed over by a jitted caller have values
+                low, high = int(tokens_BT.min()), int(tokens_BT.max())
             if low < 0 or high >= self.config.vocab_size:
                 raise ConfigError(f"token id {low if low < 0 else high} is outside the vocabulary "
                                   f"[0, {self.config.vocab_size})")
