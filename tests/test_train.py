@@ -1,6 +1,7 @@
 """Training: learning, exact resume, signals, half-written checkpoints, other device counts, bad input."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -37,12 +38,16 @@ def test_validation_loss_falls_well_below_the_unigram_loss(tmp_path, prose_text)
 
 
 @pytest.mark.slow
-def test_resume_is_exact(tmp_path, corpus):
+def test_resume_is_exact(tmp_path, corpus, caplog):
     straight = run(tmp_path / "a", corpus, max_steps=8)
     first = run(tmp_path / "b", corpus, max_steps=8, stop_after=4)
     assert first.step == 4
-    resumed = run(tmp_path / "b", corpus, max_steps=8)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        resumed = run(tmp_path / "b", corpus, max_steps=8)
     assert resumed.start_step == 4 and resumed.step == 8
+    # The same settings in the same process: the train and eval steps compiled by the first run are reused.
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
+    assert not [line for line in compiled if line.startswith(("Compiling jit(step)", "Compiling jit(<lambda>)"))]
     for a, b in zip(flat(straight.params), flat(resumed.params)):
         np.testing.assert_array_equal(a, b)  # bitwise: same batches, same float32 ops on CPU
 

@@ -5,6 +5,7 @@ global-norm clipping and on a warmup + cosine or warmup-stable-decay schedule (`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -73,6 +74,7 @@ def muon_or_adamw(params) -> dict:
                                             params)
 
 
+@functools.cache  # one optimizer per config: a compiled train step is reused only with the same optimizer
 def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Global-norm clipping, then AdamW (weight decay on matrices only) over every parameter (`adamw`), or
     Muon over the blocks' matrices and AdamW over the rest: embeddings, the head, norms and biases (`muon`).

@@ -8,6 +8,8 @@ gradient norm and updated parameters are all finite: the loop never saves a step
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -72,7 +74,17 @@ def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh,
     compiled for `mesh` (the activations' sharding constraints refer to it); the new params and optimizer
     state keep `shardings` (param_shardings, opt_shardings), so donation reuses their buffers step after
     step. `finite` (bool) is False when the loss, the gradient norm or any updated parameter is not.
-    The loss trained on (and reported) uses `label_smoothing`."""
+    The loss trained on (and reported) uses `label_smoothing`.
+
+    Made once per process for equal arguments (`make_optimizer` gives equal configs one optimizer), so a
+    second run in the process, a resumed one for instance, reuses the first one's compiled step."""
+    leaves, treedef = jax.tree.flatten(shardings)
+    return _train_step(graphdef, optimizer, dropout, mesh, tuple(leaves), treedef, label_smoothing)
+
+
+@functools.lru_cache(maxsize=16)
+def _train_step(graphdef, optimizer, dropout, mesh, sharding_leaves, sharding_tree, label_smoothing):
+    shardings = jax.tree.unflatten(sharding_tree, sharding_leaves)
 
     def step(params, opt_state, batch_ABT1, key):
         def micro(grad_sum, xs):
@@ -95,8 +107,9 @@ def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh,
     return _on_mesh(jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, replicated(mesh))), mesh)
 
 
+@functools.lru_cache(maxsize=16)
 def make_eval_step(graphdef, mesh: jax.sharding.Mesh):
-    """eval(params, batch [B, T+1]) -> mean loss (float32 [])."""
+    """eval(params, batch [B, T+1]) -> mean loss (float32 []); made once per process for equal arguments."""
     return _on_mesh(jax.jit(lambda params, batch: loss_fn(nnx.merge(graphdef, params), batch)), mesh)
 
 
