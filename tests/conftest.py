@@ -60,15 +60,31 @@ def no_persistent_cache_left_on():
     assert jax.config.jax_compilation_cache_dir is None, "this test left JAX's persistent compilation cache on"
 
 
+# A test process keeps the programs it compiled from module to module (modules share the tiny models, and so
+# their programs: the server modules' engines compile once) until it holds this much memory.
+CACHE_BOUND_BYTES = 3 << 30
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux: /proc/self/statm); None where that cannot be read."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @pytest.fixture(autouse=True, scope="module")
-def fresh_compile_caches():
-    """Each test module ends by dropping the programs it compiled. Without this one pytest process holds
-    every program of the suite (~5 GB by its middle), and twice in full runs XLA segfaulted while compiling
-    or serializing in the last module, never when that module ran alone or after a few others."""
+def bounded_compile_caches():
+    """A module that ends with the process past CACHE_BOUND_BYTES (or where its size cannot be read) drops
+    every compiled program. Without a bound one pytest process holds every program of the suite (~6 GB by
+    its middle), and twice in full runs XLA segfaulted while compiling or serializing in the last module,
+    never when that module ran alone or after a few others."""
     yield
     import jax
 
-    jax.clear_caches()
+    size = resident_bytes()
+    if size is None or size > CACHE_BOUND_BYTES:
+        jax.clear_caches()
 
 
 @pytest.fixture(scope="module")
