@@ -8,7 +8,7 @@ from flax import nnx
 
 from gpt import GPT, GPTConfig
 from gpt.errors import ConfigError
-from gpt.model.transformer import embed, lm_head, transform
+from gpt.model.transformer import embed, lm_head, standard_normal, transform
 
 POSITIONS = ("learned", "sinusoidal", "rope")
 
@@ -103,6 +103,14 @@ def test_ids_closed_over_by_a_jitted_function_are_checked_and_run():
     np.testing.assert_array_equal(logits, passed)
     with pytest.raises(ConfigError, match=r"token id 256 is outside the vocabulary"):
         jax.jit(lambda params: nnx.merge(graphdef, params)(bad))(params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_init_draws_the_values_jax_random_normal_draws(dtype):
+    # The init draws flat and reshapes (a faster compile): the values must be those drawn in the shape.
+    key = jax.random.key(3)
+    for shape in [(2, 32, 3, 4, 8), (256, 32), (2, 4, 8, 32), (7,)]:
+        np.testing.assert_array_equal(standard_normal(key, shape, dtype), jax.random.normal(key, shape, dtype))
 
 
 def test_unknown_preset_lists_known_ones():
