@@ -199,7 +199,7 @@ def test_cancel_frees_the_slot(model):
 def test_stop_tokens_and_lengths_end_requests(model):
     free = generate(model, [[1, 2, 3]], 20, temperature=0)[0]
     stop = free[7]
-    engine = Engine(model, slots=2, cache_length=64)
+    engine = Engine(model, slots=2, cache_length=128)
     stopped = engine.submit(Request([1, 2, 3], 20, temperature=0, stop_tokens=[stop]))
     engine.run([stopped])
     assert stopped.tokens == free[: free.index(stop)] and stopped.finish_reason == "stop"
@@ -212,7 +212,7 @@ def test_logprobs_are_the_plain_forwards(model):
     """Each token's logprob and its top alternatives equal log_softmax of the plain forward's logits at
     that position, with a sampled (not greedy) request sharing the batch."""
     prompt = [5, 9, 2, 7]
-    engine = Engine(model, slots=2, cache_length=64)
+    engine = Engine(model, slots=2, cache_length=128)
     greedy = engine.submit(Request(prompt, 12, temperature=0, logprobs=5))
     sampled = engine.submit(Request([3, 3], 12, temperature=1.0, seed=4, logprobs=2))
     engine.run([greedy, sampled])
@@ -277,7 +277,7 @@ def test_bad_engine_settings_are_refused(model, engine_args, message):
 
 
 def test_numpy_integers_are_settings_like_any_other(model):
-    engine = Engine(model, slots=np.int64(2), max_queue=np.int32(3), cache_length=np.int64(32))
+    engine = Engine(model, slots=np.int64(2), max_queue=np.int32(3), cache_length=np.int64(128))
     completion = engine.submit(Request(np.array([1, 2]), np.int64(3), temperature=0, seed=np.uint32(7)))
     engine.run([completion])
     assert engine.num_slots == 2 and completion.tokens == generate(model, [[1, 2]], 3, temperature=0)[0]
