@@ -87,6 +87,23 @@ def bounded_compile_caches():
         jax.clear_caches()
 
 
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, corpus, worker_id) -> Path:
+    """The directory of a training run of `training.TINY` for 150 steps on `corpus` (validation at the end,
+    a checkpoint of step 150): run once per pytest run, by whichever test process asks first, and read by
+    the others (a file lock in the directory the workers share)."""
+    from filelock import FileLock
+
+    from training import run
+
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    with FileLock(str(shared / "trained_run.lock")):
+        if not (shared / "trained" / "done").exists():
+            run(shared / "trained", corpus, max_steps=150, eval_interval=150, eval_iters=8)
+            (shared / "trained" / "done").touch()
+    return shared / "trained" / "run"
+
+
 @pytest.fixture(scope="module")
 def model():
     """The server tests' model (`serving.decisive_model`: GPT-2's vocabulary, no greedy ties), one per module;

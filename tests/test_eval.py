@@ -109,14 +109,11 @@ def test_bad_input_is_one_line_before_any_compile(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_runs_validation_split_scores_exp_of_its_loss_over_the_whole_split(tmp_path, corpus):
+def test_a_runs_validation_split_scores_exp_of_its_loss_over_the_whole_split(trained_run, corpus):
     from gpt.data.loader import shard_paths
     from gpt.train.checkpoint import load_model
 
-    from training import run
-
-    run(tmp_path, corpus, max_steps=4)
-    out = tmp_path / "run"
+    out = trained_run
     model = load_model(out)
     context = model.config.block_size
     nll, count = 0.0, 0

@@ -19,7 +19,6 @@ from gpt.inference.request import Request
 from gpt.model.layouts import Bf16Matrix, Int8Matrix
 from gpt.model.transformer import forward, lm_head
 
-from training import run
 
 # Relative Frobenius error of one matrix, |Q(W) - W| / |W|, for Gaussian weights of GPT-2's width: int8
 # with a scale per output row rounds to steps of max|row| / 127 (~3.3 sigma / 127 for 768 entries), an
@@ -81,8 +80,10 @@ def test_no_float_copy_of_a_quantized_matrix_in_the_decode_loop():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, corpus):
-    return run(tmp_path_factory.mktemp("quantize"), corpus, max_steps=150).model
+def trained(trained_run):
+    from gpt.train.checkpoint import load_model
+
+    return load_model(trained_run)
 
 
 # Greedy decoding follows the argmax; where the top two logits are close, any perturbation may swap them
