@@ -19,7 +19,6 @@ from gpt.inference.request import Request
 from gpt.model.layouts import Bf16Matrix, Int8Matrix
 from gpt.model.transformer import forward, lm_head
 
-
 # Relative Frobenius error of one matrix, |Q(W) - W| / |W|, for Gaussian weights of GPT-2's width: int8
 # with a scale per output row rounds to steps of max|row| / 127 (~3.3 sigma / 127 for 768 entries), an
 # error of step / sqrt(12) ~ 0.75% of sigma; bfloat16 keeps 8 significant bits (~0.2%).
