@@ -110,7 +110,11 @@ def _train_step(graphdef, optimizer, dropout, mesh, sharding_leaves, sharding_tr
 @functools.lru_cache(maxsize=16)
 def make_eval_step(graphdef, mesh: jax.sharding.Mesh):
     """eval(params, batch [B, T+1]) -> mean loss (float32 []); made once per process for equal arguments."""
-    return _on_mesh(jax.jit(lambda params, batch: loss_fn(nnx.merge(graphdef, params), batch)), mesh)
+
+    def eval_loss(params, batch):
+        return loss_fn(nnx.merge(graphdef, params), batch)
+
+    return _on_mesh(jax.jit(eval_loss), mesh)
 
 
 def _on_mesh(function, mesh: jax.sharding.Mesh):
