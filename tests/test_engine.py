@@ -143,7 +143,7 @@ def test_a_decode_over_some_slots_equals_one_over_all():
                                                           tokens, unscored, unscored)
     admission = Admission(slots=jnp.arange(4, dtype=jnp.int32), max_tokens=jnp.full((4,), 50, jnp.int32),
                           settings=Settings.empty(4, 2))
-    slots, _ = jax.jit(insert, static_argnames="config")(config, weights, init_slots(config, 4, 320, 2), prefix, admission)
+    slots, _ = insert(weights, init_slots(config, 4, 320, 2), prefix, admission)
     assert len(slots.cache.k[0]) == 3  # pages of 128, 128 and 64 slots
     slots = jax.jit(free)(slots, jnp.asarray([True, False, True, False]))
     run = jax.jit(decode, static_argnames=("config", "max_steps"))

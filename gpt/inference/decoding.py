@@ -1,9 +1,10 @@
-"""The engine's device side: weights laid out for decoding, the slots' state, and four verbs, each a
-jitted pure function of pytrees:
+"""The engine's device side: weights laid out for decoding, the slots' state, and four verbs, pure
+functions of pytrees run as jitted programs:
 
   prefill: a prompt, or the next piece of one, into a `Prefix` (its own cache), scoring the prompt's
     tokens (`PromptScores`) for the rows that ask;
-  insert: prefixes run to their prompts' ends into slots, each with its first token;
+  insert: prefixes run to their prompts' ends into slots, each with its first token (two programs:
+    `choose_first`, one per row count, and `place`, one per prefix length);
   decode: steps for every live slot (JetStream's `generate`);
   free: slots that stop, their requests gone.
 
@@ -38,7 +39,7 @@ from gpt.model.transformer import GPT, Weights, forward, lm_head, unstack
 
 __all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
            "PrefixPool", "init_pool", "save_blocks", "load_prefix", "PREFIX_BLOCK", "init_slots",
-           "init_prefix", "prefill", "insert", "decode", "free", "compiled_programs"]
+           "init_prefix", "prefill", "insert", "choose_first", "place", "decode", "free", "compiled_programs"]
 
 
 # How many leading axes of each kernel (after the layer axis) are its inputs.
@@ -336,6 +337,7 @@ def _keys(settings: Settings, generated_R: jax.Array) -> jax.Array:
     return jax.vmap(key)(settings.seed, settings.stream, generated_R)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Choice:
     token: jax.Array  # int32 [R], the chosen token (a live row's) or NO_TOKEN
@@ -377,20 +379,27 @@ def _choose_next(weights: Weights, x_RD: jax.Array, live_R: jax.Array, remaining
                    seen=seen_RV)
 
 
-def insert(config: GPTConfig, weights: Weights, slots: Slots, prefix: Prefix, admission: Admission) -> tuple[Slots, Emitted]:
-    """Choose each row's first token after its prompt (`prefix`, run to the prompt's end) and move the rows
-    into their slots (`admission.slots`). Returns the new slots and an Emitted [1, b]."""
+def choose_first(weights: Weights, last_hidden_bD: jax.Array, seen_bV: jax.Array, admission: Admission) -> _Choice:
+    """Each row's first token after its prompt (from a Prefix's `last_hidden` and `seen`), b rows.
+
+    Apart from `place`, so that its program is one per row count b, whatever the prompt's length: the
+    sampler is most of an insert's compile time, and a program per prompt bucket compiled it again for
+    each (about 0.4 s apiece on a 2-core CPU)."""
     b = admission.slots.shape[0]
     # A row chooses its first token when it asked for any: whether it then enters a slot (it does not when
     # that token is its last) is `admission.slots`' business.
-    choosing_b = admission.max_tokens > 0
-    c = _choose_next(weights, prefix.last_hidden, choosing_b, admission.max_tokens, prefix.seen, admission.settings,
-                     jnp.zeros((b,), jnp.int32))
+    return _choose_next(weights, last_hidden_bD, admission.max_tokens > 0, admission.max_tokens, seen_bV,
+                        admission.settings, jnp.zeros((b,), jnp.int32))
 
+
+def place(slots: Slots, cache: KVCache, admission: Admission, c: _Choice) -> tuple[Slots, Emitted]:
+    """Move the rows of a Prefix's `cache` (run to their prompts' ends), with their first tokens `c`
+    (`choose_first`), into their slots (`admission.slots`). Returns the new slots and an Emitted [1, b]."""
+    b = admission.slots.shape[0]
     at = admission.slots
     put = lambda mine, theirs: mine.at[at].set(theirs.astype(mine.dtype), mode="drop")  # noqa: E731
     slots = Slots(
-        cache=slots.cache.insert(prefix.cache, at, prefix.cache.lengths),
+        cache=slots.cache.insert(cache, at, cache.lengths),
         last_token=put(slots.last_token, jnp.maximum(c.token, 0)), live=put(slots.live, c.live),
         remaining=put(slots.remaining, c.remaining), generated=put(slots.generated, jnp.ones((b,), jnp.int32)),
         seen=put(slots.seen, c.seen), settings=jax.tree.map(put, slots.settings, admission.settings),
@@ -398,6 +407,14 @@ def insert(config: GPTConfig, weights: Weights, slots: Slots, prefix: Prefix, ad
     emitted = Emitted(token=c.token[None], stopped=c.stopped[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
                       top_logprobs=c.top_logprobs[None], live=c.live, steps=jnp.int32(1))
     return slots, emitted
+
+
+def insert(weights: Weights, slots: Slots, prefix: Prefix, admission: Admission) -> tuple[Slots, Emitted]:
+    """Choose each row's first token after its prompt (`prefix`, run to the prompt's end) and move the rows
+    into their slots (`admission.slots`): `choose_first`, then `place`, each a program of its own (the
+    slots donated to the second). Returns the new slots and an Emitted [1, b]."""
+    first = compiled_choose_first(weights, prefix.last_hidden, prefix.seen, admission)
+    return compiled_place(slots, prefix.cache, admission, first)
 
 
 def free(slots: Slots, free_S: jax.Array) -> Slots:
@@ -525,7 +542,8 @@ def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: j
 # One compiled program per shape; the config is static, the weights, slots and knobs are traced. The
 # slots and a prefix that runs on are donated: their caches are updated in place.
 compiled_prefill = jax.jit(prefill, static_argnames="config", donate_argnames="prefix")
-compiled_insert = jax.jit(insert, static_argnames="config", donate_argnames="slots")
+compiled_choose_first = jax.jit(choose_first)
+compiled_place = jax.jit(place, donate_argnames="slots")
 compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps"), donate_argnames="slots")
 compiled_free = jax.jit(free, donate_argnames="slots")
 compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
@@ -538,5 +556,5 @@ compiled_load_prefix = jax.jit(load_prefix, static_argnames="config")
 def compiled_programs() -> int:
     """How many programs the jitted functions that serve requests hold (for tests: none compiles after an
     engine's warm-up)."""
-    return sum(f._cache_size() for f in (compiled_prefill, compiled_insert, compiled_decode, compiled_free,
+    return sum(f._cache_size() for f in (compiled_prefill, compiled_choose_first, compiled_place, compiled_decode, compiled_free,
                                          compiled_init_prefix, compiled_save_blocks, compiled_load_prefix))

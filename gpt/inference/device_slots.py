@@ -29,8 +29,8 @@ from gpt.inference.decoding import (
     compiled_free,
     compiled_init_prefix,
     compiled_init_slots,
-    compiled_insert,
     compiled_prefill,
+    insert,
 )
 from gpt.inference.request import Request
 from gpt.inference.sampling import SamplingParams
@@ -104,7 +104,7 @@ class DeviceSlots:
                               max_tokens=np.asarray([r.max_tokens for r in self._rows(requests)], np.int32),
                               settings=jax.tree.map(lambda *rows: np.stack(rows), *settings))
         with self.on_mesh():
-            self.slots, emitted = compiled_insert(self.config, self.weights, self.slots, prefix, admission)
+            self.slots, emitted = insert(self.weights, self.slots, prefix, admission)
         return emitted
 
     def decode(self, num_steps: int, stop_at_finish: bool, width: int, decoding: Sequence[int]) -> Emitted:
