@@ -105,7 +105,7 @@ def test_ids_closed_over_by_a_jitted_function_are_checked_and_run():
         jax.jit(lambda params: nnx.merge(graphdef, params)(bad))(params)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_init_draws_the_values_jax_random_normal_draws(dtype):
     # The init draws flat and reshapes (a faster compile): the values must be those drawn in the shape.
     key = jax.random.key(3)

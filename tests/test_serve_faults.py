@@ -132,7 +132,8 @@ def test_queued_requests_of_clients_that_went_leave_the_queue_at_once(model):
 
 
 def test_an_api_key_is_required_when_one_is_set(model):
-    server = Server(model, settings={"api_key": "sekret-key"}, slots=1, cache_length=64)
+    # One slot over 128 positions, as this module's other one-slot servers: their programs compile once.
+    server = Server(model, settings={"api_key": "sekret-key"}, slots=1, cache_length=128)
     try:
         for headers in [{}, {"authorization": "Bearer wrong"}, {"authorization": "sekret-key"}]:
             reply = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=headers)
@@ -181,7 +182,7 @@ def test_shutdown_at_the_deadline_ends_every_request(model, caplog):
 
 
 def test_connections_are_bounded_in_number_and_in_time(model):
-    server = Server(model, settings={"max_connections": 3, "header_timeout_s": 0.5}, slots=1, cache_length=64)
+    server = Server(model, settings={"max_connections": 3, "header_timeout_s": 0.5}, slots=1, cache_length=128)
     host, port = server.url.removeprefix("http://").split(":")
     try:
         idle = [socket.create_connection((host, int(port))) for _ in range(2)]
