@@ -2,6 +2,7 @@
 
 import concurrent.futures
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -44,11 +45,12 @@ def test_cached_decoding_equals_plain_forward(model):
     rows = [rng.integers(0, 256, n) for n in lengths]
     cache = KVCache.init(model.config, 2, 32)
     cached = [[], []]
+    insert = jax.jit(lambda cache, one, rows, lengths: cache.insert(one, rows, lengths))  # one program
     for row in range(2):  # each row's prompt enters on its own, as an engine admits a request
         one = KVCache.init(model.config, 1, 32)
         logits, one = model(jnp.asarray(rows[row][None, : prefill[row]]), cache=one)
         cached[row].append(np.asarray(logits)[0])
-        cache = cache.insert(one, jnp.asarray([row]), jnp.asarray([prefill[row]]))
+        cache = insert(cache, one, jnp.asarray([row]), jnp.asarray([prefill[row]]))
     for t in range(max(lengths) - min(prefill)):  # then both decode together, one token a step
         positions = np.asarray(cache.lengths)
         tokens = [rows[row][min(positions[row], lengths[row] - 1)] for row in range(2)]

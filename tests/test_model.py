@@ -1,12 +1,14 @@
 """The model's shape, size, causality and config validation."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from gpt import GPT, GPTConfig
+from gpt import GPT, GPTConfig, KVCache
 from gpt.errors import ConfigError
 from gpt.model.transformer import embed, lm_head, standard_normal, transform
 
@@ -18,6 +20,20 @@ def test_gpt2_preset_has_124m_parameters():
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     counted = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert counted == config.num_params() == 124_439_808
+
+
+def test_an_eager_call_of_a_new_shape_compiles_one_program(caplog):
+    """A model called at a prompt, in a notebook or a test compiles one program per new shape: its default
+    positions, the forward, the head and the id check do not each compile their own small ones."""
+    model = GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    model(np.ones((1, 5), np.int32))  # the weights' own first uses compile whatever they compile
+    cache, tokens = KVCache.init(model.config, 3, 16), jnp.full((3, 9), 4, jnp.int32)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        caplog.clear()
+        model(np.ones((2, 11), np.int32))
+        model(tokens, cache=cache)
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation")]
+    assert len(compiled) == 2 and all("_compiled_logits" in m for m in compiled), compiled
 
 
 @pytest.mark.parametrize("position", POSITIONS)

@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gpt.errors import ConfigError
@@ -259,6 +260,19 @@ def forward(
 compiled_forward = jax.jit(forward, static_argnames="config")
 
 
+@functools.partial(jax.jit, static_argnames="config")
+def _compiled_logits(config: GPTConfig, weights: Weights, tokens_BT: jax.Array, positions_BT: jax.Array | None,
+                     cache: KVCache | None, dropout_key: jax.Array | None) -> tuple[jax.Array, KVCache | None]:
+    """`GPT.__call__`'s program: the default positions, the forward and the head in one program per shape
+    (apart, each eager call of a new shape compiled a dozen small programs around the forward)."""
+    if positions_BT is None:
+        T = tokens_BT.shape[1]
+        positions_BT = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BT.shape) if cache is None
+                        else cache.next_positions(T))
+    x_BTD, cache = forward(config, weights, tokens_BT, positions_BT, cache, dropout_key=dropout_key)
+    return lm_head(weights, x_BTD), cache
+
+
 def transform(
     config: GPTConfig,
     weights: Weights,
@@ -372,13 +386,7 @@ class GPT(nnx.Module):
         """
         tokens_BT = tokens_BT if hasattr(tokens_BT, "shape") else jnp.asarray(tokens_BT)  # nested lists too
         self._check_tokens(tokens_BT, positions_BT is None and cache is None)
-        if positions_BT is None:
-            T = tokens_BT.shape[1]
-            positions_BT = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BT.shape) if cache is None
-                            else cache.next_positions(T))
-        weights = self.weights()
-        x_BTD, cache = compiled_forward(self.config, weights, tokens_BT, positions_BT, cache, dropout_key=dropout_key)
-        logits_BTV = lm_head(weights, x_BTD)
+        logits_BTV, cache = _compiled_logits(self.config, self.weights(), tokens_BT, positions_BT, cache, dropout_key)
         return logits_BTV if cache is None else (logits_BTV, cache)
 
     def _check_tokens(self, tokens_BT, from_position_0: bool) -> None:
@@ -391,8 +399,11 @@ class GPT(nnx.Module):
         if from_position_0 and shape[1] > self.config.block_size:
             raise ConfigError(f"{shape[1]} tokens are more than the model's context of {self.config.block_size}")
         if not isinstance(tokens_BT, jax.core.Tracer) and tokens_BT.size:
-            with jax.ensure_compile_time_eval():  # concrete ids closed over by a jitted caller have values
-                low, high = int(tokens_BT.min()), int(tokens_BT.max())
+            # On the host where this process holds all of them (no program to compile for the check); else
+            # on the devices. Concrete ids closed over by a jitted caller have values too.
+            ids = np.asarray(tokens_BT) if getattr(tokens_BT, "is_fully_addressable", True) else tokens_BT
+            with jax.ensure_compile_time_eval():
+                low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= self.config.vocab_size:
                 raise ConfigError(f"token id {low if low < 0 else high} is outside the vocabulary "
                                   f"[0, {self.config.vocab_size})")
