@@ -556,5 +556,6 @@ compiled_load_prefix = jax.jit(load_prefix, static_argnames="config")
 def compiled_programs() -> int:
     """How many programs the jitted functions that serve requests hold (for tests: none compiles after an
     engine's warm-up)."""
-    return sum(f._cache_size() for f in (compiled_prefill, compiled_choose_first, compiled_place, compiled_decode, compiled_free,
-                                         compiled_init_prefix, compiled_save_blocks, compiled_load_prefix))
+    return sum(f._cache_size() for f in (compiled_prefill, compiled_choose_first, compiled_place, compiled_decode,
+                                         compiled_free, compiled_init_prefix, compiled_save_blocks,
+                                         compiled_load_prefix))
