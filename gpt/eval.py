@@ -164,8 +164,7 @@ def _nll_function(config: GPTConfig, mesh: Mesh | None):
 
     @jax.jit
     def nll(weights, tokens_BC, scored_BC):
-        positions_BC = jnp.broadcast_to(jnp.arange(tokens_BC.shape[1], dtype=jnp.int32), tokens_BC.shape)
-        hidden_BCD, _ = forward(config, weights, tokens_BC, positions_BC)
+        hidden_BCD, _ = forward(config, weights, tokens_BC)  # positions 0..C-1
         log_probs = jax.nn.log_softmax(lm_head(weights, hidden_BCD[:, :-1]), axis=-1)
         target_log_probs = jnp.take_along_axis(log_probs, tokens_BC[:, 1:, None], axis=-1)[..., 0]
         return -jnp.sum(jnp.where(scored_BC, target_log_probs, 0.0))

@@ -232,7 +232,7 @@ def forward(
     config: GPTConfig,
     weights: Weights,
     tokens_BT: jax.Array,
-    positions_BT: jax.Array,
+    positions_BT: jax.Array | None = None,
     cache: KVCache | None = None,
     *,
     dropout_key: jax.Array | None = None,
@@ -243,13 +243,18 @@ def forward(
       config: the model's shape.
       weights: `GPT.weights()` or a decoding layout (`gpt.inference.decoding`).
       tokens_BT: int32 token ids [B, T].
-      positions_BT: int32 positions [B, T]; each row its own (a row's tokens need not start at 0).
+      positions_BT: int32 positions [B, T]; each row its own (a row's tokens need not start at 0). None:
+        0..T-1, or with a cache each row's next T.
       cache: a KVCache to write the new keys and values into (at `positions_BT`) and read; each query
         attends to every cached slot at or before its position. None for the plain causal forward.
       dropout_key: a PRNG key to apply dropout with (training); None disables it.
     Returns:
       (hidden [B, T, D], the cache with each row's length set past its last position; None without one).
     """
+    if positions_BT is None:
+        T = tokens_BT.shape[1]
+        positions_BT = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BT.shape) if cache is None
+                        else cache.next_positions(T))
     embed_key, blocks_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
     x_BTD = embed(config, weights, tokens_BT, positions_BT, embed_key)
     return transform(config, weights, x_BTD, positions_BT, cache, blocks_key)
@@ -263,12 +268,8 @@ compiled_forward = jax.jit(forward, static_argnames="config")
 @functools.partial(jax.jit, static_argnames="config")
 def _compiled_logits(config: GPTConfig, weights: Weights, tokens_BT: jax.Array, positions_BT: jax.Array | None,
                      cache: KVCache | None, dropout_key: jax.Array | None) -> tuple[jax.Array, KVCache | None]:
-    """`GPT.__call__`'s program: the default positions, the forward and the head in one program per shape
-    (apart, each eager call of a new shape compiled a dozen small programs around the forward)."""
-    if positions_BT is None:
-        T = tokens_BT.shape[1]
-        positions_BT = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BT.shape) if cache is None
-                        else cache.next_positions(T))
+    """`GPT.__call__`'s program: the forward and the head in one program per shape (apart, each eager
+    call of a new shape compiled a dozen small programs around the forward)."""
     x_BTD, cache = forward(config, weights, tokens_BT, positions_BT, cache, dropout_key=dropout_key)
     return lm_head(weights, x_BTD), cache
 
@@ -351,8 +352,7 @@ class GPT(nnx.Module):
 
     def hidden(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         """The training forward's final hidden states [B, T, D] (after the last LayerNorm)."""
-        positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
-        return compiled_forward(self.config, self.weights(), tokens_BT, positions_BT, dropout_key=dropout_key)[0]
+        return compiled_forward(self.config, self.weights(), tokens_BT, dropout_key=dropout_key)[0]
 
     def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array, *, dropout_key: jax.Array | None = None,
              label_smoothing: float = 0.0) -> jax.Array:
