@@ -38,3 +38,25 @@ def test_each_choice_follows_the_table(monkeypatch, row):
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *args, **kwargs: "fused")  # cuDNN's: not on a CPU
     out = attention.attend(jnp.ones((1, 3, 2, 4)), jnp.ones((2, 3, 4)), jnp.ones((2, 3, 4)), None)
     assert isinstance(out, str) == chosen.fused_attention
+
+
+def test_the_gpu_row_asks_for_cudnns_kernel_at_16_bit_and_falls_back_to_xlas(monkeypatch):
+    # jax.nn.dot_product_attention runs XLA's attention unless cuDNN is named: the GPU row must name it for
+    # bfloat16 operands, and take XLA's where cuDNN refuses the call at trace time (as it does for float32).
+    monkeypatch.setattr(attention, "choices", lambda: backend.CHOICES["gpu"])
+    asked = []
+
+    def dot_product_attention(q, k, v, is_causal, implementation):
+        asked.append(implementation)
+        if implementation == "cudnn" and q.dtype != jnp.bfloat16:
+            raise RuntimeError("cuDNN takes 16-bit operands")  # what a refusal looks like
+        return q
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", dot_product_attention)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        q, kv = jnp.ones((1, 3, 2, 4), dtype), jnp.ones((2, 3, 4), dtype)
+        attention.attend(q, kv, kv, None)
+    assert asked == ["cudnn", "xla"]
+    asked.clear()
+    attention.fused_causal(*(jnp.ones((1, 3, 2, 4), jnp.float16),) * 3)  # refused: falls back
+    assert asked == ["cudnn", "xla"]
