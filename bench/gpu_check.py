@@ -3,8 +3,8 @@
     python bench/gpu_check.py            # GPT-2 124M shapes, random weights
     python bench/gpu_check.py --smoke    # tiny shapes (runs anywhere: on a CPU the device is the host)
 
-- attention: `jax.nn.dot_product_attention` as the model calls it on this device (cuDNN's fused kernel on
-  a GPU) against the plain softmax(q k^T / sqrt(H)) v in float32 at the highest matmul precision, on the
+- attention: `gpt.model.attention.fused_causal`, as the model calls it on a GPU (cuDNN's fused kernel
+  at bfloat16) against the plain softmax(q k^T / sqrt(H)) v in float32 at the highest matmul precision, on the
   same bfloat16 operands, forward and gradients;
 - logits: the model in float32 on the device against the same weights on the CPU (the reference), and
   in bfloat16 on the device against float32 on the device;
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ import numpy as np
 import tyro
 from flax import nnx
 
+from gpt.model.attention import fused_causal
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh
 from gpt.model.transformer import GPT
@@ -68,10 +70,7 @@ def plain_attention(q, k, v):
 def attention_checks(check: Check) -> list[tuple]:
     B, T, N, H = check.batch, check.block_size, 12, 64
     q, k, v = (jax.random.normal(key, (B, T, N, H), jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 3))
-    implementation = "cudnn" if jax.default_backend() == "gpu" else None
-
-    def fused(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    fused = fused_causal  # as the model calls it: cuDNN's kernel where it takes the call
 
     def summed(attention):
         return lambda q, k, v: (attention(q, k, v).astype(jnp.float32) * jnp.cos(jnp.arange(H))).sum()
@@ -80,7 +79,7 @@ def attention_checks(check: Check) -> list[tuple]:
     want = jax.jit(plain_attention)(q, k, v)
     grads_got = jax.jit(jax.grad(summed(fused), argnums=(0, 1, 2)))(q, k, v)
     grads_want = jax.jit(jax.grad(summed(plain_attention), argnums=(0, 1, 2)))(q, k, v)
-    name = f"attention ({implementation or 'default'}, bfloat16 operands)"
+    name = f"attention ({'cudnn' if jax.default_backend() == 'gpu' else 'xla'}, bfloat16 operands)"
     return [(f"{name}, forward", got, want, BFLOAT16_BOUND)] + [
         (f"{name}, d{x}", g, w, BFLOAT16_BOUND) for x, g, w in zip("qkv", grads_got, grads_want)]
 
@@ -134,16 +133,19 @@ def step_checks(check: Check) -> list[tuple]:
 def main(check: Check) -> int:
     if check.smoke:
         check = dataclasses.replace(check, block_size=64)
-    results = attention_checks(check) + logits_checks(check) + step_checks(check)
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; batch {check.batch} x block {check.block_size}")
     print("| check | relative error | bound | ok | largest element's error |\n| --- | --- | --- | --- | --- |")
     failed = []
-    for name, got, want, bound in results:
-        error = relative_error(got, want)
-        print(f"| {name} | {error:.2e} | {bound:.0e} | {'yes' if error <= bound else 'NO'} | "
-              f"{largest_error(got, want):.2e} |")
-        if not error <= bound:
-            failed.append(name)
+    for checks in (attention_checks, logits_checks, step_checks):  # each group printed as it ends, timed
+        start = time.perf_counter()
+        results = checks(check)
+        print(f"# {checks.__name__}: {time.perf_counter() - start:.1f} s")
+        for name, got, want, bound in results:
+            error = relative_error(got, want)
+            print(f"| {name} | {error:.2e} | {bound:.0e} | {'yes' if error <= bound else 'NO'} | "
+                  f"{largest_error(got, want):.2e} |")
+            if not error <= bound:
+                failed.append(name)
     if failed:
         print(f"FAILED: {', '.join(failed)}")
     return 1 if failed else 0
