@@ -2,16 +2,19 @@
 # One lent-GPU session's checks and benchmarks, in one device call (see bench/RESULTS.md, "On a GPU").
 #
 #   bash bench/gpu_wheels.sh    # here, first: the wheels of the packages the GPU machine lacks, into .whl/
-#   bash bench/gpu.sh all       # there (carry .whl): everything below, in this order, within ~9.5 minutes
+#   bash bench/gpu.sh all       # there (carry .whl): check, tests, sample and serve, in one ~9-minute call
 #   bash bench/gpu.sh check     # bench/gpu_check.py: cuDNN attention vs the plain path, bf16 vs f32, GPU vs CPU
-#   bash bench/gpu.sh train     # bench/gpu_bench.py: GPT-2 124M training, scan_layers x remat, the torch peer
+#   bash bench/gpu.sh train     # bench/gpu_bench.py: GPT-2 124M training, scan_layers x remat, the torch peer;
+#                               # a call of its own (~6 minutes)
 #   bash bench/gpu.sh tests     # the engine, generate, model and server tests on the GPU
 #   bash bench/gpu.sh sample    # sample_bench in bfloat16, batch 1 / 8 / 64, torch on CUDA beside it
 #   bash bench/gpu.sh serve     # serve_bench's load in bfloat16, transformers' continuous batching beside it
 #   bash bench/gpu.sh ttl       # time_to_loss at GPT-2 124M's shape in bfloat16 (gpt2, modern, torch.compile),
-#                               # on the machine's own Python standard library; a call of its own (~6 minutes)
+#                               # on the machine's own Python standard library; a call of its own (~7 minutes).
+#                               # The JAX variants and the torch peer run in separate processes (one GPU's
+#                               # memory each), appending to one results file, then the table and plot.
 #
-# Each job has a time budget (seconds, below) so that `all` ends inside one 10-minute call; a job cut off
+# Each job has a time budget (seconds, below) so that each call ends inside its 10-minute limit; a job cut off
 # at its budget leaves what it printed so far in $OUT/<job>.log. Logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -33,22 +36,24 @@ root = pathlib.Path(sysconfig.get_paths()["stdlib"])
 print("\n".join(str(p) for p in sorted(root.rglob("*.py")) if not {"site-packages", "dist-packages"} & set(p.parts)))'
 
 jobs=("$@")
-[ "${jobs[*]}" = all ] && jobs=(check train tests sample serve)
+[ "${jobs[*]}" = all ] && jobs=(check tests sample serve)
 status=0
 for job in "${jobs[@]}"; do
   echo "== $job ($(date -u +%H:%M:%S))"
   case $job in
-    check) timeout 60 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
-    train) timeout 280 python3 bench/gpu_bench.py --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" ;;
-    tests) timeout 80 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/test_model.py tests/test_engine.py \
+    check) timeout 150 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
+    train) timeout 450 python3 bench/gpu_bench.py --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" ;;
+    tests) timeout 150 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/test_model.py tests/test_engine.py \
              tests/test_generate.py tests/test_serve.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
-    sample) timeout 60 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
+    sample) timeout 100 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/sample.log" ;;
-    serve) timeout 90 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 2>&1 \
+    serve) timeout 110 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/serve.log" ;;
-    ttl) timeout 570 python3 bench/time_to_loss.py --preset gpt2 --block_size 1024 --batch_size 32 \
-             --dtype bfloat16 --lr 6e-4 --max_steps 500 --eval_every 50 --variants gpt2 modern torch \
-             --results "$OUT/ttl.jsonl" --png "$OUT/ttl.png" --data $(python3 -c "$STDLIB_FILES") 2>&1 \
+    ttl) ttl=(--preset gpt2 --block_size 1024 --batch_size 32 --dtype bfloat16 --lr 6e-4 --max_steps 500
+              --eval_every 50 --results "$OUT/ttl.jsonl" --png "$OUT/ttl.png" --data $(python3 -c "$STDLIB_FILES"))
+         { timeout 300 python3 bench/time_to_loss.py "${ttl[@]}" --variants gpt2 modern \
+           && timeout 240 python3 bench/time_to_loss.py "${ttl[@]}" --variants torch \
+           && python3 bench/time_to_loss.py "${ttl[@]}" --report-only; } 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/ttl.log" ;;
     *) echo "unknown job $job"; exit 2 ;;
   esac

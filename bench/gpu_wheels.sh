@@ -14,5 +14,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   "${platforms[@]}" -d .whl \
   tyro docstring-parser typeguard shtab tensorboardX zstandard fastapi starlette pydantic pydantic-core \
   annotated-types typing-inspection typing-extensions opentelemetry-api importlib-metadata uvicorn openai distro \
-  jiter sniffio
+  jiter sniffio httpx2 httpcore2 truststore
 du -sh .whl
