@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lent-GPU session's checks and benchmarks, in one device call (see bench/RESULTS.md, "On a GPU").
+# One lent-GPU session's checks and benchmarks, in three device calls (see bench/RESULTS.md, "Training on a GPU").
 #
 #   bash bench/gpu_wheels.sh    # here, first: the wheels of the packages the GPU machine lacks, into .whl/
 #   bash bench/gpu.sh all       # there (carry .whl): check, tests, sample and serve, in one ~9-minute call

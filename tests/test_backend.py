@@ -42,7 +42,8 @@ def test_each_choice_follows_the_table(monkeypatch, row):
 
 def test_the_gpu_row_asks_for_cudnns_kernel_at_16_bit_and_falls_back_to_xlas(monkeypatch):
     # jax.nn.dot_product_attention runs XLA's attention unless cuDNN is named: the GPU row must name it for
-    # bfloat16 operands, and take XLA's where cuDNN refuses the call at trace time (as it does for float32).
+    # 16-bit operands (never for float32, which cuDNN's kernel lacks), and take XLA's where cuDNN refuses
+    # the call at trace time (an older GPU, a head size it lacks: here, float16 stands for one).
     monkeypatch.setattr(attention, "choices", lambda: backend.CHOICES["gpu"])
     asked = []
 

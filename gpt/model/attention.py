@@ -54,8 +54,9 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
     """Scaled dot-product attention.
 
     On GPUs this is `jax.nn.dot_product_attention`: cuDNN's fused (flash) kernel where it takes the call
-    (`fused_causal`), XLA's fused attention otherwise. Elsewhere it is the plain softmax(q k^T / sqrt(H)) v over rows x heads as one batch axis, which XLA on CPU runs
-    about 1.7x faster (forward + backward) than the fallback inside `jax.nn.dot_product_attention`.
+    (`fused_causal`), XLA's otherwise. Elsewhere it is the plain softmax(q k^T / sqrt(H)) v over rows x
+    heads as one batch axis, which XLA on CPU runs about 1.7x faster (forward + backward) than the
+    fallback inside `jax.nn.dot_product_attention`.
 
     Args:
       q_BTNH: queries [B, T, N, H].

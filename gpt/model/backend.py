@@ -3,7 +3,7 @@ is for mesh axes). Each choice was measured; the figures are in bench/RESULTS.md
 
 | choice | CPU | GPU (and others) | why |
 | --- | --- | --- | --- |
-| `fused_attention` | no: softmax(q k^T) v written out, heads as a batch axis | yes on a GPU: `jax.nn.dot_product_attention` (cuDNN's fused kernel) | XLA's CPU has no fused kernel; the plain form avoids a transposed copy of k |
+| `fused_attention` | no: softmax(q k^T) v written out, heads as a batch axis | yes on a GPU: `jax.nn.dot_product_attention` (cuDNN's fused kernel at 16-bit, `fused_causal`) | XLA's CPU has no fused kernel; the plain form avoids a transposed copy of k |
 | `loss_chunk_bytes` | 128 MiB of float32 logits a chunk | 1 GiB | a chunk stays in the last-level cache; elsewhere fewer, larger chunks keep the matmuls big ("Training") |
 | `few_rows_kernels` | 1-16 int8 or float32 rows through compiled kernels, where built | XLA's dots | XLA's CPU dots read a few rows' weights below the memory's speed ("CPU decoding") |
 | `few_rows_matmul` | without the kernels, 2-16 float32 rows as a multiply and a sum | a dot | XLA's CPU runs 2-16 rows as a GEMM far from the memory's speed ("Serving") |
