@@ -41,11 +41,11 @@ status=0
 for job in "${jobs[@]}"; do
   echo "== $job ($(date -u +%H:%M:%S))"
   case $job in
-    check) timeout 150 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
+    check) timeout 120 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
     train) timeout 450 python3 bench/gpu_bench.py --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" ;;
     tests) timeout 150 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/test_model.py tests/test_engine.py \
              tests/test_generate.py tests/test_serve.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
-    sample) timeout 100 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
+    sample) timeout 130 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/sample.log" ;;
     serve) timeout 110 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/serve.log" ;;
