@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# The torch peer runs in this process after the JAX variants: JAX must not take 75% of a GPU up front.
+# The torch peer may run in this process after JAX variants: JAX must not take 75% of a GPU up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
