@@ -1,6 +1,7 @@
 """Shared test setup: 8 fake CPU devices (set before jax is imported), offline tiktoken, and text to train on."""
 
 import os
+import shutil
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -8,13 +9,20 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The CLIs keep a persistent compilation cache in the user's cache directory: tests' runs keep theirs apart.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gpt-test-cache-")
+CACHE_HOME = tempfile.mkdtemp(prefix="gpt-test-cache-")
+os.environ["XDG_CACHE_HOME"] = CACHE_HOME
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 if (SHARED / "tiktoken_cache").is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache"))
 
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    """Each pytest process (the controller and every worker) removes the cache directory it made."""
+    shutil.rmtree(CACHE_HOME, ignore_errors=True)
+
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
