@@ -350,7 +350,7 @@ def test_two_processes_one_device_each_stop_together_when_only_one_gets_sigterm(
     port = free_port()
     env = {**ENV, "JAX_PLATFORMS": "cpu"}  # one CPU device per process: the one-GPU-per-host layout
     flags = [*cli_flags(data=(corpus,), out_dir=str(out), max_steps=100000, checkpoint_interval=100000,
-                        eval_interval=100000, log_interval=1),
+                        eval_interval=100000, log_interval=1, num_devices=None),
              "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2"]
     workers = [train_process(*flags, "--process_id", str(i), env=env) for i in range(2)]
     try:
@@ -373,7 +373,8 @@ def test_a_process_that_waits_too_long_for_the_corpus_stops_with_a_clear_error(t
     stop with a one-line error naming the directory and the bound, and no checkpoint is written."""
     out, big = tmp_path / "run", tmp_path / "big.txt"
     big.write_text(corpus_text * 40)  # ~48 MB: seconds of tokenizing for process 0, far past the 1 ms bound
-    flags = [*cli_flags(data=(str(big),), out_dir=str(out), max_steps=3), "--prepare_timeout_s=0.001",
+    flags = [*cli_flags(data=(str(big),), out_dir=str(out), max_steps=3, num_devices=None),
+             "--prepare_timeout_s=0.001",
              "--coordinator_address", f"127.0.0.1:{free_port()}", "--num_processes", "2"]
     workers = [train_process(*flags, "--process_id", str(i), env={**ENV, "JAX_PLATFORMS": "cpu"}) for i in range(2)]
     try:
@@ -443,7 +444,7 @@ def test_when_a_process_dies_the_other_says_which_in_one_line_and_a_restart_resu
 
     def start(port, **changes):
         flags = [*cli_flags(**{"data": (corpus,), "out_dir": str(out), "max_steps": 100000, "checkpoint_interval": 3,
-                               "eval_interval": 100000, "log_interval": 1, **changes}),
+                               "eval_interval": 100000, "log_interval": 1, "num_devices": None, **changes}),
                  "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2"]
         return [train_process(*flags, "--process_id", str(i), env=env) for i in range(2)]
 

@@ -85,12 +85,12 @@ def test_half_written_checkpoint_is_never_picked_up(tmp_path, corpus):
 @pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 def test_checkpoint_moves_between_8_devices_and_1(tmp_path, corpus):
-    eight = run(tmp_path / "a", corpus, max_steps=6, stop_after=3, mesh="data=2,fsdp=4")
+    eight = run(tmp_path / "a", corpus, max_steps=6, stop_after=3, mesh="data=2,fsdp=4", num_devices=None)
     resumed_on_one = run(tmp_path / "a", corpus, max_steps=6, num_devices=1)
     assert resumed_on_one.start_step == 3
     one = run(tmp_path / "b", corpus, max_steps=6, stop_after=3, num_devices=1)
     assert one.step == 3
-    one_more = run(tmp_path / "b", corpus, max_steps=6, mesh="data=2,fsdp=4")
+    one_more = run(tmp_path / "b", corpus, max_steps=6, mesh="data=2,fsdp=4", num_devices=None)
     assert one_more.start_step == 3
     for a, b in zip(flat(resumed_on_one.params), flat(one_more.params)):
         np.testing.assert_allclose(a, b, atol=1e-5)  # same run, different device counts: reduction order differs

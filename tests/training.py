@@ -11,16 +11,22 @@ from gpt.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(n_layer=2, n_head=2, n_embd=64)
+# Two of the test process's eight CPU devices: still a data-parallel mesh (a batch split, gradients reduced
+# across devices), at ~2.3x the steps a second of all eight, which share the machine's cores and each update
+# a replica of the parameters. Tests about meshes name theirs (and num_devices=None: every device).
 TINY = dict(model=GPTConfig.preset("small", **MODEL), block_size=32, batch_size=8, eval_iters=2, log_interval=5,
-            sample_tokens=0, warmup_steps=2, lr=3e-3)
+            sample_tokens=0, warmup_steps=2, lr=3e-3, num_devices=2)
 
 
 def cli_flags(**changes) -> list[str]:
-    """train.py's flags for TINY with `changes` (a `model` change replaces the GPTConfig)."""
+    """train.py's flags for TINY with `changes` (a `model` change replaces the GPTConfig; a None leaves the
+    flag out, to its default)."""
     fields = {**TINY, **changes}
     model = fields.pop("model")
     flags = [f"--model.{name}={getattr(model, name)}" for name in MODEL]
     for name, value in fields.items():
+        if value is None:
+            continue
         flags += [f"--{name}", *map(str, value)] if isinstance(value, tuple) else [f"--{name}={value}"]
     return flags
 
