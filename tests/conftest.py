@@ -21,9 +21,9 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     """The quick tier (`-m "not slow"`) compiles without LLVM's optimizations: its tests compile far more
-    than they run (a quarter of its time goes, measured), where the whole training runs of the slow tests
-    run ~1.7x slower so. The full suite, what CI runs, keeps XLA's defaults: every program is tested as a
-    user compiles it. Set here, before any test module imports jax."""
+    than they run, and it takes about a fifth less time so, where the slow tests' whole training runs step
+    ~1.7x slower. The full suite, what CI runs, keeps XLA's defaults: every program is tested as a user
+    compiles it. Set here, before any test module imports jax."""
     if config.option.markexpr.replace(" ", "") == "notslow":
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
