@@ -80,7 +80,7 @@ def test_a_diverging_run_stops_and_every_saved_checkpoint_is_finite(tmp_path, co
 def test_one_writer_per_out_dir_and_a_killed_runs_lock_does_not_block_its_resume(tmp_path, corpus):
     out = tmp_path / "run"
     flags = cli_flags(data=(corpus,), out_dir=str(out), max_steps=100000, checkpoint_interval=5, log_interval=1,
-                      eval_interval=100000)
+                      eval_interval=100000, num_devices=None)  # ENV: the one CPU device
     together = [train_process(*flags), train_process(*flags)]
     try:
         # Started together: one of them refuses at once, naming the holder.
@@ -251,7 +251,7 @@ def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path,
         result = subprocess.run(
             [sys.executable, str(ROOT / "train.py"), *cli_flags(data=(corpus,), out_dir=str(out), max_steps=200,
                                                                checkpoint_interval=2, keep_checkpoints=100,
-                                                               eval_interval=1000)],
+                                                               eval_interval=1000, num_devices=None)],
             env=ENV, capture_output=True, text=True, timeout=300)
         last_line = result.stderr.strip().splitlines()[-1]
         assert result.returncode == 1, result.stderr[-3000:]

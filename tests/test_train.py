@@ -53,8 +53,8 @@ def test_resume_is_exact(tmp_path, corpus, caplog):
 def test_sigterm_leaves_a_restorable_checkpoint(tmp_path, corpus):
     out = tmp_path / "run"
     command = [sys.executable, str(ROOT / "train.py"), *cli_flags(data=(corpus,), out_dir=str(out), max_steps=100000,
-               checkpoint_interval=100000, eval_interval=100000, log_interval=1)]
-    env = {**os.environ, "XLA_FLAGS": ""}
+               checkpoint_interval=100000, eval_interval=100000, log_interval=1, num_devices=None)]
+    env = {**os.environ, "XLA_FLAGS": ""}  # one CPU device
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
@@ -110,6 +110,10 @@ def test_bad_inputs_get_clear_errors(tmp_path, corpus):
         run(tmp_path / "short", str(short))
     with pytest.raises(ConfigError, match="block_size=512 is above the model's context of 256 tokens"):
         run(tmp_path, corpus, block_size=512)
+    devices = len(jax.devices())
+    for count in (0, -1, devices + 1):  # had trained on every device, on all but the last, on every device
+        with pytest.raises(ConfigError, match=rf"num_devices={count} must be in \[1, {devices}\], the devices"):
+            run(tmp_path, corpus, num_devices=count)
 
 
 @pytest.mark.slow

@@ -286,7 +286,12 @@ def plan(config: TrainConfig, log=print) -> Plan:
     if config.distributed or any(v is not None for v in (config.coordinator_address, config.num_processes,
                                                          config.process_id)):
         initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
-    devices = jax.devices()[: config.num_devices] if config.num_devices else None
+    devices = None
+    if config.num_devices is not None:
+        if not 1 <= config.num_devices <= jax.device_count():
+            raise ConfigError(f"TrainConfig.num_devices={config.num_devices} must be in [1, {jax.device_count()}], "
+                              "the devices there are")
+        devices = jax.devices()[: config.num_devices]
     mesh = make_mesh(**parse_mesh(config.mesh), devices=devices)
     log = _main_process_only(log)
     if config.batch_size % data_parallel_size(mesh):
