@@ -42,8 +42,8 @@ from gpt.loading import load
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.model.transformer import GPT, forward, lm_head
+from gpt.run_dir import has_checkpoint
 from gpt.tokenizer import get_tokenizer
-from gpt.train.checkpoint import has_checkpoint
 
 __all__ = ["EvalConfig", "evaluate", "windows", "Score"]
 

@@ -9,7 +9,7 @@ from gpt.errors import MissingInput
 from gpt.model import gpt2
 from gpt.model.config import check_dtype
 from gpt.model.transformer import GPT
-from gpt.train.checkpoint import has_checkpoint, load_model
+from gpt.run_dir import has_checkpoint
 
 __all__ = ["load"]
 
@@ -18,6 +18,10 @@ def load(init_from: str, dtype: str = "float32") -> GPT:
     """A GPT from a training out_dir, a Hugging Face GPT-2 directory, or a cached hub name."""
     check_dtype(dtype)  # before looking at init_from: a bad dtype is the caller's, not the checkpoint's
     if has_checkpoint(init_from):
+        # Imported here: the trainer's packages (Orbax, optax) are a quarter of a second of imports that
+        # GPT-2 weights never need.
+        from gpt.train.checkpoint import load_model
+
         return load_model(init_from, dtype=dtype)
     if (Path(init_from) / "config.json").is_file() or init_from in gpt2.HUB_NAMES:
         return gpt2.load(init_from, dtype=dtype)

@@ -18,7 +18,20 @@ from pathlib import Path
 
 from gpt.errors import ConfigError
 
-__all__ = ["RunLock", "RunLocked", "identity", "check_identity", "make_dir", "RESUMABLE_FIELDS"]
+__all__ = ["RunLock", "RunLocked", "identity", "check_identity", "make_dir", "newest_step", "has_checkpoint",
+           "RESUMABLE_FIELDS"]
+
+
+def newest_step(out_dir: str | os.PathLike) -> int | None:
+    """The newest complete step under `out_dir/checkpoints`, from the directory names alone (Orbax gives
+    a step its plain number only once it is whole); None when there is none."""
+    directory = Path(out_dir) / "checkpoints"
+    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
+    return max(steps, default=None)
+
+
+def has_checkpoint(out_dir: str | os.PathLike) -> bool:
+    return newest_step(out_dir) is not None
 
 
 def make_dir(path: Path, name: str = "out_dir") -> Path:

@@ -25,3 +25,12 @@ def test_no_file_of_the_package_is_ignored_by_git():
     # Compiled extensions (gpt/model/_few_rows*.so) are the install's output, made again in every clone.
     hidden = [line for line in result.stdout.splitlines() if "__pycache__" not in line and not line.endswith(".so")]
     assert not hidden, f"ignored by .gitignore, so absent from a clone: {hidden}"
+
+
+def test_sampling_serving_and_evaluating_import_nothing_of_the_trainer():
+    """sample.py, serve.py and gpt.eval start without the trainer's packages (Orbax and the rest: a quarter
+    of a second of every start); reading a training run's checkpoint imports them then."""
+    modules = ("gpt.sample", "gpt.serve", "gpt.eval")
+    check = f"import sys, {', '.join(modules)}; print([m for m in ('gpt.train', 'orbax.checkpoint') if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr

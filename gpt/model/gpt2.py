@@ -302,7 +302,7 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
             arrays.append(array)
         param = _param(model, path)
         value = (np.stack(arrays) if per_layer else arrays[0]).reshape(param.shape)
-        param.set_value(jnp.asarray(value.astype(np.float32), dtype=config.storage_dtype))
+        param.set_value(jnp.asarray(np.asarray(value, np.float32), dtype=config.storage_dtype))  # no copy of float32 data
     if tensors:
         raise ConfigError(f"{directory}: unexpected tensors {sorted(tensors)[:8]}")
     return model

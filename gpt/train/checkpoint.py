@@ -41,7 +41,7 @@ from gpt.model.sharding import replicated
 from gpt.model.transformer import GPT
 from gpt.train.step import all_finite
 
-__all__ = ["CheckpointManager", "load_model", "has_checkpoint", "newest_step", "checksums", "is_finite"]
+__all__ = ["CheckpointManager", "load_model", "checksums", "is_finite"]
 
 
 # ------------------------------------------------------------------------------------------ checksums
@@ -238,18 +238,6 @@ class CheckpointManager:
             multihost_utils.sync_global_devices(f"gpt: checkpoint {step} moved aside")
         self.manager.reload()
         return target
-
-
-def newest_step(out_dir: str | os.PathLike) -> int | None:
-    """The newest complete step under `out_dir/checkpoints`, from the directory names alone (Orbax gives
-    a step its plain number only once it is whole); None when there is none."""
-    directory = Path(out_dir) / "checkpoints"
-    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
-    return max(steps, default=None)
-
-
-def has_checkpoint(out_dir: str | os.PathLike) -> bool:
-    return newest_step(out_dir) is not None
 
 
 def load_model(out_dir: str | os.PathLike, step: int | None = None, dtype: str | None = None) -> GPT:

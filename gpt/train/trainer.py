@@ -49,10 +49,10 @@ from gpt.model.sharding import (
     parse_mesh,
 )
 from gpt.model.transformer import GPT
-from gpt.run_dir import RunLock, check_identity, identity
+from gpt.run_dir import RunLock, check_identity, identity, newest_step
 from gpt.signals import StopSignals
 from gpt.tokenizer import get_tokenizer
-from gpt.train.checkpoint import CheckpointManager, config_to_json, newest_step
+from gpt.train.checkpoint import CheckpointManager, config_to_json
 from gpt.train.metrics import MetricsWriter
 from gpt.train.optimizer import OptimizerConfig, make_optimizer
 from gpt.train.peers import PeerWatch, agree_on_signal, wait_for_all
