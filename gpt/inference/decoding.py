@@ -245,20 +245,32 @@ def score_prompt(weights: Weights, x_bPD: jax.Array, targets_bP: jax.Array, scor
     (`top_b`). A token's logprob and its top-J entry come from the same logits, so they are equal when
     it is the most likely (how lm-evaluation-harness tells a greedy continuation)."""
     b, P = targets_bP.shape
-    J = TOP_LOGPROBS
+    J, wants_top = TOP_LOGPROBS, jnp.any(score_b & top_b)
 
-    def scores():
-        logits_bPV = lm_head(weights, x_bPD)
-        logsumexp_bP1 = jax.nn.logsumexp(logits_bPV, axis=-1, keepdims=True)
-        logprob_bP = (jnp.take_along_axis(logits_bPV, targets_bP[..., None], axis=-1) - logsumexp_bP1)[..., 0]
+    def scores_of(x_RD, targets_R):
+        """(logprob [R], top ids [R, J], top logprobs [R, J]) of R positions."""
+        logits_RV = lm_head(weights, x_RD[None])[0]
+        logsumexp_R1 = jax.nn.logsumexp(logits_RV, axis=-1, keepdims=True)
+        logprob_R = (jnp.take_along_axis(logits_RV, targets_R[:, None], axis=-1) - logsumexp_R1)[:, 0]
 
         def top():
-            top_logits_bPJ, top_ids_bPJ = jax.lax.top_k(logits_bPV, J)
-            return top_ids_bPJ, top_logits_bPJ - logsumexp_bP1
+            top_logits_RJ, top_ids_RJ = jax.lax.top_k(logits_RV, J)
+            return top_ids_RJ, top_logits_RJ - logsumexp_R1
 
-        top_ids, top_logprobs = jax.lax.cond(jnp.any(score_b & top_b), top,
-                                             lambda: (jnp.zeros((b, P, J), jnp.int32), jnp.zeros((b, P, J))))
-        return PromptScores(logprob_bP, top_ids, top_logprobs)
+        R = targets_R.shape[0]
+        return logprob_R, *jax.lax.cond(wants_top, top, lambda: (jnp.zeros((R, J), jnp.int32), jnp.zeros((R, J))))
+
+    def scores():
+        rows = choices().score_rows or b * P
+        x_RD, targets_R = x_bPD.reshape(b * P, -1), targets_bP.reshape(b * P)
+        if b * P <= rows:
+            logprob, top_ids, top_logprobs = scores_of(x_RD, targets_R)
+        else:  # a block of positions at a time, its logits still in cache for the reductions over them
+            n = -(-b * P // rows)
+            pad = lambda a: jnp.pad(a, [(0, n * rows - b * P)] + [(0, 0)] * (a.ndim - 1)).reshape(n, rows, *a.shape[1:])  # noqa: E731
+            blocks = jax.lax.map(lambda block: scores_of(*block), (pad(x_RD), pad(targets_R)))
+            logprob, top_ids, top_logprobs = (a.reshape(n * rows, *a.shape[2:])[: b * P] for a in blocks)
+        return PromptScores(logprob.reshape(b, P), top_ids.reshape(b, P, J), top_logprobs.reshape(b, P, J))
 
     nothing = lambda: PromptScores(jnp.zeros((b, P)), jnp.zeros((b, P, J), jnp.int32), jnp.zeros((b, P, J)))  # noqa: E731
     return jax.lax.cond(jnp.any(score_b), scores, nothing)
