@@ -35,7 +35,7 @@ from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
 from gpt.model.layouts import QUANTIZED_LAYOUTS, OutputMajor
 from gpt.model.sharding import shard_state
-from gpt.model.transformer import GPT, Weights, forward, lm_head, unstack
+from gpt.model.transformer import GPT, Weights, forward, lm_head
 
 __all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
            "PrefixPool", "init_pool", "save_blocks", "load_prefix", "PREFIX_BLOCK", "init_slots",
@@ -92,8 +92,9 @@ def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
     One dict per layer, so that no stacked array is sliced inside the loop (XLA on CPU copies a layer's
     slice of a stacked array before each matmul, doubling the weight traffic that bounds a decode step),
     and every kernel `OutputMajor` ([out, in]: XLA on CPU runs the matrix-vector products of a small batch
-    faster so). Made once per engine, in a jit of its own so that the new layout is real memory (inside
-    the decode jit, XLA would fold it away again). Costs one copy of the block weights.
+    faster so). Made once per engine by small jitted programs, one per kind of matrix (the layer a traced
+    index), so that the new layout is real memory (inside the decode jit, XLA would fold it away again) and
+    each kind compiles once, not once per layer. Costs one copy of the block weights.
 
     quantize: "none" keeps float32 (`OutputMajor`); "int8" stores every matrix, the embedding and LM head
     included, as int8 with a float32 scale per output (`gpt.model.layouts.Int8Matrix`; the embedding
@@ -103,25 +104,39 @@ def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
     """
     if quantize not in ("none", *QUANTIZED_LAYOUTS):
         raise ConfigError(f"quantize must be one of none, {', '.join(QUANTIZED_LAYOUTS)}; got {quantize!r}")
-    graphdef, state = nnx.split(model)
-    return _lay_out(graphdef, state, quantize)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "quantize"))
-def _lay_out(graphdef: nnx.GraphDef, state: nnx.State, quantize: str) -> Weights:
-    model = nnx.merge(graphdef, state)
     weights = model.weights()
-    store = QUANTIZED_LAYOUTS[quantize].quantize if quantize != "none" else OutputMajor
-    layers = unstack(weights.layers, model.config.n_layer)
-    for p in layers:
+    layers = []
+    for layer in range(model.config.n_layer):
+        p = {name: None if a is None else _layer_of(a, layer) for name, a in weights.layers.items()}
         for name, input_axes in _KERNEL_INPUT_AXES.items():
-            kernel = p[name]
-            p[name] = store(kernel.reshape(math.prod(kernel.shape[:input_axes]), -1).T)
+            p[name] = _kernel_layout(weights.layers[name], layer, quantize, input_axes)
+        layers.append(p)
     if quantize == "none":
-        return dataclasses.replace(weights, layers=layers)
-    table = store(weights.embedding)  # [V, D] is already output-major for the head
-    head = table if model.config.tied_head else store(weights.head.matrix_KD)
-    return dataclasses.replace(weights, layers=layers, embedding=table, head=head)
+        return dataclasses.replace(weights, layers=tuple(layers))
+    table = _matrix_layout(weights.embedding, quantize)  # [V, D] is already output-major for the head
+    head = table if model.config.tied_head else _matrix_layout(weights.head.matrix_KD, quantize)
+    return dataclasses.replace(weights, layers=tuple(layers), embedding=table, head=head)
+
+
+def _store(matrix_KD: jax.Array, quantize: str):
+    return QUANTIZED_LAYOUTS[quantize].quantize(matrix_KD) if quantize != "none" else OutputMajor(matrix_KD)
+
+
+@jax.jit
+def _layer_of(stacked: jax.Array, layer: jax.Array) -> jax.Array:
+    """Layer `layer` of a stacked array (a bias or a norm's scale), as an array of its own."""
+    return stacked[layer]
+
+
+@functools.partial(jax.jit, static_argnames=("quantize", "input_axes"))
+def _kernel_layout(stacked: jax.Array, layer: jax.Array, quantize: str, input_axes: int):
+    """Layer `layer` of a stacked kernel ([L, inputs..., outputs...]) as an output-major matrix [K, D] in
+    the `quantize` layout."""
+    kernel = stacked[layer]
+    return _store(kernel.reshape(math.prod(kernel.shape[:input_axes]), -1).T, quantize)
+
+
+_matrix_layout = jax.jit(_store, static_argnames="quantize")
 
 
 @jax.tree_util.register_dataclass
