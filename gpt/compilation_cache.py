@@ -22,12 +22,13 @@ def default_directory() -> Path:
 
 def enable_compilation_cache(enabled: bool = True, directory: str | os.PathLike | None = None) -> Path | None:
     """Point JAX's persistent cache at `directory` (default: `default_directory()`); returns it, or None
-    when disabled. Programs that compile in under half a second are not worth a disk entry."""
+    when disabled. Programs that compile in under 50 ms are not worth a disk entry; the decoding layout's
+    small programs (a tenth of a second or more each, one per kind of matrix) are."""
     if not enabled:
         return None
     path = Path(directory) if directory is not None else default_directory()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
