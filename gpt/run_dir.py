@@ -6,6 +6,8 @@
   process 0 holds it. `flock` is advisory and may not work across hosts on some network filesystems.)
 - `check_identity`: before a resume restores anything, or re-tokenizes the corpus, the run being started
   is compared with the newest checkpoint's record of the run that wrote it.
+- `newest_step`, `has_checkpoint`: which steps a run directory holds, from its directory names alone (no
+  Orbax: a sampler or server that reads GPT-2 weights never imports the trainer).
 """
 
 from __future__ import annotations
