@@ -23,7 +23,7 @@ def default_directory() -> Path:
 def enable_compilation_cache(enabled: bool = True, directory: str | os.PathLike | None = None) -> Path | None:
     """Point JAX's persistent cache at `directory` (default: `default_directory()`); returns it, or None
     when disabled. Programs that compile in under 50 ms are not worth a disk entry; the decoding layout's
-    small programs (a tenth of a second or more each, one per kind of matrix) are."""
+    small programs (one per kind of matrix: about a tenth of a second each for int8) are."""
     if not enabled:
         return None
     path = Path(directory) if directory is not None else default_directory()

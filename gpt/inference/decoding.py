@@ -106,11 +106,9 @@ def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
         raise ConfigError(f"quantize must be one of none, {', '.join(QUANTIZED_LAYOUTS)}; got {quantize!r}")
     weights = model.weights()
     layers = []
-    for layer in range(model.config.n_layer):
-        p = {name: None if a is None else _layer_of(a, layer) for name, a in weights.layers.items()}
-        for name, input_axes in _KERNEL_INPUT_AXES.items():
-            p[name] = _kernel_layout(weights.layers[name], layer, quantize, input_axes)
-        layers.append(p)
+    for layer in range(model.config.n_layer):  # each kernel sliced once, by the program that lays it out
+        layers.append({name: _kernel_layout(a, layer, quantize, _KERNEL_INPUT_AXES[name]) if name in _KERNEL_INPUT_AXES
+                       else None if a is None else _layer_of(a, layer) for name, a in weights.layers.items()})
     if quantize == "none":
         return dataclasses.replace(weights, layers=tuple(layers))
     table = _matrix_layout(weights.embedding, quantize)  # [V, D] is already output-major for the head
