@@ -2,7 +2,7 @@
 # One lent-GPU session's checks and benchmarks, in three device calls (see bench/RESULTS.md, "Training on a GPU").
 #
 #   bash bench/gpu_wheels.sh    # here, first: the wheels of the packages the GPU machine lacks, into .whl/
-#   bash bench/gpu.sh all       # there (carry .whl): check, tests, sample and serve, in one ~9-minute call
+#   bash bench/gpu.sh all       # there (carry .whl): check, tests, sample and serve, in one ~10-minute call
 #   bash bench/gpu.sh check     # bench/gpu_check.py: cuDNN attention vs the plain path, bf16 vs f32, GPU vs CPU
 #   bash bench/gpu.sh train     # bench/gpu_bench.py: GPT-2 124M training, scan_layers x remat, the torch peer;
 #                               # a call of its own (~6 minutes)
@@ -15,7 +15,9 @@
 #                               # memory each), appending to one results file, then the table and plot.
 #
 # Each job has a time budget (seconds, below) so that each call ends inside its 10-minute limit; a job cut off
-# at its budget leaves what it printed so far in $OUT/<job>.log. Logs go to $OUT.
+# at its budget leaves what it printed so far in $OUT/<job>.log. Logs go to $OUT. For a short lease, the
+# training job takes gpu_bench's flags and a budget from the environment, e.g. one configuration and its peer:
+#   TRAIN_ARGS="--scan_layers False --remat False --steps 3" TRAIN_BUDGET=220 bash bench/gpu.sh train
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -42,12 +44,12 @@ for job in "${jobs[@]}"; do
   echo "== $job ($(date -u +%H:%M:%S))"
   case $job in
     check) timeout 120 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
-    train) timeout 450 python3 bench/gpu_bench.py --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" ;;
+    train) timeout "${TRAIN_BUDGET:-450}" python3 bench/gpu_bench.py --json "$OUT/train.json" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
     tests) timeout 150 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/test_model.py tests/test_engine.py \
              tests/test_generate.py tests/test_serve.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     sample) timeout 130 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/sample.log" ;;
-    serve) timeout 110 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 2>&1 \
+    serve) timeout 170 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/serve.log" ;;
     ttl) ttl=(--preset gpt2 --block_size 1024 --batch_size 32 --dtype bfloat16 --lr 6e-4 --max_steps 500
               --eval_every 50 --results "$OUT/ttl.jsonl" --png "$OUT/ttl.png" --data $(python3 -c "$STDLIB_FILES"))
