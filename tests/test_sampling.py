@@ -1,12 +1,12 @@
 """Sampling rules: the filters (top-k, top-p, min-p) against their definitions and a full sort, extreme
-knobs, and the repetition penalty."""
+knobs, the repetition penalty, and the greedy choice."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt.inference.sampling import SamplingParams, choose, filter_logits, penalize_repetition
+from gpt.inference.sampling import SamplingParams, choose, filter_logits, first_argmax, penalize_repetition
 
 
 def _draws(logits_V, params, n=4000):
@@ -82,3 +82,17 @@ def test_top_k_and_top_p_keep_what_a_sort_would_keep():
         k = top_k[row] or 50257
         threshold = _reference_threshold(logits[row].astype(np.float64), k, float(top_p[row]))
         np.testing.assert_array_equal(kept[row], logits[row] >= threshold, err_msg=f"row {row}")
+
+
+def test_first_argmax_is_numpys_argmax_with_ties_and_nans():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 50257)).astype(np.float32)
+    logits[1, [7, 100, 50256]] = 9.0  # a tie: the first index wins
+    logits[2, [300, 5000]] = np.nan  # a NaN: the first NaN wins, as jnp.argmax says
+    logits[3, :] = -np.inf
+    logits[4, -1] = np.inf
+    logits[5, [0, 1]] = [np.nan, np.inf]
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(logits)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1)))
