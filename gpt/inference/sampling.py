@@ -155,12 +155,15 @@ def first_argmax(logits_BV: jax.Array) -> jax.Array:
 
     As a max and then a min over the indices that hold it: XLA's CPU runs argmax as one reduce over
     (value, index) pairs that it does not vectorize. Over 8 rows of GPT-2's 50,257 logits, a jitted call
-    takes ~1 ms that way and ~0.3 ms this way; over 1 row 0.28 against 0.13 ms (bench/RESULTS.md, "The
+    takes ~1 ms that way and ~0.35 ms this way; over 1 row 0.29 against 0.18 ms (bench/RESULTS.md, "The
     greedy choice, and an int8 product in one kernel tried")."""
     V = logits_BV.shape[-1]
-    max_B1 = logits_BV.max(axis=-1, keepdims=True)  # NaN where the row holds one: then the first NaN wins
-    holds_BV = (logits_BV == max_B1) | jnp.isnan(logits_BV)
-    return jnp.min(jnp.where(holds_BV, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+    index_V = jnp.arange(V, dtype=jnp.int32)
+    largest_B1 = logits_BV.max(axis=-1, keepdims=True)
+    first_largest_B = jnp.min(jnp.where(logits_BV == largest_B1, index_V, V), axis=-1)
+    # A NaN wins, as in jnp.argmax. Found apart: XLA's CPU max skips NaNs at some shapes, propagates at others.
+    first_nan_B = jnp.min(jnp.where(jnp.isnan(logits_BV), index_V, V), axis=-1)
+    return jnp.where(first_nan_B < V, first_nan_B, first_largest_B)
 
 
 def choose(logits_BV: jax.Array, seen_BV: jax.Array, params: SamplingParams, keys_B: jax.Array) -> jax.Array:
