@@ -136,6 +136,19 @@ def test_metrics_are_logged(tmp_path, corpus):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "run" / "tensorboard").iterdir())
 
 
+def test_writing_metrics_does_not_load_torch(tmp_path):
+    # tensorboardX's writer imports torch wherever it is installed: 1.5-2 s of every run's start, for tensors
+    # that are never logged. The event file is still written, with the scalar in it.
+    pytest.importorskip("torch")
+    code = ("import sys; from gpt.train.metrics import MetricsWriter; w = MetricsWriter(sys.argv[1], 0); "
+            "w.write({'step': 1, 'loss': 2.5}); w.close(); print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr[-2000:]
+    events = [p for p in (tmp_path / "tensorboard").iterdir() if p.name.startswith("events.out.tfevents")]
+    assert len(events) == 1 and b"loss" in events[0].read_bytes()
+
+
 @pytest.mark.slow
 def test_sample_and_export_from_a_training_run(tmp_path, corpus):
     import io

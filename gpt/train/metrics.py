@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 __all__ = ["MetricsWriter"]
@@ -21,8 +22,7 @@ class MetricsWriter:
         self.enabled = enabled
         if not enabled:
             return
-        from tensorboardX import SummaryWriter  # imported here: processes that do not write never load it
-
+        SummaryWriter = _summary_writer_class()  # imported here: processes that do not write never load it
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
@@ -57,3 +57,18 @@ class MetricsWriter:
         if self.enabled:
             self.jsonl.close()
             self.tensorboard.close()
+
+
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without PyTorch: where torch is installed tensorboardX's writer
+    imports it (1.5-2 s of a run's start, to accept torch tensors, where we log floats). Torch is hidden from
+    that one import unless something already loaded it."""
+    hidden = "torch" not in sys.modules
+    if hidden:
+        sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tensorboardX expects
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hidden:
+            del sys.modules["torch"]
+    return SummaryWriter
