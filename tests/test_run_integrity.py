@@ -267,8 +267,7 @@ def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path,
 
 # ------------------------------------------------------------------------------------------ clear failures
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script, flags, message", [
+USER_ERRORS = [
     ("train.py", ["--data", "/no/such/file.txt"], "'/no/such/file.txt' is not a file, a directory or a matching glob"),
     ("train.py", ["--data", "/bin/ls"], "'/bin/ls' is binary (a NUL byte in its first 8192 bytes)"),
     ("train.py", ["--mesh", "data=3"], "mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but there are 1"),
@@ -284,16 +283,36 @@ def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path,
     ("train.py", ["--sample_tokens", "-5"], "TrainConfig.sample_tokens must be >= 0, got -5"),
     ("sample.py", ["--temperature", "-1"], "temperature must be >= 0 (0 is greedy) and finite, got -1.0"),
     ("sample.py", ["--init_from", "/no/such/run"], "--init_from '/no/such/run' is not a training out_dir"),
-])
-def test_user_errors_are_one_line_exit_2_and_come_before_any_compile(tmp_path, script, flags, message):
-    own_dir = ["--out_dir", str(tmp_path / "o")] if script == "train.py" else []  # a flag's own --out_dir wins
-    result = subprocess.run([sys.executable, str(ROOT / script), *own_dir, *flags], env={**ENV, "JAX_LOG_COMPILES": "1"},
-                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.strip().splitlines()]
-    assert lines[-1] == f"error: {lines[-1][7:]}" and message in lines[-1], result.stderr
-    assert "Traceback" not in result.stderr
-    assert "Compiling" not in result.stderr and "Finished XLA compilation" not in result.stderr, "compiled first"
+]
+
+
+@pytest.fixture(scope="module")
+def user_error_outcomes(tmp_path_factory) -> list[dict]:
+    """Each of USER_ERRORS run through its script's main() in one fresh process (tests/cli_errors.py: one
+    interpreter start for all of them), in a working directory of its own: exit status, stderr (with JAX's
+    compile log on) and whether an exception escaped main()."""
+    cases, base = [], tmp_path_factory.mktemp("user_errors")
+    for i, (script, flags, _) in enumerate(USER_ERRORS):
+        (base / str(i)).mkdir()
+        own_dir = ["--out_dir", str(base / str(i) / "o")] if script == "train.py" else []  # a flag's own wins
+        cases.append([script, [*own_dir, *flags], str(base / str(i))])
+    (base / "cases.json").write_text(json.dumps(cases))
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_errors.py"), str(base / "cases.json")],
+                          env={**ENV, "JAX_LOG_COMPILES": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(USER_ERRORS)), ids=lambda i: f"{USER_ERRORS[i][0]}-{USER_ERRORS[i][1][0]}")
+def test_user_errors_are_one_line_exit_2_and_come_before_any_compile(user_error_outcomes, case):
+    message, outcome = USER_ERRORS[case][2], user_error_outcomes[case]
+    stderr = outcome["stderr"]
+    assert outcome["status"] == 2 and not outcome["escaped"], stderr
+    lines = [line for line in stderr.strip().splitlines()]
+    assert lines[-1] == f"error: {lines[-1][7:]}" and message in lines[-1], stderr
+    assert "Traceback" not in stderr
+    assert "Compiling" not in stderr and "Finished XLA compilation" not in stderr, "compiled first"
 
 
 @pytest.mark.slow
