@@ -33,16 +33,17 @@ def decisive_model() -> GPT:
 class Server:
     """serve.py's server (its connection limits and graceful shutdown) on a thread, on an ephemeral port;
     `settings`: ServeConfig fields (api_key, max_connections, header_timeout_s, shutdown_deadline_s, ...).
-    `delay_s` slows each engine round (to hold requests in flight); stop() always ends it."""
+    `delay_s` slows each engine round (to hold requests in flight); stop() always ends it. `warmup=False`
+    starts it without compiling every program first (each compiles at its first use instead)."""
 
-    def __init__(self, model, settings: dict | None = None, **engine_args):
+    def __init__(self, model, settings: dict | None = None, warmup: bool = True, **engine_args):
         self.engine = Engine(model, **engine_args)
         self.delay_s = 0.0
         step = self.engine.step
         self.engine.step = lambda: (time.sleep(self.delay_s), step())[1]
         self.lines = []
         self.settings = ServeConfig(**{"shutdown_deadline_s": 2, **(settings or {})})
-        app = create_app(self.engine, "tiny", log=self.lines.append, api_key=self.settings.api_key,
+        app = create_app(self.engine, "tiny", warmup=warmup, log=self.lines.append, api_key=self.settings.api_key,
                          shutdown_deadline_s=self.settings.shutdown_deadline_s)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
