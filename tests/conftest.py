@@ -28,7 +28,7 @@ def pytest_configure(config):
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 
-# The modules that take longest, longest first (seconds on the 2-core machine, 2026-11-26); the others follow
+# The modules that take longest, longest first (as timed on the 2-core machine, 2026-11-26); the others follow
 # in name order. Each of the two workers takes the next module when it frees up (xdist's loadscope, with
 # --no-loadscope-reorder), so a long module that came last ran on alone: by test count, the notebook's two
 # tests had come near the end. The shared trained run's three modules (train, eval, quantize) come far apart

@@ -288,9 +288,9 @@ USER_ERRORS = [
 
 @pytest.fixture(scope="module")
 def user_error_outcomes(tmp_path_factory) -> list[dict]:
-    """Each of USER_ERRORS run through its script's main() in one fresh process (tests/cli_errors.py: one
-    interpreter start for all of them), in a working directory of its own: exit status, stderr (with JAX's
-    compile log on) and whether an exception escaped main()."""
+    """Each of USER_ERRORS run as `python script flags` runs it (the script as __main__), all in one fresh
+    process (tests/cli_errors.py: one interpreter start for all of them), each in a working directory of its
+    own: exit status, stderr (with JAX's compile log on) and whether an exception escaped the script."""
     cases, base = [], tmp_path_factory.mktemp("user_errors")
     for i, (script, flags, _) in enumerate(USER_ERRORS):
         (base / str(i)).mkdir()

@@ -136,6 +136,7 @@ def test_metrics_are_logged(tmp_path, corpus):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "run" / "tensorboard").iterdir())
 
 
+@pytest.mark.slow
 def test_writing_metrics_does_not_load_torch(tmp_path):
     # tensorboardX's writer imports torch wherever it is installed: 1.5-2 s of every run's start, for tensors
     # that are never logged. The event file is still written, with the scalar in it.
