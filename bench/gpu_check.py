@@ -23,7 +23,7 @@ element's error, max |got - want| / max |want|, is printed beside it. Bounds on 
 bfloat16 operands (whose rounding is 2**-9 ~ 2e-3 per operation). The whole model in bfloat16 rounds its
 residual stream at each of its 2 x 12 additions: at GPT-2's shapes (random weights, batch 2 x 1024) its
 logits differ from float32 by 1.10e-2 on a 2-core AMD EPYC, 1.15e-2 with XLA's excess precision off
-(`--xla_allow_excess_precision=false`, each operation's bfloat16 result rounded as a GPU rounds it), so
+(`--xla_allow_excess_precision=false`, each operation's bfloat16 result rounded: the H200's figure), so
 that check's bound is the CPU's own figure on the same weights, times BFLOAT16_MODEL_MARGIN: a GPU that
 computes the same function lands near 1x; a wrong kernel lands far off.
 """
@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-
-if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):  # see the docstring; before jax loads
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):  # see the docstring; before jax loads
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
 
 import jax
 import jax.numpy as jnp
