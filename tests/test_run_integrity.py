@@ -309,7 +309,7 @@ def test_user_errors_are_one_line_exit_2_and_come_before_any_compile(user_error_
     message, outcome = USER_ERRORS[case][2], user_error_outcomes[case]
     stderr = outcome["stderr"]
     assert outcome["status"] == 2 and not outcome["escaped"], stderr
-    lines = [line for line in stderr.strip().splitlines()]
+    lines = stderr.strip().splitlines()
     assert lines[-1] == f"error: {lines[-1][7:]}" and message in lines[-1], stderr
     assert "Traceback" not in stderr
     assert "Compiling" not in stderr and "Finished XLA compilation" not in stderr, "compiled first"
