@@ -200,25 +200,26 @@ def _edit_checksum(step_dir: Path) -> None:
     path.write_text(json.dumps(metadata))
 
 
-# A truncated array fails orbax's read with its other reads still pending: Python reports those coroutines,
-# never awaited, when they are collected. Expected where a checkpoint is broken on purpose.
-BROKEN_READS = pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put")
-
-
 @pytest.fixture
 def broken_reads_collected():
-    """Collects the broken reads' coroutines as the test that broke the checkpoint ends, under its
-    BROKEN_READS filter: left to the collector, they were reported in whichever test ran next."""
     yield
     gc.collect()
 
 
+def breaks_reads(test):
+    """For a test that breaks a checkpoint on purpose: a truncated array fails orbax's read with its other
+    reads still pending, and Python reports those coroutines, never awaited, when they are collected. They
+    are collected as the test ends, under its filter; left to the collector, they were reported as
+    warnings in whichever test ran next."""
+    filtered = pytest.mark.filterwarnings(
+        "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put")(test)
+    return pytest.mark.usefixtures("broken_reads_collected")(filtered)
+
+
 @pytest.mark.slow
-@BROKEN_READS
+@breaks_reads
 @pytest.mark.parametrize("damage", [_flip_bytes, _truncate, _edit_checksum], ids=["flipped", "truncated", "checksum"])
-def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_run_resumes_from_the_previous(tmp_path, corpus, damage,
-                                                                                           broken_reads_collected):
+def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_run_resumes_from_the_previous(tmp_path, corpus, damage):
     straight = run(tmp_path / "a", corpus, max_steps=6)
     run(tmp_path / "b", corpus, max_steps=6, stop_after=4, checkpoint_interval=2)
     out = tmp_path / "b" / "run"
@@ -235,8 +236,8 @@ def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_run_resumes_from_the
 
 
 @pytest.mark.slow
-@BROKEN_READS
-def test_sampling_skips_a_corrupt_checkpoint_without_moving_it(tmp_path, corpus, capsys, broken_reads_collected):
+@breaks_reads
+def test_sampling_skips_a_corrupt_checkpoint_without_moving_it(tmp_path, corpus, capsys):
     run(tmp_path, corpus, max_steps=4, checkpoint_interval=2)
     out = tmp_path / "run"
     _truncate(_largest_array_file(out / "checkpoints" / "4"))
