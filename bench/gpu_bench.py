@@ -121,13 +121,13 @@ def jax_worker(job: Job) -> dict:
 
     from gpt.model.sharding import make_mesh
     from gpt.model.transformer import GPT
-    from gpt.train.optimizer import OptimizerConfig, make_optimizer
+    from gpt.train.optimizer import OptimizerConfig
     from gpt.train.step import init_train_state, make_train_step
 
     dtype = "float32" if job.preset == "smoke" else "bfloat16"
     config = model_config(job.preset, job.block_size, dtype=dtype, param_dtype="float32",
                           scan_layers=job.scan_layers, remat=job.remat)
-    optimizer, _ = make_optimizer(OptimizerConfig(max_steps=10_000))
+    optimizer = OptimizerConfig(max_steps=10_000)
     mesh = make_mesh(devices=jax.devices()[:1])
     graphdef, params, opt_state, shardings = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
     train_step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh, shardings=shardings)

@@ -51,7 +51,7 @@ from gpt.model.attention import fused_causal
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh
 from gpt.model.transformer import GPT
-from gpt.train.optimizer import OptimizerConfig, make_optimizer
+from gpt.train.optimizer import OptimizerConfig
 from gpt.train.step import init_train_state, make_train_step
 
 FLOAT32_BOUND, BFLOAT16_BOUND = 1e-4, 1e-2
@@ -137,7 +137,7 @@ def logits(check: Check, weights, tokens, device, dtype: str) -> np.ndarray:
 def train_step(check: Check, weights, batch, device) -> tuple[float, float]:
     """One float32 train step on `device` alone: (loss, gradient norm)."""
     graphdef, state = model_state(check, "float32", weights)
-    optimizer, _ = make_optimizer(OptimizerConfig(max_steps=100))
+    optimizer = OptimizerConfig(max_steps=100)
     mesh = make_mesh(devices=[device])
     graphdef, params, opt_state, shardings = init_train_state(nnx.merge(graphdef, state), optimizer, mesh)
     step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh, shardings=shardings)

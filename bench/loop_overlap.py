@@ -33,7 +33,6 @@ from gpt.data.prepare import default_corpus  # noqa: E402
 from gpt.model.config import GPTConfig  # noqa: E402
 from gpt.model.sharding import make_mesh  # noqa: E402
 from gpt.model.transformer import GPT  # noqa: E402
-from gpt.train.optimizer import make_optimizer  # noqa: E402
 from gpt.train.step import init_train_state, make_train_step  # noqa: E402
 from gpt.train.trainer import TrainConfig, train  # noqa: E402
 
@@ -60,7 +59,7 @@ def model_config(bench: Bench) -> GPTConfig:
 def bare_step_ms(bench: Bench, repeats: int = 30) -> float:
     """The jitted step alone, back to back, on placed batches: the device's time a step."""
     train_config = TrainConfig(max_steps=10_000, warmup_steps=0)
-    optimizer, _ = make_optimizer(train_config.optimizer_config)
+    optimizer = train_config.optimizer_config
     mesh = make_mesh(devices=jax.devices()[:1])
     graphdef, params, opt_state, shardings = init_train_state(GPT(model_config(bench), rngs=nnx.Rngs(0)),
                                                               optimizer, mesh)

@@ -44,7 +44,7 @@ from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh
 from gpt.model.transformer import GPT
 from gpt.train import TrainConfig, with_recipe
-from gpt.train.optimizer import make_optimizer, make_schedule
+from gpt.train.optimizer import make_schedule
 from gpt.train.step import init_train_state, make_eval_step, make_train_step
 
 from machine import cpu_name
@@ -109,7 +109,7 @@ def train_config(name: str, seed: int, bench: BenchConfig) -> TrainConfig:
 def jax_run(config: TrainConfig, data_dir: str):
     """(step(i) -> None, evaluate() -> float) for one variant, compiled, its clock not yet started."""
     mesh = make_mesh(devices=jax.devices()[:1])
-    optimizer, _ = make_optimizer(config.optimizer_config)
+    optimizer = config.optimizer_config
     model = GPT(config.model, rngs=nnx.Rngs(config.seed))
     graphdef, params, opt_state, shardings = init_train_state(model, optimizer, mesh)
     train_step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh, shardings=shardings,

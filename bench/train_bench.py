@@ -24,7 +24,7 @@ from flax import nnx
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh
 from gpt.model.transformer import GPT
-from gpt.train.optimizer import OptimizerConfig, make_optimizer
+from gpt.train.optimizer import OptimizerConfig
 from gpt.train.step import PEAK_BF16_FLOPS, flops_per_token, init_train_state, make_train_step
 
 from machine import cpu_name
@@ -62,7 +62,7 @@ def batches(bench: BenchConfig, count: int) -> np.ndarray:
 
 def jax_stepper(bench: BenchConfig, data: np.ndarray):
     config = model_config(bench)
-    optimizer, _ = make_optimizer(OptimizerConfig(max_steps=10_000))
+    optimizer = OptimizerConfig(max_steps=10_000)
     mesh = make_mesh(devices=jax.devices()[:1])
     graphdef, params, opt_state, shardings = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
     step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh, shardings=shardings)

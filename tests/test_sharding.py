@@ -20,7 +20,6 @@ from gpt.model.sharding import bytes_per_device, make_mesh, param_shardings
 from gpt.model.transformer import GPT
 from gpt.train import TrainConfig, train
 from gpt.train.checkpoint import load_model
-from gpt.train.optimizer import make_optimizer
 from gpt.train.step import init_train_state, make_train_step
 
 from training import free_port
@@ -39,7 +38,7 @@ def mesh_of(data, fsdp, tensor):
 
 LR = 1e-2
 TRAINING = TrainConfig(lr=LR, warmup_steps=0, max_steps=10)
-ADAMW, _ = make_optimizer(TRAINING.optimizer_config)  # the training optimizer: clipping, then AdamW
+ADAMW = TRAINING.optimizer_config  # the training optimizer: clipping, then AdamW
 
 
 def one_step(mesh, optimizer=ADAMW, config=CONFIG):
@@ -62,7 +61,7 @@ def adamw_step(shape):
 def gradient(grad_norm, opt_state):
     """The step's gradient, read back from AdamW's first moment: after one step mu = (1 - beta1) x the
     gradient clipped to norm grad_clip (both known), so this is the gradient itself, up to one rounding."""
-    config = TRAINING.optimizer_config
+    config = ADAMW
     scale = (1 - config.beta1) * min(1.0, config.grad_clip / grad_norm)
     return jax.tree.map(lambda mu: np.asarray(mu) / scale, optax.tree_utils.tree_get(opt_state, "mu"))
 
@@ -99,7 +98,7 @@ def test_the_modern_recipe_trains_on_a_mesh_as_on_one_device():
     # matrices) and AdamW (the rest). Newton-Schulz normalizes each matrix's momentum as a whole, so its
     # updates agree to float32 noise; the AdamW ones, as above, within lr where a gradient is ~0.
     config = CONFIG.replace(position="rope", qk_norm=True, activation="relu2", tied_head=False, bias=False)
-    muon, _ = make_optimizer(TrainConfig(lr=LR, warmup_steps=0, max_steps=10, optimizer="muon").optimizer_config)
+    muon = TrainConfig(lr=LR, warmup_steps=0, max_steps=10, optimizer="muon").optimizer_config
     loss, _, want, _ = one_step(mesh_of(1, 1, 1), muon, config)
     sharded_loss, _, got, _ = one_step(mesh_of(2, 2, 2), muon, config)
     assert abs(sharded_loss - loss) < 1e-5

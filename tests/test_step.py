@@ -1,11 +1,19 @@
-"""The optimizers and schedules of the training step against optax's own, on small arrays."""
+"""The optimizers and schedules of the training step against optax's own, on small arrays; one compiled step
+for runs that differ only in the optimizer's numbers."""
+
+import dataclasses
 
 import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
+from gpt.model.config import GPTConfig
+from gpt.model.sharding import make_mesh
+from gpt.model.transformer import GPT
 from gpt.train.optimizer import OptimizerConfig, make_optimizer, make_schedule, muon_or_adamw
+from gpt.train.step import init_train_state, make_train_step
 
 L, D, N, H, F, V = 2, 8, 2, 4, 12, 10
 SHAPES = {"qkv_kernel": (L, D, 3, N, H), "out_kernel": (L, N, H, D), "fc_kernel": (L, D, F),
@@ -81,3 +89,40 @@ def test_the_cosine_schedule_is_optax_warmup_cosine():
     want = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100, 1e-4)
     for step in (0, 5, 10, 40, 99, 100):
         assert float(make_schedule(config, config.lr)(step)) == pytest.approx(float(want(step)))
+
+
+def test_runs_that_differ_in_their_schedule_share_one_compiled_step_and_each_keeps_its_own():
+    # Two runs of one model with different learning rates, warmups and lengths: the second compiles no step
+    # of its own, and its steps are bit for bit those it takes alone. (That a step is what it was with the
+    # schedule inside it: test_train_loop resumes run directories of the code before, bit for bit.)
+    mesh = make_mesh(devices=jax.devices()[:1])
+    batches = np.random.default_rng(0).integers(0, 256, (3, 2, 4, 17), dtype=np.int32)  # [step, A, B, T + 1]
+    first = OptimizerConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, max_steps=4, grad_clip=0.5)
+    second = dataclasses.replace(first, lr=3e-2, min_lr=2e-2, warmup_steps=0, max_steps=50)
+    compiled = []
+
+    def steps(optimizer):
+        """The params after `batches`, and how many times the train step compiled for them."""
+        graphdef, params, opt_state, shardings = init_train_state(GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0)),
+                                                                  optimizer, mesh)
+        step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh, shardings=shardings)
+        compiled.clear()
+        for batch in batches:
+            params, opt_state, _ = step(params, opt_state, batch, jax.random.key(0))
+        return [np.asarray(leaf) for leaf in jax.tree.leaves(params)], compiled.count("jit(step)")
+
+    def listener(event, duration, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        alone, _ = steps(second)
+        jax.clear_caches()
+        (after_first, first_compiles), (after_second, second_compiles) = steps(first), steps(second)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert (first_compiles, second_compiles) == (1, 0)
+    for got, want in zip(after_second, alone):
+        np.testing.assert_array_equal(got, want)
+    assert any(not np.array_equal(a, b) for a, b in zip(after_first, after_second))  # the schedules differ

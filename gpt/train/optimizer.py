@@ -5,13 +5,13 @@ global-norm clipping and on a warmup + cosine or warmup-stable-decay schedule (`
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 import optax
 
-__all__ = ["OptimizerConfig", "make_optimizer", "make_schedule", "muon_axes", "muon_or_adamw"]
+__all__ = ["OptimizerConfig", "make_optimizer", "make_schedule", "learning_rates", "muon_axes", "muon_or_adamw"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,17 @@ class OptimizerConfig:
     """wsd: the steps of the final linear decay to min_lr (the rest after warmup holds lr)."""
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
+
+    def without_schedule(self) -> OptimizerConfig:
+        """This config with the schedule's numbers (the learning rates, the warmup, decay and total steps) at
+        their defaults: what a compiled train step is specialized on. It takes each step's learning rates
+        as arguments (`learning_rates`), so that runs that differ only in those numbers (a sweep over lr, a
+        longer max_steps) share one compiled step."""
+        defaults = OptimizerConfig()
+        return dataclasses.replace(self, **{name: getattr(defaults, name) for name in _SCHEDULE_NUMBERS})
+
+
+_SCHEDULE_NUMBERS = ("lr", "min_lr", "warmup_steps", "max_steps", "decay_steps", "muon_lr")
 
 
 def make_schedule(config: OptimizerConfig, peak: float) -> optax.Schedule:
@@ -74,16 +85,27 @@ def muon_or_adamw(params) -> dict:
                                             params)
 
 
-@functools.cache  # one optimizer per config: a compiled train step is reused only with the same optimizer
-def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def learning_rates(config: OptimizerConfig, count: jax.Array) -> jax.Array:
+    """float32 [2]: AdamW's and Muon's learning rates at step `count` (the steps taken so far)."""
+    rates = [make_schedule(config, peak)(count) for peak in (config.lr, config.muon_lr)]
+    return jnp.asarray(rates, jnp.float32)  # never weakly typed (a constant schedule's is): one compiled step
+
+
+def make_optimizer(config: OptimizerConfig, rates: jax.Array | None = None
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Global-norm clipping, then AdamW (weight decay on matrices only) over every parameter (`adamw`), or
     Muon over the blocks' matrices and AdamW over the rest: embeddings, the head, norms and biases (`muon`).
-    Returns (the optimizer, AdamW's learning-rate schedule); Muon's follows the same shape from muon_lr."""
+    Returns (the optimizer, AdamW's learning-rate schedule); Muon's follows the same shape from muon_lr.
+
+    rates: `learning_rates(config, count)` of the step being taken (traced, in a compiled step), in place of
+    the schedules; the optimizer state is the same either way (the schedules' step counts stay in it)."""
     schedule = make_schedule(config, config.lr)
-    adamw = optax.adamw(schedule, b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay,
+    adamw_lr, muon_lr = ((schedule, make_schedule(config, config.muon_lr)) if rates is None
+                         else (lambda count: rates[0], lambda count: rates[1]))
+    adamw = optax.adamw(adamw_lr, b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay,
                         mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
     if config.optimizer == "muon":
-        muon = optax.contrib.muon(make_schedule(config, config.muon_lr), beta=config.muon_momentum,
+        muon = optax.contrib.muon(muon_lr, beta=config.muon_momentum,
                                   weight_decay=config.weight_decay, muon_weight_dimension_numbers=muon_axes)
         adamw = optax.partition({"muon": muon, "adamw": adamw}, muon_or_adamw)
     chain = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []

@@ -18,6 +18,7 @@ from flax import nnx
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import param_shardings, replicated
 from gpt.model.transformer import GPT
+from gpt.train.optimizer import OptimizerConfig, learning_rates, make_optimizer
 
 __all__ = ["loss_fn", "init_train_state", "make_train_step", "make_eval_step", "all_finite", "flops_per_token",
            "peak_flops", "PEAK_BF16_FLOPS"]
@@ -30,9 +31,9 @@ def loss_fn(model: GPT, batch_BT1: jax.Array, dropout_key: jax.Array | None = No
     return model.loss(batch_BT1[:, :-1], batch_BT1[:, 1:], dropout_key=dropout_key, label_smoothing=label_smoothing)
 
 
-def init_train_state(model: GPT, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh):
-    """Place the model's params on `mesh` as `gpt.model.sharding.RULES` say and create the optimizer state beside
-    them: each Adam moment sharded like its parameter, scalars (the step count) replicated.
+def init_train_state(model: GPT, optimizer: OptimizerConfig, mesh: jax.sharding.Mesh):
+    """Place the model's params on `mesh` as `gpt.model.sharding.RULES` say and create `optimizer`'s state
+    beside them: each Adam moment sharded like its parameter, scalars (the step count) replicated.
 
     Returns (graphdef, params, opt_state, (param_shardings, opt_shardings)); params and param_shardings
     are pure dicts shaped like `nnx.to_pure_dict(nnx.state(model))`.
@@ -40,13 +41,20 @@ def init_train_state(model: GPT, optimizer: optax.GradientTransformation, mesh: 
     graphdef, state = nnx.split(model)
     shardings = param_shardings(model, mesh)
     params = jax.device_put(nnx.to_pure_dict(state), shardings)
-    opt_shardings = _optimizer_shardings(optimizer, params, shardings, mesh)
+    init = _optimizer_of(optimizer.without_schedule()).init  # the schedule's numbers are not in the state
+    opt_shardings = _optimizer_shardings(init, params, shardings, mesh)
     # Pinned: left to propagation, XLA may replicate the zeros that the moments start from.
-    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    opt_state = jax.jit(init, out_shardings=opt_shardings)(params)
     return graphdef, params, opt_state, (shardings, opt_shardings)
 
 
-def _optimizer_shardings(optimizer, params, shardings, mesh):
+@functools.cache
+def _optimizer_of(config: OptimizerConfig) -> optax.GradientTransformation:
+    """One optimizer per config, so that its init compiles once a process for equal configs."""
+    return make_optimizer(config)[0]
+
+
+def _optimizer_shardings(init, params, shardings, mesh):
     """The optimizer state's shardings: a leaf whose path ends with a parameter's path (mu/.../fc_kernel)
     and has its shape is sharded like it; anything else is replicated."""
     by_path = {tuple(path): (sharding, leaf.shape) for (path, sharding), leaf in
@@ -59,7 +67,7 @@ def _optimizer_shardings(optimizer, params, shardings, mesh):
                 return sharding
         return replicated(mesh)
 
-    return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(optimizer.init, params))
+    return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(init, params))
 
 
 def all_finite(*trees) -> jax.Array:
@@ -68,7 +76,7 @@ def all_finite(*trees) -> jax.Array:
     return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(trees)]).all()
 
 
-def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh, shardings: tuple,
+def make_train_step(graphdef, optimizer: OptimizerConfig, dropout: bool, mesh: jax.sharding.Mesh, shardings: tuple,
                     label_smoothing: float = 0.0):
     """step(params, opt_state, batch [A, B, T+1], key) -> (params, opt_state, {loss, grad_norm, finite}),
     compiled for `mesh` (the activations' sharding constraints refer to it); the new params and optimizer
@@ -76,17 +84,35 @@ def make_train_step(graphdef, optimizer, dropout: bool, mesh: jax.sharding.Mesh,
     step. `finite` (bool) is False when the loss, the gradient norm or any updated parameter is not.
     The loss trained on (and reported) uses `label_smoothing`.
 
-    Made once per process for equal arguments (`make_optimizer` gives equal configs one optimizer), so a
-    second run in the process, a resumed one for instance, reuses the first one's compiled step."""
+    The step's learning rates come from a small program of their own (the schedule, at the optimizer
+    state's step count), so that the step is compiled for `optimizer.without_schedule()`: it is made once
+    per process for equal arguments otherwise, and a second run in the process (a resumed one, or one with
+    another lr or max_steps) reuses the first one's compiled step, as a later process does through the
+    persistent compilation cache. The numbers come out as they would with the schedule inside the step."""
     leaves, treedef = jax.tree.flatten(shardings)
-    return _train_step(graphdef, optimizer, dropout, mesh, tuple(leaves), treedef, label_smoothing)
+    compiled = _train_step(graphdef, optimizer.without_schedule(), dropout, mesh, tuple(leaves), treedef,
+                           label_smoothing)
+    rates = _rates_at_step(optimizer, mesh)
+    return lambda params, opt_state, batch_ABT1, key: compiled(params, opt_state, batch_ABT1, key, rates(opt_state))
 
 
 @functools.lru_cache(maxsize=16)
-def _train_step(graphdef, optimizer, dropout, mesh, sharding_leaves, sharding_tree, label_smoothing):
+def _rates_at_step(optimizer: OptimizerConfig, mesh: jax.sharding.Mesh):
+    """opt_state -> float32 [2]: the learning rates of the step that `opt_state` is about to take."""
+    def rates(opt_state):
+        steps_taken = optax.tree_utils.tree_get_all_with_path(opt_state, "count")[0][1]  # every count agrees
+        return learning_rates(optimizer, steps_taken)
+
+    return _on_mesh(jax.jit(rates), mesh)
+
+
+@functools.lru_cache(maxsize=16)
+def _train_step(graphdef, optimizer_without_schedule, dropout, mesh, sharding_leaves, sharding_tree, label_smoothing):
     shardings = jax.tree.unflatten(sharding_tree, sharding_leaves)
 
-    def step(params, opt_state, batch_ABT1, key):
+    def step(params, opt_state, batch_ABT1, key, rates):
+        optimizer, _ = make_optimizer(optimizer_without_schedule, rates)
+
         def micro(grad_sum, xs):
             batch, micro_key = xs
             loss_and_grad = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch,

@@ -54,7 +54,7 @@ from gpt.signals import StopSignals
 from gpt.tokenizer import get_tokenizer
 from gpt.train.checkpoint import CheckpointManager, config_to_json
 from gpt.train.metrics import MetricsWriter
-from gpt.train.optimizer import OptimizerConfig, make_optimizer
+from gpt.train.optimizer import OptimizerConfig, make_schedule
 from gpt.train.peers import PeerWatch, agree_on_signal, wait_for_all
 from gpt.train.step import flops_per_token, init_train_state, make_eval_step, make_train_step, peak_flops
 
@@ -449,7 +449,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
 
     # From here on, work is compiled.
-    optimizer, schedule = make_optimizer(config.optimizer_config)
+    optimizer = config.optimizer_config
     graphdef, params, opt_state, shardings = init_train_state(_build_model(config, model_config), optimizer, mesh)
     restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state},
                                                  {"params": shardings[0], "opt_state": shardings[1]}, log)
@@ -468,7 +468,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     return Run(config, model_config, mesh, checked.identity, graphdef, params, opt_state,
                make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0, mesh=mesh, shardings=shardings,
                                label_smoothing=config.label_smoothing),
-               make_eval_step(graphdef, mesh), schedule, train_batches, val_batches, checkpoints,
+               make_eval_step(graphdef, mesh), make_schedule(optimizer, optimizer.lr), train_batches, val_batches, checkpoints,
                MetricsWriter(checked.out_dir, resume_step=start, enabled=pid == 0), start, end)
 
 
