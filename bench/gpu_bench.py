@@ -85,17 +85,17 @@ def model_config(preset: str, block_size: int, **runtime):
     from gpt.model.config import GPTConfig
 
     if preset == "smoke":
-        return GPTConfig.preset("small", n_layer=2, n_head=2, n_embd=64, block_size=block_size, vocab_size=50257,
+        return GPTConfig.preset("small", n_layer=2, n_head=2, n_embd=64, block_size=block_size, vocab_size=512,
                                 **runtime)
     return GPTConfig.preset(preset, block_size=max(block_size, 1024), **runtime)
 
 
 def token_batches(job: Job, count: int = 2):
-    """`count` int32 arrays [accumulation, micro_batch, block + 1] of random GPT-2 ids (the same for both sides)."""
+    """`count` int32 arrays [accumulation, micro_batch, block + 1] of random token ids (the same for both sides)."""
     import numpy as np
 
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, 50257, (job.accumulation, job.micro_batch, job.block_size + 1), dtype=np.int32)
+    rng, vocab = np.random.default_rng(0), model_config(job.preset, job.block_size).vocab_size
+    return [rng.integers(0, vocab, (job.accumulation, job.micro_batch, job.block_size + 1), dtype=np.int32)
             for _ in range(count)]
 
 

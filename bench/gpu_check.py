@@ -105,18 +105,20 @@ def attention_checks(check: Check) -> list[tuple]:
 
 def model_config(check: Check, dtype: str) -> GPTConfig:
     if check.smoke:
-        return GPTConfig.preset("small", n_layer=2, n_head=2, n_embd=64, block_size=check.block_size, dtype=dtype)
+        return GPTConfig.preset("small", n_layer=2, n_head=2, n_embd=64, block_size=check.block_size, vocab_size=512,
+                                dtype=dtype)
     return GPTConfig.preset("gpt2", dtype=dtype)
 
 
 def weights_and_inputs(check: Check) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """The float32 model's weights (its state's leaves, in order), a batch of tokens [B, T] for the logits
     and one of [1, B, T + 1] for a train step."""
-    model = GPT(model_config(check, "float32"), rngs=nnx.Rngs(0))
+    config = model_config(check, "float32")
+    model = GPT(config, rngs=nnx.Rngs(0))
     weights = [np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(model))]
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 50257, (check.batch, check.block_size), dtype=np.int32)
-    batch = rng.integers(0, 50257, (1, check.batch, check.block_size + 1), dtype=np.int32)
+    tokens = rng.integers(0, config.vocab_size, (check.batch, check.block_size), dtype=np.int32)
+    batch = rng.integers(0, config.vocab_size, (1, check.batch, check.block_size + 1), dtype=np.int32)
     return weights, tokens, batch
 
 
