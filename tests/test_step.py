@@ -1,5 +1,5 @@
 """The optimizers and schedules of the training step against optax's own, on small arrays; one compiled step
-for runs that differ only in the optimizer's numbers."""
+for runs that differ only in their schedule."""
 
 import dataclasses
 

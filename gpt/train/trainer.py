@@ -468,8 +468,8 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     return Run(config, model_config, mesh, checked.identity, graphdef, params, opt_state,
                make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0, mesh=mesh, shardings=shardings,
                                label_smoothing=config.label_smoothing),
-               make_eval_step(graphdef, mesh), make_schedule(optimizer, optimizer.lr), train_batches, val_batches, checkpoints,
-               MetricsWriter(checked.out_dir, resume_step=start, enabled=pid == 0), start, end)
+               make_eval_step(graphdef, mesh), make_schedule(optimizer, optimizer.lr), train_batches, val_batches,
+               checkpoints, MetricsWriter(checked.out_dir, resume_step=start, enabled=pid == 0), start, end)
 
 
 def _build_model(config: TrainConfig, model_config: GPTConfig) -> GPT:
