@@ -6,6 +6,7 @@ the process at once).
 
 from __future__ import annotations
 
+import _thread
 import signal
 import threading
 
@@ -23,17 +24,22 @@ class StopSignals:
     (after the C call under way, such as a compile, returns), and the block's exit absorbs it. Otherwise
     the block checks `received` when it can stop cleanly. On leaving, the previous handlers return.
 
-    Check `received` after an `at_once` block, not only whether it ended early: a signal that lands in a
-    finalizer or a callback raises there, where Python prints the error and carries on.
+    A signal that lands in a finalizer or a callback raises there, where Python prints the error and carries
+    on: so until an `at_once` block ends, the first signal is raised again every `REPEAT_S` seconds, until
+    one lands where it ends the block. Check `received` after the block all the same.
 
     Python takes signals only on its main thread; elsewhere the block catches none. A signal the process
     was started ignoring (SIGINT in a shell's background job) stays ignored.
     """
 
+    REPEAT_S = 0.25
+
     def __init__(self, at_once: bool = False):
         self.at_once = at_once
         self.received: int | None = None
         self._previous = {}
+        self._closing = threading.Event()
+        self._repeater: threading.Thread | None = None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -45,10 +51,23 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if self.received is None:  # without at_once a second signal changes nothing: the first is acted on
             self.received = signum
-        if self.at_once:
+            if self.at_once:
+                self._repeater = threading.Thread(target=self._repeat, name="StopSignals", daemon=True)
+                self._repeater.start()
+        if self.at_once and not self._closing.is_set():
             raise _Stopped
 
+    def _repeat(self) -> None:
+        """Raise the first signal again in the main thread, as if it came again, until the block ends."""
+        while not self._closing.wait(self.REPEAT_S):
+            _thread.interrupt_main(self.received)
+
     def __exit__(self, kind, error, traceback) -> bool:
+        self._closing.set()
+        if self._repeater is not None:
+            # Joined while the handler is still ours (and raises no more): a repeat the thread made just
+            # before it saw the block end is handled here, not by the handler restored below.
+            self._repeater.join()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return kind is _Stopped

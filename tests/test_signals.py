@@ -1,0 +1,51 @@
+"""StopSignals: a signal ends an `at_once` block even where its first raise is swallowed, and leaves nothing
+behind when the block ends. The signals are sent to this process while the block holds SIGTERM."""
+
+import os
+import signal
+import sys
+import time
+
+from gpt.signals import StopSignals
+
+
+class _SignalledInFinalizer:
+    """Sends SIGTERM from its finalizer, so that the handler runs (and raises) inside it, where Python prints
+    the error and carries on."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10_000):  # Python runs the handler here, still inside the finalizer
+            pass
+
+
+def _spin(seconds: float) -> float:
+    """Runs Python code for up to `seconds`; returns how long it ran (shorter where a signal cut it)."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        pass
+    return time.monotonic() - start
+
+
+def test_a_signal_swallowed_by_a_finalizer_still_ends_an_at_once_block(monkeypatch):
+    swallowed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: swallowed.append(unraisable.exc_type.__name__))
+    previous = signal.getsignal(signal.SIGTERM)
+    start = time.monotonic()
+    with StopSignals(at_once=True) as stop:
+        _SignalledInFinalizer()  # its first raise is lost: it had left serve.py warming up, then serving
+        _spin(10)
+    assert swallowed == ["_Stopped"]
+    assert stop.received == signal.SIGTERM
+    assert time.monotonic() - start < 3 * StopSignals.REPEAT_S + 2
+    # The block's end stops the repeats: none reaches the restored handler (which would end this process).
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert _spin(4 * StopSignals.REPEAT_S) >= 4 * StopSignals.REPEAT_S
+
+
+def test_without_at_once_a_signal_is_only_recorded():
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        ran = _spin(4 * StopSignals.REPEAT_S)  # not cut short, then or by a repeat
+    assert stop.received == signal.SIGTERM
+    assert ran >= 4 * StopSignals.REPEAT_S
