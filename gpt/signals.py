@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import _thread
 import signal
+import sys
 import threading
 
 __all__ = ["StopSignals"]
@@ -26,7 +27,8 @@ class StopSignals:
 
     A signal that lands in a finalizer or a callback raises there, where Python prints the error and carries
     on: so until an `at_once` block ends, the first signal is raised again every `REPEAT_S` seconds, until
-    one lands where it ends the block. Check `received` after the block all the same.
+    one lands where it ends the block (and such a lost raise prints nothing). Check `received` after the
+    block all the same.
 
     Python takes signals only on its main thread; elsewhere the block catches none. A signal the process
     was started ignoring (SIGINT in a shell's background job) stays ignored.
@@ -46,7 +48,14 @@ class StopSignals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 if signal.getsignal(sig) is not signal.SIG_IGN:
                     self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
         return self
+
+    def _unraisable(self, unraisable) -> None:
+        """Drops a raise of ours that a finalizer or callback swallowed (a repeat follows); passes on the rest."""
+        if not isinstance(unraisable.exc_value, _Stopped):
+            self._previous_hook(unraisable)
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:  # without at_once a second signal changes nothing: the first is acted on
@@ -70,4 +79,5 @@ class StopSignals:
             self._repeater.join()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        sys.unraisablehook = self._previous_hook
         return kind is _Stopped
