@@ -26,9 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -37,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from machine import cpu_name
+from serve_process import start_serve
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,19 +85,6 @@ def write_tasks(directory: Path, text: str, items: int, documents: int, seed: in
             f"task: {name}\ndataset_path: json\ntest_split: test\noutput_type: {kind}\n"
             f"dataset_kwargs: {{data_files: {{test: {directory / data}.jsonl}}}}\n" + textwrap.dedent(body).strip() + "\n")
     return {name: kind for name, (kind, _, _) in configs.items()}
-
-
-def start_server(directory: Path, slots: int, prefix_cache_tokens: int) -> tuple[subprocess.Popen, str]:
-    """serve.py on a free port, warmed up; returns the process and its /v1 URL."""
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "serve.py"), "--init_from", str(directory), "--port", "0", "--slots", str(slots),
-         "--max_queue", "256", "--model_name", "gpt2", "--prefix_cache_tokens", str(prefix_cache_tokens)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in process.stdout:
-        found = re.search(r"on (http://\S+/v1)", line)
-        if found:
-            return process, found.group(1)
-    raise RuntimeError(f"serve.py ended before serving (exit {process.wait()})")
 
 
 def evaluate(lm, task: str, manager) -> tuple[dict, float]:
@@ -162,7 +147,8 @@ def main():
         for _ in range(args.repeats):  # the two sides in turn, so that the machine's drift falls on both
             for pool in args.prefix_cache_tokens:
                 # A fresh server each time: its prefix pool holds nothing of an earlier run's prompts.
-                process, url = start_server(tmp / "model", args.slots, pool)
+                process, url = start_serve(tmp / "model", "--slots", str(args.slots), "--max_queue", "256",
+                                           "--model_name", "gpt2", "--prefix_cache_tokens", str(pool))
                 try:
                     ours = LocalCompletionsAPI(base_url=url + "/completions", model="gpt2", max_length=1024,
                                                num_concurrent=args.concurrent, max_retries=1, timeout=600)

@@ -10,8 +10,9 @@ and output lengths uniform in [16, 128], random token ids, all drawn from a fixe
 requests: time to first token (TTFT, from sending), and the gaps between tokens (ITL; tokens that arrive
 together share their gap). Output tokens/s is all tokens over the wall time of the whole load.
 
-  ours, serve.py       the HTTP server (in this process, on 127.0.0.1), the official openai client
-                       streaming; compiled at start-up (warm-up not timed); once per --prefill-chunk
+  ours, serve.py       serve.py in a process of its own (bench/serve_process.py), streamed to over HTTP
+                       by the same plain client as llama-server; compiled at start-up (warm-up not
+                       timed); once per --prefill-chunk
   ours, engine         the same engine without HTTP: requests submitted in process (`Engine.submit`),
                        like the transformers peer's (--engine-only runs only this and the peer)
   ours, generate       gpt.generate.generate per request, one at a time in arrival order (every
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -88,36 +89,34 @@ def make_engine(directory, load, dtype, slots, steps_per_call, quantize, prefill
 
 
 def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantize, prefill_chunk):
-    import openai
-    import uvicorn
+    """serve.py in a process of its own, as a user runs it, and the same plain streaming client as
+    llama-server's (httpx, one JSON parse an event): sharing this process, the server had shared its
+    interpreter lock with the clients' threads, and the openai client builds objects for every event."""
+    import httpx
 
-    from gpt.serve import create_app
+    from serve_process import start_serve
 
-    engine = make_engine(directory, load, dtype, slots, steps_per_call, quantize, prefill_chunk)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, "gpt2", log=lambda line: None), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.1)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="-", max_retries=0)
+    process, url = start_serve(directory, "--slots", str(slots), "--steps_per_call", str(steps_per_call),
+                               "--prefill_chunk", str(prefill_chunk), "--max_queue", str(len(load)),
+                               "--dtype", dtype, "--quantize", quantize, "--model_name", "gpt2")
 
     def send(prompt, max_tokens):
+        body = {"model": "gpt2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "logprobs": 0}
         sent, times, counts = time.perf_counter(), [], []
-        for chunk in client.completions.create(model="gpt2", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                               stream=True, logprobs=0):
-            n = len(chunk.choices[0].logprobs.tokens) if chunk.choices[0].logprobs else 0
-            if n:
-                times.append(time.perf_counter())
-                counts.append(n)
+        with httpx.stream("POST", url + "/completions", json=body, timeout=600) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {") and (logprobs := json.loads(line[6:])["choices"][0]["logprobs"]):
+                    times.append(time.perf_counter())
+                    counts.append(len(logprobs["tokens"]))
         return times[0] - sent, gaps_of(times, counts)
 
     try:
+        send(*load[0])  # first-request setup outside the timing, as llama-server's
         return run_load(load, clients, send)
     finally:
-        server.should_exit = True
-        thread.join()
+        process.terminate()
+        process.wait()
 
 
 def bench_engine(directory, load, clients, dtype, slots, steps_per_call, quantize, prefill_chunk):
