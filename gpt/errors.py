@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import select
 import signal
 import sys
 
@@ -63,10 +64,21 @@ def _quiet_closed_loop(previous):
     return hook
 
 
+def _stdout_closed() -> bool:
+    """Whether the reader of stdout's pipe has gone (`sample.py | head`): the pipe reports an error."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor behind stdout
+        return False
+
+
 def cli_main(function):
     """Wrap a CLI's `main` so that a UserError or RunFailed ends it with one line on stderr, exit 2 or 1,
     and SIGINT or SIGTERM (where the CLI does not catch them itself, as training does to save) with one
-    line and status 128 + the signal's number.
+    line and status 128 + the signal's number. Output piped to a reader that stops early (`| head`) ends
+    it quietly with SIGPIPE's status, 141, as it ends other Unix tools.
 
     It also keeps a failed checkpoint save from printing dozens of tracebacks before that line."""
 
@@ -94,5 +106,11 @@ def cli_main(function):
                 sys.stdout.flush()
                 os._exit(1)
             sys.exit(1)
+        except BrokenPipeError:
+            if not _stdout_closed():  # another pipe (a worker's): a failure to see
+                raise
+            # The exit flushes stdout once more: into nothing now, not into another BrokenPipeError.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(128 + signal.SIGPIPE)
 
     return main

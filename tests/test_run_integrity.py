@@ -474,6 +474,36 @@ def test_a_signal_stops_a_cli_at_once_with_one_line(where, status, name):
     assert "never here" not in result.stdout
 
 
+_PRINTING_CLI = """
+import sys
+from gpt.errors import cli_main
+
+@cli_main
+def main(what):
+    if what == "another pipe":
+        raise BrokenPipeError(32, "Broken pipe")  # stdout is fine: not the reader gone
+    for line in range(10**6):
+        print(f"line {line}", flush=True)
+
+main(sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_output_piped_to_a_reader_that_stops_early_ends_quietly_with_sigpipes_status():
+    process = subprocess.Popen([sys.executable, "-c", _PRINTING_CLI, "lines"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=ENV)
+    assert process.stdout.readline() == "line 0\n"
+    process.stdout.close()  # as `| head -1` does
+    assert process.wait(timeout=60) == 128 + signal.SIGPIPE
+    assert process.stderr.read() == ""  # it had been a BrokenPipeError's traceback, exit 1
+    process.stderr.close()
+
+    other = subprocess.run([sys.executable, "-c", _PRINTING_CLI, "another pipe"], capture_output=True, text=True,
+                           timeout=60, env=ENV)
+    assert other.returncode == 1 and "BrokenPipeError" in other.stderr  # a failure elsewhere keeps its traceback
+
+
 @pytest.mark.slow
 def test_when_a_process_dies_the_other_says_which_in_one_line_and_a_restart_resumes(tmp_path, corpus):
     out = tmp_path / "run"
