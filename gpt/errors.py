@@ -109,8 +109,9 @@ def cli_main(function):
         except BrokenPipeError:
             if not _stdout_closed():  # another pipe (a worker's): a failure to see
                 raise
-            # The exit flushes stdout once more: into nothing now, not into another BrokenPipeError.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(128 + signal.SIGPIPE)
+            # At once, as after a signal: a normal exit would flush stdout into another BrokenPipeError, and
+            # its teardown could meet XLA's threads still running what was cut short.
+            sys.stderr.flush()
+            os._exit(128 + signal.SIGPIPE)
 
     return main
