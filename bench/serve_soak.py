@@ -21,15 +21,14 @@ import collections
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+from serve_process import start_serve
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "soak-key"
 MALFORMED = [b"{", b"[]", b"null", b'{"model": "tiny"}', b'{"model": "tiny", "prompt": 1e999}',
              b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 400 + b"}",
@@ -156,19 +155,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         save_model(Path(tmp) / "model")
         log_path = Path(tmp) / "serve.log"
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "GPT_API_KEY": KEY}
-        with open(log_path, "w") as log:
-            server = subprocess.Popen(
-                [sys.executable, str(ROOT / "serve.py"), "--init_from", str(Path(tmp) / "model"), "--port", "0",
-                 "--model_name", "tiny", "--slots", "8", "--max_queue", "64", "--no-compile_cache"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
         try:
-            while "serving" not in log_path.read_text():
-                if server.poll() is not None:
-                    sys.exit(f"serve.py exited with {server.returncode}:\n{log_path.read_text()}")
-                time.sleep(0.2)
-            url = log_path.read_text().split(" on ")[1].split()[0].removesuffix("/v1")
-            result = asyncio.run(soak(url, args.requests, args.clients, server.pid, args.seed))
+            server, url = start_serve(Path(tmp) / "model", "--model_name", "tiny", "--slots", "8", "--max_queue", "64",
+                                      "--no-compile_cache", log_path=log_path,
+                                      env={**os.environ, "JAX_PLATFORMS": "cpu", "GPT_API_KEY": KEY})
+        except RuntimeError as error:
+            sys.exit(str(error))
+        try:
+            result = asyncio.run(soak(url.removesuffix("/v1"), args.requests, args.clients, server.pid, args.seed))
         finally:
             server.terminate()
             code = server.wait(timeout=60)
