@@ -48,8 +48,9 @@ class StopSignals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 if signal.getsignal(sig) is not signal.SIG_IGN:
                     self._previous[sig] = signal.signal(sig, self._handle)
-        self._previous_hook = sys.unraisablehook
-        sys.unraisablehook = self._unraisable
+        if self.at_once:  # only an at_once block raises, and so has lost raises to drop
+            self._previous_hook = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
         return self
 
     def _unraisable(self, unraisable) -> None:
@@ -79,5 +80,6 @@ class StopSignals:
             self._repeater.join()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        sys.unraisablehook = self._previous_hook
+        if self.at_once:
+            sys.unraisablehook = self._previous_hook
         return kind is _Stopped
