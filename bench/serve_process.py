@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -18,12 +17,12 @@ def start_serve(directory: Path | str, *flags: str, log_path: Path | None = None
     """serve.py over `directory` on a free port with `flags`, warmed up; returns the process and its /v1 URL.
 
     Its output goes to `log_path` (for the caller to read afterwards), else to an unnamed temporary file: a
-    file, not a pipe, so that nothing has to drain it while it serves. `env` replaces the environment. The
+    file, not a pipe, so that nothing has to drain it while it serves. `env` replaces the environment (None: this process's). The
     caller stops it (`process.terminate(); process.wait()`)."""
     with open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(
             [sys.executable, str(ROOT / "serve.py"), "--init_from", str(directory), "--port", "0", *flags],
-            stdout=log, stderr=subprocess.STDOUT, text=True, env=env if env is not None else os.environ)
+            stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         while True:
             log.seek(0)
             text = log.read()
