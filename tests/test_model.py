@@ -36,6 +36,18 @@ def test_an_eager_call_of_a_new_shape_compiles_one_program(caplog):
     assert len(compiled) == 2 and all("_compiled_logits" in m for m in compiled), compiled
 
 
+def test_an_eager_loss_compiles_once_per_shape(caplog):
+    """`GPT.loss` called again at the same shape (a validation loop over windows) compiles nothing more."""
+    model = GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    tokens = np.ones((2, 11), np.int32)
+    first = float(model.loss(tokens, tokens))
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        caplog.clear()
+        again = [float(model.loss(tokens, tokens)) for _ in range(3)]
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation")]
+    assert not compiled and again == [first] * 3
+
+
 @pytest.mark.parametrize("position", POSITIONS)
 def test_forward_shapes_and_dtypes(position):
     config = GPTConfig.preset("tiny", position=position)
