@@ -22,6 +22,11 @@ MODEL_POSITIONS = [pytest.param("learned", marks=pytest.mark.slow), pytest.param
                    pytest.param("rope", marks=pytest.mark.slow), "modern"]
 
 
+# Ragged prompts (3, 13, 1 and 7 tokens), all inside the smallest prompt bucket: with at most 16 new tokens
+# the module's calls of each row count share one decode program (the ones of 2 and 4 rows among the tests).
+PROMPTS = [[5, 17, 99], list(range(30, 43)), [200], [7, 7, 8, 9, 10, 250, 3]]
+
+
 def scaled_model(position: str, scale: float = 4.0, seed: int = 0, **fields) -> GPT:
     """A tiny random model whose matrices are scaled up, so greedy paths are varied and far from ties;
     `position` "modern" is the modern recipe's model."""
@@ -64,7 +69,7 @@ def test_cached_decoding_equals_plain_forward(model):
 
 
 def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
-    prompts = [[5, 17, 99], list(range(30, 51)), [200], [7, 7, 8, 9, 10, 250, 3]]
+    prompts = PROMPTS
     batched = generate(model, prompts, 12, temperature=0)
     alone = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
     assert batched == alone
@@ -75,7 +80,7 @@ def test_prompts_beyond_max_batch_wait_for_a_row_and_give_the_same(monkeypatch):
     # A call's memory must not grow with its prompts (each slot holds a cache and a row of logits): past
     # max_batch they queue and enter as rows finish, and each still gives what it gives alone.
     model = scaled_model("learned")
-    prompts = [[5, 17, 99], list(range(30, 51)), [200], [7, 7, 8, 9, 10, 250, 3], [1, 2]]
+    prompts = PROMPTS + [[1, 2]]
     slots = []
     monkeypatch.setattr("gpt.generate.Engine", lambda *a, **kw: slots.append(kw["slots"]) or Engine(*a, **kw))
     for knobs in (dict(temperature=0), dict(temperature=0.8, seed=3)):
@@ -125,20 +130,20 @@ def test_compile_count_is_flat_within_a_bucket():
 
 
 def test_seeds_reproduce(model):
-    sample = lambda seed: generate(model, [[1, 2, 3], [4]], 20, temperature=1.0, seed=seed)  # noqa: E731
+    sample = lambda seed: generate(model, [[1, 2, 3], [4]], 16, temperature=1.0, seed=seed)  # noqa: E731
     assert sample(3) == sample(3)
     assert sample(3) != sample(4)
 
 
 def test_repetition_penalty_changes_greedy_path(model):
-    plain = generate(model, [[1, 2, 3]], 30, temperature=0)[0]
-    penalized = generate(model, [[1, 2, 3]], 30, temperature=0, repetition_penalty=100.0)[0]
+    plain = generate(model, [[1, 2, 3]], 16, temperature=0)[0]
+    penalized = generate(model, [[1, 2, 3]], 16, temperature=0, repetition_penalty=100.0)[0]
     assert len(set(penalized)) == len(penalized)  # with a huge penalty no token repeats
     assert len(set(plain)) < len(plain) or plain != penalized
 
 
 def test_stop_tokens_end_each_row_on_its_own(model):
-    prompts = [[5, 17, 99], list(range(30, 51))]
+    prompts = PROMPTS[:2]
     free = generate(model, prompts, 16, temperature=0)
     stop = free[0][5]
     stopped = generate(model, prompts, 16, temperature=0, stop_tokens=[stop])
@@ -181,7 +186,7 @@ def test_generate_is_reentrant_and_thread_safe(model):
     on_token = lambda row, token: inner or inner.append(generate(model, [[token]], 3, temperature=0)[0])  # noqa: E731
     out = generate(model, [[1, 2, 3]], 5, temperature=0, on_token=on_token)
     assert inner == [generate(model, [[out[0][0]]], 3, temperature=0)[0]]
-    prompts = [[5, 17, 99], list(range(30, 51)), [200], [7, 7, 8, 9, 10, 250, 3]]
+    prompts = PROMPTS
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda p: generate(model, [p], 12, temperature=0)[0], prompts))
     assert together == generate(model, prompts, 12, temperature=0)
