@@ -39,7 +39,6 @@ from gpt.errors import MissingInput, RunFailed
 from gpt.model.config import GPTConfig, check_dtype
 from gpt.model.sharding import replicated
 from gpt.model.transformer import GPT
-from gpt.train.step import all_finite
 
 __all__ = ["CheckpointManager", "load_model", "checksums", "is_finite"]
 
@@ -72,26 +71,34 @@ def _replicated_like(tree):
     return replicated(sharding.mesh) if isinstance(sharding, jax.sharding.NamedSharding) else None
 
 
+def _leaf_finite(x: jax.Array) -> jax.Array:
+    """bool []: every element is finite (an integer array's always are)."""
+    return jnp.isfinite(x).all()
+
+
 @functools.cache
 def _jitted(function, out_sharding):
-    """One compiled reduction per (function, output placement): saves and restores reuse it."""
+    """One jitted per-array reduction per (function, output placement); it compiles once per kind of
+    array (shape, dtype, placement), which the parameters, both Adam moments and every later save and
+    restore of the same model share. (One program over a whole tree compiled again for each tree.)"""
     return jax.jit(function, out_shardings=out_sharding)
 
 
-def _leaf_checksums(tree) -> list[jax.Array]:
-    return [_leaf_checksum(x) for x in jax.tree.leaves(tree)]
+def _of_each_leaf(function, tree) -> list[np.ndarray]:
+    """`function` of every array in `tree`, computed where the array lives, all dispatched before any is read."""
+    program = _jitted(function, _replicated_like(tree))
+    return [np.asarray(result) for result in [program(x) for x in jax.tree.leaves(tree)]]
 
 
 def checksums(tree) -> dict[str, list[int]]:
     """{leaf path: [sum1, sum2]} of every array in `tree`, computed where the arrays live (any mesh)."""
     paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
-    sums = _jitted(_leaf_checksums, _replicated_like(tree))(tree)
-    return {path: [int(v) for v in np.asarray(s)] for path, s in zip(paths, sums)}
+    return {path: [int(v) for v in sums] for path, sums in zip(paths, _of_each_leaf(_leaf_checksum, tree))}
 
 
 def is_finite(tree) -> bool:
-    """True when every array in `tree` holds only finite values (`gpt.train.step.all_finite`, on its mesh)."""
-    return bool(_jitted(all_finite, _replicated_like(tree))(tree))
+    """True when every array in `tree` holds only finite values, checked on its mesh."""
+    return all(bool(finite) for finite in _of_each_leaf(_leaf_finite, tree))
 
 
 def _first_mismatch(want: dict, got: dict) -> str | None:
