@@ -29,13 +29,34 @@ def pytest_configure(config):
 
 
 # The modules that take longest, longest first (as timed on the 2-core machine, 2026-11-26); the others follow
-# in name order. Each of the two workers takes the next module when it frees up (xdist's loadscope, with
-# --no-loadscope-reorder), so a long module that came last ran on alone: by test count, the notebook's two
-# tests had come near the end. The shared trained run's three modules (train, eval, quantize) come far apart
-# enough that one worker trains it while the other works.
+# in name order. Each of the two workers takes the next module (or family, below) when it frees up (xdist's
+# loadscope, with --no-loadscope-reorder), so a long module that came last ran on alone: by test count, the
+# notebook's two tests had come near the end. The shared trained run's three modules (train, eval,
+# quantize) come far apart enough that one worker trains it while the other works.
 LONGEST_FIRST = ["test_run_integrity", "test_sharding", "test_generate", "test_train", "test_serve", "test_engine",
                  "test_gpu_scripts", "test_train_loop", "test_notebook", "test_quantize", "test_recipe", "test_eval",
                  "test_serve_faults", "test_gpt2_parity", "test_model", "test_serve_scoring", "test_lm_eval"]
+
+# Modules that compile the same programs (the same model and engine shapes) run on one worker, back to back,
+# as one unit of work, the first module naming it: the server modules' servers warm up once between them
+# (on two workers, ~15 s of compiling again).
+FAMILY = {"test_serve_faults": "test_serve", "test_prefix_cache": "test_engine"}
+
+
+def family(module: str) -> str:
+    """The unit of work a test module (its file's stem) belongs to."""
+    return FAMILY.get(module, module)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadscope, with a family of modules as one scope."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FamilyScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return family(Path(super()._split_scope(nodeid)).stem)
+
+    return FamilyScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -109,18 +130,23 @@ def resident_bytes() -> int | None:
         return None
 
 
+_last_family: list[str] = []
+
+
 @pytest.fixture(autouse=True, scope="module")
-def bounded_compile_caches():
-    """A module that ends with the process past CACHE_BOUND_BYTES (or where its size cannot be read) drops
-    every compiled program. Without a bound one pytest process holds every program of the suite (~6 GB by
-    its middle), and twice in full runs XLA segfaulted while compiling or serializing in the last module,
-    never when that module ran alone or after a few others."""
-    yield
+def bounded_compile_caches(request):
+    """A module of another family than the last one's starts by dropping every compiled program when the
+    process is past CACHE_BOUND_BYTES (or its size cannot be read). Without a bound one pytest process
+    holds every program of the suite (~6 GB by its middle), and twice in full runs XLA segfaulted while
+    compiling or serializing in the last module, never when that module ran alone or after a few others."""
     import jax
 
+    this = family(request.path.stem)
     size = resident_bytes()
-    if size is None or size > CACHE_BOUND_BYTES:
+    if _last_family and _last_family[-1] != this and (size is None or size > CACHE_BOUND_BYTES):
         jax.clear_caches()
+    _last_family[:] = [this]
+    yield
 
 
 @pytest.fixture(scope="session")
