@@ -48,6 +48,7 @@ def family(module: str) -> str:
     return FAMILY.get(module, module)
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: no error where xdist is not loaded
 def pytest_xdist_make_scheduler(config, log):
     """xdist's loadscope, with a family of modules as one scope."""
     from xdist.scheduler import LoadScopeScheduling
@@ -130,7 +131,7 @@ def resident_bytes() -> int | None:
         return None
 
 
-_last_family: list[str] = []
+_last_family: list[str] = []  # the family of the module this process ran last (empty before the first)
 
 
 @pytest.fixture(autouse=True, scope="module")
