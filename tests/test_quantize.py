@@ -110,7 +110,7 @@ def test_greedy_tokens_agree_with_float32_on_a_trained_model(trained, quantize):
 def test_engine_guarantees_hold_with_int8():
     model = GPT(GPTConfig.preset("tiny", block_size=128), rngs=nnx.Rngs(0))
     nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, nnx.state(model, nnx.Param)))
-    prompts = [[5, 17, 99], list(range(30, 43)), [200], [7, 7, 8, 9, 10, 250, 3]]  # one prompt bucket: one program a row count
+    prompts = [[5, 17, 99], list(range(30, 43)), [200], [7, 7, 8, 9, 10, 250, 3]]  # in one bucket: fewer programs
     batched = generate(model, prompts, 12, temperature=0, quantize="int8")
     assert batched == [generate(model, [p], 12, temperature=0, quantize="int8")[0] for p in prompts]
 
