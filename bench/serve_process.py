@@ -17,8 +17,8 @@ def start_serve(directory: Path | str, *flags: str, log_path: Path | None = None
     """serve.py over `directory` on a free port with `flags`, warmed up; returns the process and its /v1 URL.
 
     Its output goes to `log_path` (for the caller to read afterwards), else to an unnamed temporary file: a
-    file, not a pipe, so that nothing has to drain it while it serves. `env` replaces the environment (None: this process's). The
-    caller stops it (`process.terminate(); process.wait()`)."""
+    file, not a pipe, so that nothing has to drain it while it serves. `env` replaces the environment (None:
+    this process's). The caller stops it (`process.terminate(); process.wait()`)."""
     with open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(
             [sys.executable, str(ROOT / "serve.py"), "--init_from", str(directory), "--port", "0", *flags],

@@ -131,7 +131,7 @@ def resident_bytes() -> int | None:
         return None
 
 
-_last_family: list[str] = []  # the family of the module this process ran last (empty before the first)
+_last_family: str | None = None  # the family of the module this process ran last
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -142,11 +142,12 @@ def bounded_compile_caches(request):
     compiling or serializing in the last module, never when that module ran alone or after a few others."""
     import jax
 
+    global _last_family
     this = family(request.path.stem)
     size = resident_bytes()
-    if _last_family and _last_family[-1] != this and (size is None or size > CACHE_BOUND_BYTES):
+    if _last_family not in (None, this) and (size is None or size > CACHE_BOUND_BYTES):
         jax.clear_caches()
-    _last_family[:] = [this]
+    _last_family = this
     yield
 
 

@@ -39,6 +39,7 @@ from gpt.errors import MissingInput, RunFailed
 from gpt.model.config import GPTConfig, check_dtype
 from gpt.model.sharding import replicated
 from gpt.model.transformer import GPT
+from gpt.train.step import all_finite
 
 __all__ = ["CheckpointManager", "load_model", "checksums", "is_finite"]
 
@@ -71,16 +72,11 @@ def _replicated_like(tree):
     return replicated(sharding.mesh) if isinstance(sharding, jax.sharding.NamedSharding) else None
 
 
-def _leaf_finite(x: jax.Array) -> jax.Array:
-    """bool []: every element is finite (an integer array's always are)."""
-    return jnp.isfinite(x).all()
-
-
 @functools.cache
 def _jitted(function, out_sharding):
-    """One jitted per-array reduction per (function, output placement); it compiles once per kind of
-    array (shape, dtype, placement), which the parameters, both Adam moments and every later save and
-    restore of the same model share. (One program over a whole tree compiled again for each tree.)"""
+    """One jitted per-array reduction per (function, output placement). It compiles once per kind of array
+    (shape, dtype, placement), shared by the parameters, both Adam moments and every later save and restore
+    of the same model; a program over a whole tree would compile again for each tree."""
     return jax.jit(function, out_shardings=out_sharding)
 
 
@@ -97,8 +93,8 @@ def checksums(tree) -> dict[str, list[int]]:
 
 
 def is_finite(tree) -> bool:
-    """True when every array in `tree` holds only finite values, checked on its mesh."""
-    return all(bool(finite) for finite in _of_each_leaf(_leaf_finite, tree))
+    """True when every array in `tree` holds only finite values (`gpt.train.step.all_finite`, on its mesh)."""
+    return all(bool(finite) for finite in _of_each_leaf(all_finite, tree))
 
 
 def _first_mismatch(want: dict, got: dict) -> str | None:
