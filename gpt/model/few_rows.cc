@@ -42,43 +42,39 @@ using Kernel = void (*)(const void* x, const void* w, int64_t D, int64_t K, int6
 
 // ---------------------------------------------------------------- AVX-512 (int8 with VNNI)
 //
-// Outputs in tiles of Ops::TileOutputs(M), rows in groups of at most kTileRows: each vector of x loaded is
-// used for the tile's outputs and each vector of w for the group's rows, with the tile's sums in registers
-// (at most 6 x 4 accumulators and 4 w vectors of the 32). One vector per output and row, summed at the end.
-// The tile sizes were chosen by timing each on a chain of GPT-2 124M's matrices on a 2-core AMD EPYC
-// (Zen 4), in a probe not kept in bench/: int8 did best with 2 outputs a tile at every row count, float32
-// with 1 for 1-2 rows (one stream of w) and 4 from 3 rows (1 output: 35 ms at 8 rows, 4: 25 ms).
+// Outputs in tiles of Ops::TileOutputs(M), rows in groups of at most Ops::kTileRows: each vector of x loaded
+// is used for the tile's outputs and each vector of w for the group's rows, with the tile's sums in registers
+// (at most 32 accumulators and w vectors). One vector per output and row, summed at the end. The tile sizes
+// were chosen by timing each on a dependent chain of GPT-2 124M's matrices on a 2-core AMD EPYC (Zen 4),
+// in probes not kept in bench/: float32 did best with 1 output for 1-2 rows (one stream of w) and 4 from 3
+// rows (1 output: 35 ms at 8 rows, 4: 25 ms), in groups of 6 rows; int8 with 8 outputs for 1-2 rows and 4
+// from 3, in groups of 4 rows, its row sums of w taken in the same pass (1 row: 3.2-3.9 ms for the 124 MB,
+// where 2 outputs a tile with the sums in a second pass took 8.6-9.0 ms, slower than XLA's dot's 6.0 ms:
+// with few independent sums each vpdpbusd waited on the one before).
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
 
 namespace avx512 {
 
-constexpr int kTileRows = 6;
-
-// int8: x arrives shifted to unsigned (x + 128, as vpdpbusd wants), corrected by the row sums of w.
+// int8: x arrives shifted to unsigned (x + 128, as vpdpbusd wants), corrected by the row sums of w, which the
+// tile takes in the same pass as its products (one more vpdpbusd per vector of w, against a vector of ones).
 struct Int8 {
   using X = uint8_t;
   using W = int8_t;
   using Out = int32_t;
   using Vec = __m512i;
   using Mask = __mmask64;
+  static constexpr bool kShifted = true;
   static constexpr int64_t kLanes = 64;
-  static constexpr int TileOutputs(int) { return 2; }
+  static constexpr int kTileRows = 4;
+  static constexpr int TileOutputs(int rows) { return rows <= 2 ? 8 : 4; }
   static Mask Lanes(int64_t n) { return n >= kLanes ? ~Mask{0} : (Mask{1} << n) - 1; }
   static Vec Zero() { return _mm512_setzero_si512(); }
+  static Vec Ones() { return _mm512_set1_epi8(1); }
   static Vec Load(const void* p, Mask m) { return _mm512_maskz_loadu_epi8(m, p); }
   static Vec Madd(Vec acc, Vec x, Vec w) { return _mm512_dpbusd_epi32(acc, x, w); }
   static Out Sum(Vec v) { return _mm512_reduce_add_epi32(v); }
-  // y[m, k] -= 128 sum_d w[k, d] for the tile's outputs, while their rows of w are in the cache.
-  static void Finish(const W* w, int64_t D, int outputs, int rows, int64_t K, Out* y) {
-    for (int j = 0; j < outputs; ++j) {
-      Vec sum = Zero();
-      for (int64_t d = 0; d < D; d += kLanes) sum = Madd(sum, _mm512_set1_epi8(1), Load(w + j * D + d, Lanes(D - d)));
-      const Out shift = 128 * Sum(sum);
-      for (int m = 0; m < rows; ++m) y[m * K + j] -= shift;
-    }
-  }
 };
 
 struct Float32 {
@@ -88,27 +84,39 @@ struct Float32 {
   using Vec = __m512;
   using Mask = __mmask16;
   static constexpr int64_t kLanes = 16;
+  static constexpr int kTileRows = 6;
   static constexpr int TileOutputs(int rows) { return rows <= 2 ? 1 : 4; }  // 1-2 rows: one stream of w
   static Mask Lanes(int64_t n) { return n >= kLanes ? Mask(0xffff) : Mask((1u << n) - 1); }
   static Vec Zero() { return _mm512_setzero_ps(); }
   static Vec Load(const void* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
   static Vec Madd(Vec acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+  static constexpr bool kShifted = false;
+  static Vec Ones() { return _mm512_set1_ps(1.0f); }
   static Out Sum(Vec v) { return _mm512_reduce_add_ps(v); }
-  static void Finish(const W*, int64_t, int, int, int64_t, Out*) {}
 };
 
-// y[r, j] for R rows of x and `Outputs` rows of w (masked loads read zeros past D: they add nothing).
-template <class Ops, int R, int Outputs>
-void Tile(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t K, typename Ops::Out* y) {
+// y[r, j] for R rows of x and `Outputs` rows of w (masked loads read zeros past D: they add nothing). With
+// Ops::kShifted, `shift[j]` is 128 times row j's sum: the first group of rows computes it, the others take it.
+template <class Ops, int R, int Outputs, bool First>
+void Tile(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t K, typename Ops::Out* y,
+          typename Ops::Out* shift) {
+  constexpr bool kSums = Ops::kShifted && First;
   typename Ops::Vec acc[R][Outputs];
+  typename Ops::Vec sums[Outputs];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
+  for (int j = 0; j < Outputs; ++j) {
+    sums[j] = Ops::Zero();
 #pragma GCC unroll 16
-    for (int j = 0; j < Outputs; ++j) acc[r][j] = Ops::Zero();
+    for (int r = 0; r < R; ++r) acc[r][j] = Ops::Zero();
+  }
+  const auto ones = Ops::Ones();
   const auto step = [&](int64_t d, typename Ops::Mask lanes) {
     typename Ops::Vec w_chunk[Outputs];
 #pragma GCC unroll 16
-    for (int j = 0; j < Outputs; ++j) w_chunk[j] = Ops::Load(w + j * D + d, lanes);
+    for (int j = 0; j < Outputs; ++j) {
+      w_chunk[j] = Ops::Load(w + j * D + d, lanes);
+      if constexpr (kSums) sums[j] = Ops::Madd(sums[j], ones, w_chunk[j]);
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const auto x_chunk = Ops::Load(x + r * D + d, lanes);
@@ -120,17 +128,23 @@ void Tile(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t
   for (int64_t d = 0; d < full; d += Ops::kLanes) step(d, Ops::Lanes(Ops::kLanes));
   if (D > full) step(full, Ops::Lanes(D - full));
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
+  for (int j = 0; j < Outputs; ++j) {
+    if constexpr (kSums) shift[j] = 128 * Ops::Sum(sums[j]);
 #pragma GCC unroll 16
-    for (int j = 0; j < Outputs; ++j) y[r * K + j] = Ops::Sum(acc[r][j]);
+    for (int r = 0; r < R; ++r) {
+      if constexpr (Ops::kShifted) y[r * K + j] = Ops::Sum(acc[r][j]) - shift[j];
+      else y[r * K + j] = Ops::Sum(acc[r][j]);
+    }
+  }
 }
 
-// All M rows in groups of at most kTileRows, against `Outputs` rows of w.
-template <class Ops, int M, int Outputs>
-void Groups(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t K, typename Ops::Out* y) {
-  constexpr int R = M < kTileRows ? M : kTileRows;
-  Tile<Ops, R, Outputs>(x, w, D, K, y);
-  if constexpr (M > R) Groups<Ops, M - R, Outputs>(x + R * D, w, D, K, y + R * K);
+// All M rows in groups of at most Ops::kTileRows, against `Outputs` rows of w.
+template <class Ops, int M, int Outputs, bool First = true>
+void Groups(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t K, typename Ops::Out* y,
+            typename Ops::Out* shift) {
+  constexpr int R = M < Ops::kTileRows ? M : Ops::kTileRows;
+  Tile<Ops, R, Outputs, First>(x, w, D, K, y, shift);
+  if constexpr (M > R) Groups<Ops, M - R, Outputs, false>(x + R * D, w, D, K, y + R * K, shift);
 }
 
 template <class Ops, int M>
@@ -140,15 +154,10 @@ void Rows(const void* x_void, const void* w_void, int64_t D, int64_t K, int64_t 
   const auto* w = static_cast<const typename Ops::W*>(w_void);
   auto* y = static_cast<typename Ops::Out*>(y_void);
   constexpr int outputs = Ops::TileOutputs(M);
+  typename Ops::Out shift[outputs];
   int64_t k = k_begin;
-  for (; k + outputs <= k_end; k += outputs) {
-    Groups<Ops, M, outputs>(x, w + k * D, D, K, y + k);
-    Ops::Finish(w + k * D, D, outputs, M, K, y + k);
-  }
-  for (; k < k_end; ++k) {
-    Groups<Ops, M, 1>(x, w + k * D, D, K, y + k);
-    Ops::Finish(w + k * D, D, 1, M, K, y + k);
-  }
+  for (; k + outputs <= k_end; k += outputs) Groups<Ops, M, outputs>(x, w + k * D, D, K, y + k, shift);
+  for (; k < k_end; ++k) Groups<Ops, M, 1>(x, w + k * D, D, K, y + k, shift);
 }
 
 }  // namespace avx512
