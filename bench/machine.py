@@ -6,9 +6,20 @@ import platform
 
 
 def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows (often just "x86_64")."""
+    """The CPU's model name from /proc/cpuinfo (Linux) with its family and model numbers, which tell apart
+    generations sold under one name ("AMD EPYC" is Zen 4 as family 25 and Zen 5 as family 26); else what
+    `platform` knows (often just "x86_64")."""
     try:
         with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
+            fields = {}
+            for line in info:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if not line.strip():
+                    break  # the first processor's fields are enough
+        name = fields["model name"]
+        if "cpu family" in fields and "model" in fields:
+            name += f" (family {fields['cpu family']}, model {fields['model']})"
+        return name
+    except (OSError, KeyError):
         return platform.processor() or platform.machine()
