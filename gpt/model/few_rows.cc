@@ -45,12 +45,12 @@ using Kernel = void (*)(const void* x, const void* w, int64_t D, int64_t K, int6
 // Outputs in tiles of Ops::TileOutputs(M), rows in groups of at most Ops::kTileRows: each vector of x loaded
 // is used for the tile's outputs and each vector of w for the group's rows, with the tile's sums in registers
 // (at most 32 accumulators and w vectors). One vector per output and row, summed at the end. The tile sizes
-// were chosen by timing each on a dependent chain of GPT-2 124M's matrices on a 2-core AMD EPYC (Zen 4),
-// in probes not kept in bench/: float32 did best with 1 output for 1-2 rows (one stream of w) and 4 from 3
-// rows (1 output: 35 ms at 8 rows, 4: 25 ms), in groups of 6 rows; int8 with 8 outputs for 1-2 rows and 4
-// from 3, in groups of 4 rows, its row sums of w taken in the same pass (1 row: 3.2-3.9 ms for the 124 MB,
-// where 2 outputs a tile with the sums in a second pass took 8.6-9.0 ms, slower than XLA's dot's 6.0 ms:
-// with few independent sums each vpdpbusd waited on the one before).
+// were chosen by timing each on a chain of GPT-2 124M's matrices on 2-core AMD EPYCs, in probes not kept in
+// bench/. float32 (a Zen 4): 1 output for 1-2 rows (one stream of w) and 4 from 3 rows (1 output: 35 ms at
+// 8 rows, 4: 25 ms), in groups of 6 rows. int8 (a Zen 5, CPU family 26): 8 outputs for 1-2 rows and 4 from
+// 3, in groups of 4 rows, w's row sums taken in the same pass; one row streamed the 124 MB in 3.2-4.9 ms,
+// where 2 outputs a tile with the sums in a second pass took 8.3-9.7 ms, slower than XLA's own dot (5.9-6.4
+// ms): with two sums in flight each vpdpbusd waited on the one before.
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
@@ -91,7 +91,6 @@ struct Float32 {
   static Vec Load(const void* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
   static Vec Madd(Vec acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
   static constexpr bool kShifted = false;
-  static Vec Ones() { return _mm512_set1_ps(1.0f); }
   static Out Sum(Vec v) { return _mm512_reduce_add_ps(v); }
 };
 
@@ -109,13 +108,12 @@ void Tile(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[r][j] = Ops::Zero();
   }
-  const auto ones = Ops::Ones();
   const auto step = [&](int64_t d, typename Ops::Mask lanes) {
     typename Ops::Vec w_chunk[Outputs];
 #pragma GCC unroll 16
     for (int j = 0; j < Outputs; ++j) {
       w_chunk[j] = Ops::Load(w + j * D + d, lanes);
-      if constexpr (kSums) sums[j] = Ops::Madd(sums[j], ones, w_chunk[j]);
+      if constexpr (kSums) sums[j] = Ops::Madd(sums[j], Ops::Ones(), w_chunk[j]);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
