@@ -49,7 +49,7 @@ using Kernel = void (*)(const void* x, const void* w, int64_t D, int64_t K, int6
 // bench/. float32 (a Zen 4): 1 output for 1-2 rows (one stream of w) and 4 from 3 rows (1 output: 35 ms at
 // 8 rows, 4: 25 ms), in groups of 6 rows. int8 (a Zen 5, CPU family 26): 8 outputs for 1-2 rows and 4 from
 // 3, in groups of 4 rows, w's row sums taken in the same pass; one row streamed the 124 MB in 3.2-4.9 ms,
-// where 2 outputs a tile with the sums in a second pass took 8.3-9.7 ms, slower than XLA's own dot (5.9-6.4
+// where 2 outputs a tile with the sums in a second pass took 8.3-9.7 ms, slower than XLA's own dot (5.7-6.4
 // ms): with two sums in flight each vpdpbusd waited on the one before.
 
 #pragma GCC push_options
