@@ -25,7 +25,8 @@ import numpy as np
 
 from gpt.model.attention import attend, attend_paged
 from gpt.model.backend import CHOICES
-from gpt.model.few_rows import kernel_isa, kernel_product, xla_few_rows
+from gpt.model.cpu_kernels import isa as kernel_isa
+from gpt.model.few_rows import kernel_product, xla_few_rows
 
 PAGE_LENGTH = CHOICES["cpu"].kv_page_length  # an engine's pages on a CPU
 

@@ -1,5 +1,6 @@
 """Shared test setup: 8 fake CPU devices (set before jax is imported), offline tiktoken, and text to train on."""
 
+import contextlib
 import os
 import shutil
 import sysconfig
@@ -17,6 +18,40 @@ if (SHARED / "tiktoken_cache").is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache"))
 
 import pytest  # noqa: E402
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+# The instruction sets of the compiled CPU kernels (`gpt.model.cpu_kernels`) this CPU has, lowest first.
+KERNEL_ISAS = [isa for isa, flags in (("avx2", {"avx2", "fma"}), ("avx512_vnni", {"avx512f", "avx512bw", "avx512_vnni"}))
+               if flags <= _cpu_flags()]
+
+
+@contextlib.contextmanager
+def kernels_on(isa: str):
+    """The compiled CPU kernels kept to `isa` within (skipped where they are not built)."""
+    from gpt.model import cpu_kernels
+
+    if cpu_kernels.isa() is None:
+        pytest.skip("the CPU kernels are not built here")
+    assert cpu_kernels.limit_isa(isa) == isa
+    try:
+        yield isa
+    finally:
+        cpu_kernels.limit_isa(KERNEL_ISAS[-1])
+
+
+@pytest.fixture(params=KERNEL_ISAS)
+def kernel_isa(request):
+    """Each instruction set of the compiled CPU kernels this CPU has, in turn."""
+    with kernels_on(request.param):
+        yield request.param
 
 
 def pytest_configure(config):

@@ -1,16 +1,41 @@
-"""Paged decode attention against plain attention under the mask."""
+"""Paged decode attention, XLA's and the compiled CPU kernel's (on each instruction set), against plain
+attention under the mask and against float64."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt.model.attention import attend, attend_paged
+from gpt.model import attention, cpu_kernels
+from gpt.model.attention import MAX_KERNEL_HEAD_DIM, attend, attend_paged
+
+from conftest import KERNEL_ISAS, kernels_on
+
+
+@pytest.fixture(params=["xla", *KERNEL_ISAS])
+def path(request, monkeypatch):
+    """XLA's ops, then the kernel on each instruction set the CPU has."""
+    if request.param == "xla":
+        monkeypatch.setattr(cpu_kernels, "isa", lambda: None)
+        yield "xla"
+        return
+    with kernels_on(request.param):
+        yield request.param
+
+
+def traced_afresh(fn):
+    """`jax.jit(fn)` traced anew: the path is chosen when a function is traced, and jit would reuse the trace
+    of the same function made on another path."""
+    return jax.jit(lambda *args: fn(*args))
+
+
+def _pages(x, page_length):
+    return tuple(x[:, start:start + page_length] for start in range(0, x.shape[1], page_length))
 
 
 @pytest.mark.parametrize("page_length", [320, 128, 48, 13])
 @pytest.mark.parametrize("furthest", [39, 150, 319])
-def test_paged_decode_attention_equals_masked_attention(page_length, furthest):
+def test_paged_decode_attention_equals_masked_attention(path, page_length, furthest):
     # attend_paged reads page 0 and every page that the furthest row has reached (one page: the whole
     # cache under the mask; 13: 25 pages, the last 8 slots long); either way it must equal plain attention
     # under the mask "slots 0..position", whatever the cache holds beyond each row's position.
@@ -20,7 +45,42 @@ def test_paged_decode_attention_equals_masked_attention(page_length, furthest):
     k, v = (jnp.asarray(rng.normal(size=(B * N, S, H)), jnp.float32) for _ in range(2))
     positions = jnp.asarray([[0], [17], [furthest], [31]], jnp.int32)
     mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
-    starts = range(0, S, page_length)
-    k_pages, v_pages = (tuple(x[:, start:start + page_length] for start in starts) for x in (k, v))
-    np.testing.assert_allclose(np.asarray(jax.jit(attend_paged)(q, k_pages, v_pages, positions)),
-                               np.asarray(attend(q, k, v, mask)), atol=1e-5, rtol=0)
+    got = traced_afresh(attend_paged)(q, _pages(k, page_length), _pages(v, page_length), positions)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(attend(q, k, v, mask)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("H", [1, 20, 64, MAX_KERNEL_HEAD_DIM])
+def test_a_view_of_some_rows_is_the_float64_attention(path, H):
+    # A view (an engine's decode over some of its slots): query row m reads cache row rows[m], each of
+    # its slots 0..position, every head size the kernel takes (a last vector of 1..16 lanes).
+    rng = np.random.default_rng(H)
+    B, N, R, S = 3, 2, 5, 100
+    q = rng.normal(size=(B, 1, N, H))
+    k, v = (rng.normal(size=(R * N, S, H)) for _ in range(2))
+    positions = np.asarray([[99], [0], [57]])
+    rows = np.asarray([4, 0, 2])
+    rows_M = (rows[:, None] * N + np.arange(N)).reshape(-1)
+    as32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    got = traced_afresh(attend_paged)(as32(q), _pages(as32(k), 32), _pages(as32(v), 32), jnp.asarray(positions, jnp.int32),
+                                jnp.asarray(rows_M, jnp.int32))
+    want = np.zeros((B, 1, N, H))
+    for b in range(B):
+        for n in range(N):
+            seen = positions[b, 0] + 1
+            scores = k[rows_M[b * N + n], :seen] @ q[b, 0, n] / np.sqrt(H)
+            weights = np.exp(scores - scores.max())
+            want[b, 0, n] = weights @ v[rows_M[b * N + n], :seen] / weights.sum()
+    # float32 scores of H products and a softmax over <= 100 slots: each within ~1e-6 of the float64 one
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6 * np.sqrt(H), rtol=0)
+
+
+def test_the_kernel_runs_where_it_can_and_xla_beyond():
+    # float32 heads up to MAX_KERNEL_HEAD_DIM on a CPU with the kernels; a larger head, or bfloat16, is XLA's.
+    def runs_kernel(H, dtype=jnp.float32):
+        q, page = jnp.ones((1, 1, 2, H), dtype), jnp.ones((2, 16, H), dtype)
+        jaxpr = jax.make_jaxpr(attention.attend_paged)(q, (page, page), (page, page), jnp.zeros((1, 1), jnp.int32))
+        return "ffi_call" in str(jaxpr)
+
+    built = cpu_kernels.isa() is not None
+    assert runs_kernel(MAX_KERNEL_HEAD_DIM) == built
+    assert not runs_kernel(MAX_KERNEL_HEAD_DIM + 1) and not runs_kernel(64, jnp.bfloat16)

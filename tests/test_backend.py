@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from gpt.inference import decoding, shapes
-from gpt.model import attention, backend, few_rows, loss
+from gpt.model import attention, backend, cpu_kernels, few_rows, loss
 from gpt.model.config import GPTConfig
 
 
@@ -17,16 +17,16 @@ def test_the_cpu_row_is_in_force_here():
 @pytest.mark.parametrize("row", ["cpu", "gpu"])
 def test_each_choice_follows_the_table(monkeypatch, row):
     chosen = backend.CHOICES[row]
-    for module in (attention, few_rows, loss, decoding, shapes):
+    for module in (attention, cpu_kernels, few_rows, loss, decoding, shapes):
         monkeypatch.setattr(module, "choices", lambda: chosen)
 
     assert shapes.decode_widths(8, None) == ([1, 2, 4, 8] if chosen.narrow_decodes else [8])
     cache = decoding.init_slots(GPTConfig.preset("tiny", block_size=512), 2, 300, 1).cache
     assert [page.shape[1] for page in cache.pages(0)[0]] == ([128, 128, 44] if chosen.kv_page_length else [300])
     four_rows = jnp.ones((4, 8), jnp.float32), jnp.ones((3, 8), jnp.float32)
-    kernel_built = few_rows._library() is not None
+    kernel_built = cpu_kernels._library() is not None
     traced = lambda fn: str(jax.make_jaxpr(lambda x, w: fn(x, w))(*four_rows))  # noqa: E731 (a new trace each)
-    assert ("ffi_call" in traced(few_rows.product)) == (chosen.few_rows_kernels and kernel_built)
+    assert ("ffi_call" in traced(few_rows.product)) == (chosen.cpu_kernels and kernel_built)
     assert ("dot_general" in traced(few_rows.xla_product)) != chosen.few_rows_matmul
 
     lengths = []

@@ -1,6 +1,6 @@
 """The decode step's few-rows kernels (`gpt.model.few_rows`), on each instruction set, for every row count they
-take and odd shapes: int8 exactly XLA's integer product, and within the quantization bound of the float64
-product; float32 within float32's rounding of the float64 product. XLA's paths where they do not run, and
+take and odd shapes: int8 exactly the integer product and XLA's quantized product, and within the
+quantization bound of the float64 product; float32 within float32's rounding of the float64 product. XLA's paths where they do not run, and
 an install that goes on without a C++ compiler."""
 
 import os
@@ -18,64 +18,62 @@ from flax import nnx
 
 from gpt import GPT, GPTConfig
 from gpt.inference.decoding import decoding_weights
-from gpt.model import few_rows
-from gpt.model.few_rows import MAX_KERNEL_ROWS, kernel_isa, kernel_product, limit_isa, xla_product
+from gpt.model import cpu_kernels
+from gpt.model.few_rows import MAX_KERNEL_ROWS, kernel_int8_product, kernel_product, xla_int8_product
 from gpt.model.layouts import Int8Matrix
 from gpt.model.transformer import forward, lm_head
 
+from conftest import KERNEL_ISAS
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
-
-
-ISAS = [isa for isa, flags in (("avx2", {"avx2", "fma"}), ("avx512_vnni", {"avx512f", "avx512bw", "avx512_vnni"}))
-        if flags <= _cpu_flags()]
 
 
 def test_the_kernels_are_built_and_run_where_they_can():
     # An x86-64 CPU with AVX2 and a C++ compiler at install: the kernels must be there (else every test of
     # them below would skip and hide a broken build).
-    if platform.machine() != "x86_64" or not ISAS or shutil.which("c++") is None:
+    if platform.machine() != "x86_64" or not KERNEL_ISAS or shutil.which("c++") is None:
         pytest.skip("no x86-64 CPU with AVX2, or no C++ compiler")
-    assert kernel_isa() == ISAS[-1]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    if kernel_isa() is None:
-        pytest.skip("the few-rows kernels are not built here")
-    assert limit_isa(request.param) == request.param
-    yield request.param
-    limit_isa(ISAS[-1])
+    assert cpu_kernels.isa() == KERNEL_ISAS[-1]
 
 
 SHAPES = [(37, 100), (5, 64), (130, 1), (64, 200), (2304, 768), (768, 3079)]
 
 
 @pytest.mark.parametrize("K, D", SHAPES)
-def test_int8_equals_xla_and_integer_products_exactly(isa, K, D):
+def test_int8_sums_are_the_exact_integer_products(kernel_isa, K, D):
+    # Rows of integers whose largest magnitude is 127 quantize to themselves (scale 1), and scales of 1 leave
+    # the exact int32 sums, as float32: exactly the int64 product rounded to float32, every row count.
     rng = np.random.default_rng(K * D)
-    x = rng.integers(-127, 128, (MAX_KERNEL_ROWS, D), dtype=np.int8)
+    x = rng.integers(-127, 128, (MAX_KERNEL_ROWS, D)).astype(np.float32)
+    x[:, 0] = np.where(np.arange(MAX_KERNEL_ROWS) % 2, 127, -127)
     w = rng.integers(-127, 128, (K, D), dtype=np.int8)
     w[0] = 127  # the largest products (AVX2's 16-bit pairs: 2 * 127 * 127 must not saturate)
     x[0], x[1] = 127, -127
-    kernel, xla = jax.jit(kernel_product), jax.jit(xla_product)
+    kernel = jax.jit(kernel_int8_product)
     for M in range(1, MAX_KERNEL_ROWS + 1):
-        exact = x[:M].astype(np.int64) @ w.astype(np.int64).T
-        got = np.asarray(kernel(x[:M], w))
-        assert got.dtype == np.int32
-        np.testing.assert_array_equal(got, exact, err_msg=f"{isa}, {M} rows")
-        np.testing.assert_array_equal(np.asarray(xla(x[:M], w)), got)
+        exact = (x[:M].astype(np.int64) @ w.astype(np.int64).T).astype(np.float32)
+        got = np.asarray(kernel(x[:M], w, np.ones(K, np.float32)))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, exact, err_msg=f"{kernel_isa}, {M} rows")
 
 
 @pytest.mark.parametrize("K, D", SHAPES)
-def test_float32_is_the_float64_product_within_rounding(isa, K, D):
+def test_int8_equals_xlas_quantized_product_exactly(kernel_isa, K, D):
+    # Float rows quantized, multiplied and scaled as XLA does it (`xla_int8_product`): the same floats.
+    rng = np.random.default_rng(K + D)
+    x = rng.standard_normal((MAX_KERNEL_ROWS, D)).astype(np.float32)
+    x[3] = 0  # a row of zeros: its scale is 1, its products 0
+    x[4, 0] = 2.5 * np.abs(x[4]).max() / 127  # a value halfway between two steps: rounded to even
+    matrix = Int8Matrix.quantize(jnp.asarray(rng.normal(0, 0.02, (K, D)), jnp.float32))
+    kernel, xla = jax.jit(kernel_int8_product), jax.jit(xla_int8_product)
+    for M in range(1, MAX_KERNEL_ROWS + 1):
+        got = np.asarray(kernel(x[:M], matrix.values_KD, matrix.scale_K))
+        np.testing.assert_array_equal(got, np.asarray(xla(x[:M], matrix.values_KD, matrix.scale_K)),
+                                      err_msg=f"{kernel_isa}, {M} rows")
+
+
+@pytest.mark.parametrize("K, D", SHAPES)
+def test_float32_is_the_float64_product_within_rounding(kernel_isa, K, D):
     rng = np.random.default_rng(K + D)
     x = rng.standard_normal((MAX_KERNEL_ROWS, D)).astype(np.float32)
     w = rng.standard_normal((K, D)).astype(np.float32)
@@ -86,10 +84,10 @@ def test_float32_is_the_float64_product_within_rounding(isa, K, D):
         assert got.dtype == np.float32
         # float32 sums of D products of unit normals: each rounding ~6e-8 of a partial sum of size ~sqrt(D)
         bound = 1e-6 * np.sqrt(D) * np.log2(2 * D)
-        np.testing.assert_allclose(got, exact, rtol=0, atol=bound, err_msg=f"{isa}, {M} rows")
+        np.testing.assert_allclose(got, exact, rtol=0, atol=bound, err_msg=f"{kernel_isa}, {M} rows")
 
 
-def test_quantized_rows_stay_within_the_bound_of_the_float64_product(isa):
+def test_quantized_rows_stay_within_the_bound_of_the_float64_product(kernel_isa):
     # Per-row int8 activations and per-output int8 weights, each rounded to 1/254 of its range: the
     # product's relative error stays near 1% for Gaussian rows (test_quantize's bound for one matrix, x2).
     rng = np.random.default_rng(1)
@@ -99,7 +97,7 @@ def test_quantized_rows_stay_within_the_bound_of_the_float64_product(isa):
         x = rng.normal(size=(M, 768))
         exact = x @ matrix.T
         got = np.asarray(jax.jit(quantized.matmul)(jnp.asarray(x, jnp.float32)), np.float64)
-        assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.02, (isa, M)
+        assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.02, (kernel_isa, M)
 
 
 def _int8_logits(model, weights):
@@ -109,13 +107,15 @@ def _int8_logits(model, weights):
 
 
 def test_without_the_kernels_int8_logits_are_the_same(monkeypatch):
-    # With the kernels off (not built, another backend, GPT_FEW_ROWS_KERNELS=0) every product is XLA's:
+    # With the kernels off (not built, another backend, GPT_CPU_KERNELS=0) every product is XLA's:
     # exactly the same integers, so exactly the same logits.
     model = GPT(GPTConfig.preset("tiny", n_embd=64), rngs=nnx.Rngs(0))
     weights = decoding_weights(model, "int8")
-    with_kernel = np.asarray(jax.jit(_int8_logits, static_argnums=0)(model, weights))
-    monkeypatch.setattr(few_rows, "kernel_isa", lambda: None)
-    fallback = np.asarray(jax.jit(_int8_logits, static_argnums=0)(model, weights))
+    # Each traced afresh: the path is chosen when a function is traced, and jit would reuse the first trace.
+    logits = lambda: np.asarray(jax.jit(lambda weights: _int8_logits(model, weights))(weights))  # noqa: E731
+    with_kernel = logits()
+    monkeypatch.setattr(cpu_kernels, "isa", lambda: None)
+    fallback = logits()
     np.testing.assert_array_equal(with_kernel, fallback)
 
 
@@ -133,11 +133,12 @@ def test_it_installs_and_runs_without_a_compiler(tmp_path):
                              env=env, capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr
     installed = tmp_path / "site" / "gpt" / "model"
-    assert (installed / "few_rows.py").exists() and not list(installed.glob("_few_rows*"))
+    assert (installed / "few_rows.py").exists() and not list(installed.glob("_cpu_kernels*"))
     check = ("import jax.numpy as jnp, numpy as np\n"
-             "from gpt.model.few_rows import product, kernel_isa\n"
+             "from gpt.model.cpu_kernels import isa\n"
+             "from gpt.model.few_rows import product\n"
              "x = jnp.asarray(np.arange(-6, 6, dtype=np.int8).reshape(2, 6))\n"
-             "print(kernel_isa(), product(x, x).tolist())\n")
+             "print(isa(), product(x, x).tolist())\n")
     ran = subprocess.run([sys.executable, "-c", check], env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr

@@ -22,7 +22,7 @@ def test_no_file_of_the_package_is_ignored_by_git():
         pytest.skip("not a git checkout")
     result = subprocess.run(["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--", "gpt", "tests",
                              "bench", ":(glob)*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
-    # Compiled extensions (gpt/model/_few_rows*.so) are the install's output, made again in every clone.
+    # Compiled extensions (gpt/model/_cpu_kernels*.so) are the install's output, made again in every clone.
     hidden = [line for line in result.stdout.splitlines() if "__pycache__" not in line and not line.endswith(".so")]
     assert not hidden, f"ignored by .gitignore, so absent from a clone: {hidden}"
 

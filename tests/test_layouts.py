@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt.model import few_rows
+from gpt.model import cpu_kernels
 from gpt.model.layouts import OutputMajor
 
 
@@ -26,10 +26,10 @@ def test_a_decode_steps_few_rows_run_without_a_gemm(monkeypatch, kernels):
     # The reason the few-rows paths exist: 1 to 16 rows go through the compiled kernel where it is built,
     # else 2 to 16 through a fused multiply and sum, not XLA's GEMM (~1.6x slower at 8 rows on an AMD
     # EPYC); more rows stay dots.
-    if kernels and few_rows.kernel_isa() is None:
+    if kernels and cpu_kernels.isa() is None:
         pytest.skip("the few-rows kernels are not built here")
     if not kernels:
-        monkeypatch.setattr(few_rows, "kernel_isa", lambda: None)
+        monkeypatch.setattr(cpu_kernels, "isa", lambda: None)
     matrix = OutputMajor(jnp.ones((300, 96), jnp.float32))
 
     def path(rows):

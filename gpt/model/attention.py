@@ -10,9 +10,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gpt.model import cpu_kernels
 from gpt.model.backend import choices
 
-__all__ = ["attend", "attend_paged", "sinusoidal_embedding", "apply_rope"]
+__all__ = ["attend", "attend_paged", "kernel_attend_paged", "sinusoidal_embedding", "apply_rope", "MAX_KERNEL_HEAD_DIM"]
+
+MAX_KERNEL_HEAD_DIM = 128  # `kernel_attend_paged` keeps a head in registers; larger ones are XLA's
 
 
 def sinusoidal_embedding(positions_BT: jax.Array, width: int) -> jax.Array:
@@ -112,7 +115,8 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
     for any lengths). Each page gives its own part of the softmax (max, sum, weighted values), and the
     parts are combined at the end, as flash-decoding does. Each page is its own buffer, read in place:
     XLA on CPU would copy a slice of one larger buffer before the dot. A cache of one page is read whole
-    under the mask (`attend`: cuDNN's kernel on a GPU).
+    under the mask (`attend`: cuDNN's kernel on a GPU). On a CPU where the compiled kernels run
+    (`gpt.model.cpu_kernels`), a float32 cache is read by one of them instead (`kernel_attend_paged`).
 
     Args:
       q_B1NH: queries [B, 1, N, H].
@@ -125,6 +129,8 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
       [B, 1, N, H] in q's dtype; the softmax is computed in float32.
     """
     B, _, N, H = q_B1NH.shape
+    if q_B1NH.dtype == k_pages[0].dtype == jnp.float32 and H <= MAX_KERNEL_HEAD_DIM and cpu_kernels.isa() is not None:
+        return kernel_attend_paged(q_B1NH, k_pages, v_pages, positions_B1, rows_M)
     take = (lambda page: page) if rows_M is None else (lambda page: page[rows_M])  # noqa: E731
     if len(k_pages) == 1:
         S = k_pages[0].shape[1]
@@ -163,3 +169,16 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
     sum_M = (rescale_PM * jnp.stack([p[1] for p in parts])).sum(0)
     acc_MH = (rescale_PM[:, :, None] * jnp.stack([p[2] for p in parts])).sum(0)
     return (acc_MH / sum_M[:, None]).astype(q_B1NH.dtype).reshape(B, N, 1, H).transpose(0, 2, 1, 3)
+
+
+def kernel_attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
+                        positions_B1: jax.Array, rows_M: jax.Array | None = None) -> jax.Array:
+    """`attend_paged` (the same arguments, float32) in one compiled call (`gpt.model.kernels.decode_attention`):
+    each query reads the cache's slots 0..its position, and no more, where XLA ran about 25 small programs a
+    layer. Only where `cpu_kernels.isa()` is not None, for H <= MAX_KERNEL_HEAD_DIM. Returns [B, 1, N, H] float32."""
+    B, _, N, H = q_B1NH.shape
+    rows_M = jnp.arange(B * N, dtype=jnp.int32) if rows_M is None else rows_M.astype(jnp.int32)
+    position_M = jnp.repeat(positions_B1[:, 0].astype(jnp.int32), N)  # row b's position for each of its heads
+    out_MH = cpu_kernels.call("gpt_decode_attention", jax.ShapeDtypeStruct((B * N, H), jnp.float32))(
+        q_B1NH.reshape(B * N, H), position_M, rows_M, *k_pages, *v_pages)
+    return out_MH.reshape(B, 1, N, H)

@@ -5,7 +5,7 @@ is for mesh axes). Each choice was measured; the figures are in bench/RESULTS.md
 | --- | --- | --- | --- |
 | `fused_attention` | no: softmax(q k^T) v written out, heads as a batch axis | yes on a GPU: `jax.nn.dot_product_attention` (cuDNN's fused kernel at 16-bit, `fused_causal`) | XLA's CPU has no fused kernel; the plain form avoids a transposed copy of k |
 | `loss_chunk_bytes` | 128 MiB of float32 logits a chunk | 1 GiB | a chunk stays in the last-level cache; elsewhere fewer, larger chunks keep the matmuls big ("Training") |
-| `few_rows_kernels` | 1-16 int8 or float32 rows through compiled kernels, where built | XLA's dots | XLA's CPU dots read a few rows' weights below the memory's speed ("CPU decoding") |
+| `cpu_kernels` | a decode step's matmuls of 1-16 int8 or float32 rows, and its attention, through compiled kernels, where built | XLA's ops | XLA's CPU dots read a few rows' weights below the memory's speed; its attention over the cache is many small programs ("CPU decoding") |
 | `few_rows_matmul` | without the kernels, 2-16 float32 rows as a multiply and a sum | a dot | XLA's CPU runs 2-16 rows as a GEMM far from the memory's speed ("Serving") |
 | `score_rows` | a prompt's scores (the LM head, its logsumexp and top logprobs) 128 positions at a time | all at once | 128 rows of GPT-2's logits (26 MB) stay in the last-level cache for the reductions over them ("Scoring prompts, and sampling sooner") |
 | `kv_page_length` | an engine's cache in pages of 128 slots | one page | a decode step reads only the pages its rows reached ("Paged KV cache"); cuDNN reads one buffer under the mask |
@@ -27,7 +27,7 @@ class BackendChoices:
 
     fused_attention: bool
     loss_chunk_bytes: int
-    few_rows_kernels: bool  # `gpt.model.few_rows`: CPU custom calls
+    cpu_kernels: bool  # `gpt.model.cpu_kernels`: CPU custom calls
     few_rows_matmul: bool
     score_rows: int | None  # None: every position of a prefill at once
     kv_page_length: int | None  # None: the whole cache is one page
@@ -35,9 +35,9 @@ class BackendChoices:
 
 
 CHOICES = {
-    "cpu": BackendChoices(fused_attention=False, loss_chunk_bytes=128 << 20, few_rows_kernels=True,
+    "cpu": BackendChoices(fused_attention=False, loss_chunk_bytes=128 << 20, cpu_kernels=True,
                           few_rows_matmul=True, score_rows=128, kv_page_length=128, narrow_decodes=True),
-    "gpu": BackendChoices(fused_attention=True, loss_chunk_bytes=1 << 30, few_rows_kernels=False,
+    "gpu": BackendChoices(fused_attention=True, loss_chunk_bytes=1 << 30, cpu_kernels=False,
                           few_rows_matmul=False, score_rows=None, kv_page_length=None, narrow_decodes=False),
 }
 _OTHER = dataclasses.replace(CHOICES["gpu"], fused_attention=False)  # a TPU: XLA's own attention

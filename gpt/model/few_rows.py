@@ -1,76 +1,69 @@
-"""The matmuls of a decode step's few rows: compiled CPU kernels where they can run, XLA's dots elsewhere.
+"""The matmuls of a decode step's few rows: compiled CPU kernels where they run, XLA's dots elsewhere.
 
 A decode step multiplies 1-16 rows by every weight matrix once, so its speed is the speed at which the
 weights are read. XLA's CPU dots fall short of that for so few rows: its int8 dot reads at half the
-memory's speed, and its float32 GEMM for 2-16 rows is far from it. `few_rows.cc` holds two XLA FFI
-custom calls, int8 x int8 -> int32 (exact) and float32, that read each output's weights once for all rows
-with AVX-512 (VNNI for int8) or AVX2, picked at run time, over XLA's own CPU threads. They are built by
-the package's install as an optional extension (setup.py): a machine without a C++ compiler installs
-without them. Figures: bench/RESULTS.md, "CPU decoding".
-
-The kernels run when they were built, the CPU has AVX2 and FMA, JAX's backend is the CPU, and the
-environment's `GPT_FEW_ROWS_KERNELS` is not `0` (which keeps XLA's dots, to compare the two);
-`GPT_FEW_ROWS_KERNELS=avx2` keeps them to their AVX2 paths. Elsewhere every product is XLA's: for 2-16
-float32 rows on a CPU a multiply and a sum (`xla_few_rows`), otherwise a dot.
+memory's speed, and its float32 GEMM for 2-16 rows is far from it. `kernels/few_rows.cc` holds two XLA FFI
+custom calls that read each output's weights once for all rows with AVX-512 (VNNI for int8) or AVX2, picked
+at run time, over XLA's own CPU threads (where they run: `gpt.model.cpu_kernels`): float32, and int8 with
+scales (x's rows quantized, the exact int8 x int8 -> int32 product, rescaled: the whole of
+`Int8Matrix.matmul` in one call, where XLA runs it as several small programs). Elsewhere every product is
+XLA's: for 2-16 float32 rows on a CPU a multiply and a sum (`xla_few_rows`), otherwise a dot; int8 as
+`xla_int8_product`. Figures: bench/RESULTS.md, "CPU decoding".
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 
+from gpt.model import cpu_kernels
 from gpt.model.backend import choices
 
-__all__ = ["MAX_KERNEL_ROWS", "kernel_isa", "limit_isa", "product", "kernel_product", "xla_product", "xla_few_rows",
-           "at_least_two_rows"]
+__all__ = ["MAX_KERNEL_ROWS", "product", "kernel_product", "xla_product", "xla_few_rows", "at_least_two_rows",
+           "int8_product", "kernel_int8_product", "xla_int8_product", "quantize_rows"]
 
 MAX_KERNEL_ROWS = 16  # more rows (a prefill) make a GEMM, which XLA's dot runs well
-# The kernels' inputs' dtype -> (the FFI target, the result's dtype).
-_KERNELS = {jnp.dtype(jnp.int8): ("gpt_few_rows_int8", jnp.int32),
-            jnp.dtype(jnp.float32): ("gpt_few_rows_float32", jnp.float32)}
-_ISA_NAMES = {0: None, 1: "avx2", 2: "avx512_vnni"}
-_ISA_LEVELS = {"avx2": 1, "avx512_vnni": 2}
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built kernels, registered with XLA (once), or None where they were not built or cannot run here."""
-    setting = os.environ.get("GPT_FEW_ROWS_KERNELS", "")
-    built = sorted(Path(__file__).parent.glob("_few_rows*.so"))
-    if setting == "0" or not built:
-        return None
-    library = ctypes.CDLL(str(built[0]))
-    if library.FewRowsLimitIsa(_ISA_LEVELS.get(setting, 2)) == 0:
-        return None
-    for symbol, (target, _) in zip(("FewRowsInt8", "FewRowsFloat32"), _KERNELS.values()):
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
-    return library
-
-
-def kernel_isa() -> str | None:
-    """The kernels' instruction set here ("avx512_vnni" or "avx2"), or None where they do not run (not built, a
-    CPU without AVX2, a backend other than the CPU, or GPT_FEW_ROWS_KERNELS=0)."""
-    library = _library() if choices().few_rows_kernels else None
-    return _ISA_NAMES[library.FewRowsIsa()] if library is not None else None
-
-
-def limit_isa(isa: str) -> str | None:
-    """Keeps the kernels to `isa` ("avx2" or "avx512_vnni") or below from the next call on (a CPU with both runs
-    either; the tests run each); the instruction set now in use, or None where the kernels do not run."""
-    library = _library()
-    return _ISA_NAMES[library.FewRowsLimitIsa(_ISA_LEVELS[isa])] if library is not None else None
+def _kernel_runs(x_MD: jax.Array) -> bool:
+    return x_MD.shape[0] <= MAX_KERNEL_ROWS and cpu_kernels.isa() is not None
 
 
 def kernel_product(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:
-    """x [M, D] times matrix [K, D] contracting D, in the compiled kernel: [M, K], int32 for int8 operands
-    (exact), float32 for float32 ones. 1 <= M <= 16; only where `kernel_isa()` is not None."""
-    target, result = _KERNELS[x_MD.dtype]
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x_MD.shape[0], matrix_KD.shape[0]), result))(x_MD, matrix_KD)
+    """float32 x [M, D] times matrix [K, D] contracting D, in the compiled kernel: float32 [M, K]. 1 <= M <= 16;
+    only where `cpu_kernels.isa()` is not None."""
+    result = jax.ShapeDtypeStruct((x_MD.shape[0], matrix_KD.shape[0]), jnp.float32)
+    return cpu_kernels.call("gpt_few_rows_float32", result)(x_MD, matrix_KD)
+
+
+def kernel_int8_product(x_MD: jax.Array, values_KD: jax.Array, scale_K: jax.Array) -> jax.Array:
+    """`xla_int8_product` in the compiled kernel, equal to it: float32 [M, K]. 1 <= M <= 16; only where
+    `cpu_kernels.isa()` is not None."""
+    result = jax.ShapeDtypeStruct((x_MD.shape[0], values_KD.shape[0]), jnp.float32)
+    return cpu_kernels.call("gpt_few_rows_int8", result)(x_MD, values_KD, scale_K)
+
+
+def quantize_rows(x_MD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row of float32 x [M, D] as int8 with its own scale (symmetric: max |x| / 127; 1 for a row of
+    zeros), rounded half to even: (int8 [M, D], float32 scales [M]); x ~= values * scale[:, None]."""
+    scale_M = jnp.abs(x_MD).max(axis=1) / 127.0
+    scale_M = jnp.where(scale_M > 0, scale_M, 1.0)
+    return jnp.round(x_MD / scale_M[:, None]).astype(jnp.int8), scale_M
+
+
+def xla_int8_product(x_MD: jax.Array, values_KD: jax.Array, scale_K: jax.Array) -> jax.Array:
+    """float32 x [M, D] times the int8 matrix values [K, D] * scale [K] (per output), contracting D: x's rows
+    quantized (`quantize_rows`), the exact int8 x int8 -> int32 product, then scaled by x's row's scale and
+    the output's, in that order: float32 [M, K]."""
+    x_int8_MD, x_scale_M = quantize_rows(x_MD)
+    return xla_product(x_int8_MD, values_KD).astype(jnp.float32) * x_scale_M[:, None] * scale_K[None, :]
+
+
+def int8_product(x_MD: jax.Array, values_KD: jax.Array, scale_K: jax.Array) -> jax.Array:
+    """`xla_int8_product`, by the kernel for 1-16 rows where it runs: float32 [M, K]."""
+    if _kernel_runs(x_MD):
+        return kernel_int8_product(x_MD, values_KD, scale_K)
+    return xla_int8_product(x_MD, values_KD, scale_K)
 
 
 def xla_few_rows(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:
@@ -104,8 +97,8 @@ def xla_product(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:
 
 
 def product(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:
-    """x [M, D] times an output-major matrix [K, D] of x's dtype, contracting D: [M, K] (int32 for int8
-    operands, exact); by a kernel for 1-16 int8 or float32 rows where they run, by XLA otherwise."""
-    if x_MD.shape[0] <= MAX_KERNEL_ROWS and x_MD.dtype in _KERNELS and kernel_isa() is not None:
+    """x [M, D] times an output-major matrix [K, D] of x's dtype, contracting D: [M, K] in x's dtype; by the
+    kernel for 1-16 float32 rows where it runs, by XLA otherwise."""
+    if x_MD.dtype == jnp.float32 and _kernel_runs(x_MD):
         return kernel_product(x_MD, matrix_KD)
     return xla_product(x_MD, matrix_KD)

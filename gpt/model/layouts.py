@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gpt.model.few_rows import at_least_two_rows, product
+from gpt.model.few_rows import at_least_two_rows, int8_product, product, quantize_rows
 
 __all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "QUANTIZED_LAYOUTS", "dense"]
 
@@ -57,9 +57,9 @@ class Int8Matrix:
     matrix ~= values * scale[:, None]. A quarter of float32's bytes, which is what a decode step streams.
 
     `matmul` quantizes each row of x to int8 with its own scale (max |x| / 127), takes the exact
-    int8 x int8 -> int32 product (`gpt.model.few_rows`: a compiled kernel for a decode step's few rows
-    on a CPU, XLA's dot otherwise) and rescales it by both scales: the float matrix is never made. Its
-    `astype` keeps it int8 (the block casts kernels to the compute dtype; this one stays as stored).
+    int8 x int8 -> int32 product and rescales it by both scales (`gpt.model.few_rows.int8_product`: one
+    compiled kernel for a decode step's few rows on a CPU, XLA's ops otherwise): the float matrix is never
+    made. Its `astype` keeps it int8 (the block casts kernels to the compute dtype; this one stays as stored).
     """
 
     values_KD: jax.Array
@@ -67,11 +67,7 @@ class Int8Matrix:
 
     @classmethod
     def quantize(cls, matrix_KD: jax.Array) -> Int8Matrix:
-        matrix_KD = matrix_KD.astype(jnp.float32)
-        scale_K = jnp.abs(matrix_KD).max(axis=1) / 127.0
-        scale_K = jnp.where(scale_K > 0, scale_K, 1.0)  # an all-zero output stays exactly zero
-        values_KD = jnp.clip(jnp.round(matrix_KD / scale_K[:, None]), -127, 127).astype(jnp.int8)
-        return cls(values_KD, scale_K)
+        return cls(*quantize_rows(matrix_KD.astype(jnp.float32)))  # an output's weights are a row
 
     def dequantize(self) -> jax.Array:
         """The float32 matrix [K, D] this one stands for (for tests and quality checks)."""
@@ -81,12 +77,7 @@ class Int8Matrix:
         return self
 
     def matmul(self, x_MD: jax.Array) -> jax.Array:
-        x_MD32 = x_MD.astype(jnp.float32)
-        x_scale_M = jnp.abs(x_MD32).max(axis=1) / 127.0
-        x_scale_M = jnp.where(x_scale_M > 0, x_scale_M, 1.0)
-        x_int8 = jnp.round(x_MD32 / x_scale_M[:, None]).astype(jnp.int8)
-        y_MK = product(x_int8, self.values_KD).astype(jnp.float32) * x_scale_M[:, None] * self.scale_K[None, :]
-        return y_MK.astype(x_MD.dtype)
+        return int8_product(x_MD.astype(jnp.float32), self.values_KD, self.scale_K).astype(x_MD.dtype)
 
     def rows(self, ids: jax.Array) -> jax.Array:
         """Rows `ids` of the matrix as float32 (an embedding lookup of a tied table): [..., D]."""

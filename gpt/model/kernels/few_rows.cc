@@ -1,8 +1,10 @@
 // The products of a decode step's few rows on CPU, as XLA FFI custom calls: x [M, D] times an output-major
 // matrix w [K, D], contracting D, for M in 1..16.
 //
-//   FewRowsInt8:    int8 x int8, accumulated exactly in int32      y [M, K] int32
-//   FewRowsFloat32: float32 x float32, accumulated in float32      y [M, K] float32
+//   FewRowsInt8:    float32 x [M, D], int8 w with float32 scales w_scale [K]         y [M, K] float32
+//                   x's rows quantized to int8 (each with its scale), int8 x int8 accumulated exactly in
+//                   int32, then scaled by x's row's scale and w's output's: `Int8Matrix.matmul` in one call
+//   FewRowsFloat32: float32 x float32, accumulated in float32                          y [M, K] float32
 //
 // A decode step is bound by reading the weights, so the loop reads each output's row of w once and
 // multiplies it into all M rows of x while it is in registers; XLA's own dots do not stream at the
@@ -13,32 +15,36 @@
 //   AVX2 (float32: with FMA): int8 by vpmaddubsw on |w| and x with w's sign, then vpmaddwd into int32;
 //     each pair of products is at most 2 * 127 * 127 < 2^15, so the 16-bit step never saturates (both
 //     operands lie in [-127, 127], as `Int8Matrix` makes them).
-// The outputs are split over XLA's own CPU thread pool. `FewRowsIsa` says which set runs (2 = AVX-512 with
-// VNNI, 1 = AVX2 with FMA, 0 = neither, when the caller keeps to XLA's dots); `FewRowsLimitIsa` caps it,
-// so that the AVX2 paths can be run and tested on a CPU that has both.
+// The outputs are split over XLA's own CPU thread pool (runtime.h, which also says which set runs).
 
 #include <immintrin.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
 
+#include "float_lanes.h"
+#include "runtime.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+namespace gpt_kernels {
 namespace {
 
 constexpr int kMaxRows = 16;
 
+// The int8 product's scales: x's rows' [M] and w's outputs' [K] (y = x w * x_scale * w_scale); none for float32.
+struct Scales {
+  const float* x = nullptr;
+  const float* w = nullptr;
+};
+
 // y[m, k] for every row m and the outputs k in [k_begin, k_end); x [M, D], w [K, D], y [M, K].
-using Kernel = void (*)(const void* x, const void* w, int64_t D, int64_t K, int64_t k_begin, int64_t k_end,
-                        void* y);
+using Kernel = void (*)(const void* x, const void* w, Scales scales, int64_t D, int64_t K, int64_t k_begin,
+                        int64_t k_end, void* y);
 
 // ---------------------------------------------------------------- AVX-512 (int8 with VNNI)
 //
@@ -62,7 +68,8 @@ namespace avx512 {
 struct Int8 {
   using X = uint8_t;
   using W = int8_t;
-  using Out = int32_t;
+  using Sum = int32_t;
+  using Out = float;
   using Vec = __m512i;
   using Mask = __mmask64;
   static constexpr bool kShifted = true;
@@ -74,31 +81,32 @@ struct Int8 {
   static Vec Ones() { return _mm512_set1_epi8(1); }
   static Vec Load(const void* p, Mask m) { return _mm512_maskz_loadu_epi8(m, p); }
   static Vec Madd(Vec acc, Vec x, Vec w) { return _mm512_dpbusd_epi32(acc, x, w); }
-  static Out Sum(Vec v) { return _mm512_reduce_add_epi32(v); }
+  static Sum Total(Vec v) { return _mm512_reduce_add_epi32(v); }
 };
 
-struct Float32 {
+struct Float32 : gpt_kernels::avx512::FloatLanes {
   using X = float;
   using W = float;
+  using Sum = float;
   using Out = float;
-  using Vec = __m512;
-  using Mask = __mmask16;
-  static constexpr int64_t kLanes = 16;
+  static Sum Total(Vec v) { return FloatLanes::Sum(v); }
+  static constexpr bool kShifted = false;
   static constexpr int kTileRows = 6;
   static constexpr int TileOutputs(int rows) { return rows <= 2 ? 1 : 4; }  // 1-2 rows: one stream of w
-  static Mask Lanes(int64_t n) { return n >= kLanes ? Mask(0xffff) : Mask((1u << n) - 1); }
-  static Vec Zero() { return _mm512_setzero_ps(); }
-  static Vec Load(const void* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
-  static Vec Madd(Vec acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
-  static constexpr bool kShifted = false;
-  static Out Sum(Vec v) { return _mm512_reduce_add_ps(v); }
 };
 
-// y[r, j] for R rows of x and `Outputs` rows of w (masked loads read zeros past D: they add nothing). With
-// Ops::kShifted, `shift[j]` is 128 times row j's sum: the first group of rows computes it, the others take it.
+// y[r, j] for R rows of x and `Outputs` rows of w (masked loads read zeros past D: they add nothing). Each load
+// of w is preceded by a prefetch of the same place in the next tile's rows (past the last tile it reads
+// nothing: a prefetch never faults): the tile reads `Outputs` short rows at once (GPT-2's 768 bytes in int8),
+// too many streams, each too short, for the hardware's prefetchers to run ahead of. On a 2-core AMD EPYC
+// (Zen 5) the int8 chain of GPT-2 124M's 49 matrices took 3.5-3.9 ms for 1 row against 4.0-4.3 ms without
+// it, 4.6-4.9 against 5.7-6.0 for 8 rows (four and two alternating runs). With
+// Ops::kShifted (int8), `shift[j]` is 128 times row j's sum: the first group of rows computes it, the others
+// take it; the exact integer sum is then scaled by the row's and the output's scales, in that order (as
+// `Int8Matrix.matmul` does in XLA).
 template <class Ops, int R, int Outputs, bool First>
-void Tile(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t K, typename Ops::Out* y,
-          typename Ops::Out* shift) {
+void Tile(const typename Ops::X* x, const typename Ops::W* w, Scales scales, int64_t D, int64_t K,
+          typename Ops::Out* y, typename Ops::Sum* shift) {
   constexpr bool kSums = Ops::kShifted && First;
   typename Ops::Vec acc[R][Outputs];
   typename Ops::Vec sums[Outputs];
@@ -112,6 +120,7 @@ void Tile(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t
     typename Ops::Vec w_chunk[Outputs];
 #pragma GCC unroll 16
     for (int j = 0; j < Outputs; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (Outputs + j) * D + d), _MM_HINT_T0);  // the next tile's
       w_chunk[j] = Ops::Load(w + j * D + d, lanes);
       if constexpr (kSums) sums[j] = Ops::Madd(sums[j], Ops::Ones(), w_chunk[j]);
     }
@@ -127,35 +136,41 @@ void Tile(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t
   if (D > full) step(full, Ops::Lanes(D - full));
 #pragma GCC unroll 16
   for (int j = 0; j < Outputs; ++j) {
-    if constexpr (kSums) shift[j] = 128 * Ops::Sum(sums[j]);
+    if constexpr (kSums) shift[j] = 128 * Ops::Total(sums[j]);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      if constexpr (Ops::kShifted) y[r * K + j] = Ops::Sum(acc[r][j]) - shift[j];
-      else y[r * K + j] = Ops::Sum(acc[r][j]);
+      if constexpr (Ops::kShifted)
+        y[r * K + j] = static_cast<float>(Ops::Total(acc[r][j]) - shift[j]) * scales.x[r] * scales.w[j];
+      else
+        y[r * K + j] = Ops::Total(acc[r][j]);
     }
   }
 }
 
 // All M rows in groups of at most Ops::kTileRows, against `Outputs` rows of w.
 template <class Ops, int M, int Outputs, bool First = true>
-void Groups(const typename Ops::X* x, const typename Ops::W* w, int64_t D, int64_t K, typename Ops::Out* y,
-            typename Ops::Out* shift) {
+void Groups(const typename Ops::X* x, const typename Ops::W* w, Scales scales, int64_t D, int64_t K,
+            typename Ops::Out* y, typename Ops::Sum* shift) {
   constexpr int R = M < Ops::kTileRows ? M : Ops::kTileRows;
-  Tile<Ops, R, Outputs, First>(x, w, D, K, y, shift);
-  if constexpr (M > R) Groups<Ops, M - R, Outputs, false>(x + R * D, w, D, K, y + R * K, shift);
+  Tile<Ops, R, Outputs, First>(x, w, scales, D, K, y, shift);
+  if constexpr (M > R) {
+    const Scales rest{scales.x == nullptr ? nullptr : scales.x + R, scales.w};
+    Groups<Ops, M - R, Outputs, false>(x + R * D, w, rest, D, K, y + R * K, shift);
+  }
 }
 
 template <class Ops, int M>
-void Rows(const void* x_void, const void* w_void, int64_t D, int64_t K, int64_t k_begin, int64_t k_end,
-          void* y_void) {
+void Rows(const void* x_void, const void* w_void, Scales scales, int64_t D, int64_t K, int64_t k_begin,
+          int64_t k_end, void* y_void) {
   const auto* x = static_cast<const typename Ops::X*>(x_void);
   const auto* w = static_cast<const typename Ops::W*>(w_void);
   auto* y = static_cast<typename Ops::Out*>(y_void);
   constexpr int outputs = Ops::TileOutputs(M);
-  typename Ops::Out shift[outputs];
+  typename Ops::Sum shift[outputs];
+  const auto at = [&](int64_t k) { return Scales{scales.x, scales.w == nullptr ? nullptr : scales.w + k}; };
   int64_t k = k_begin;
-  for (; k + outputs <= k_end; k += outputs) Groups<Ops, M, outputs>(x, w + k * D, D, K, y + k, shift);
-  for (; k < k_end; ++k) Groups<Ops, M, 1>(x, w + k * D, D, K, y + k, shift);
+  for (; k + outputs <= k_end; k += outputs) Groups<Ops, M, outputs>(x, w + k * D, at(k), D, K, y + k, shift);
+  for (; k < k_end; ++k) Groups<Ops, M, 1>(x, w + k * D, at(k), D, K, y + k, shift);
 }
 
 }  // namespace avx512
@@ -178,11 +193,11 @@ __attribute__((target("avx2"))) inline int32_t Sum8(__m256i v) {
 }
 
 template <int M>
-__attribute__((target("avx2"))) void Int8Avx2(const void* x_void, const void* w_void, int64_t D, int64_t K,
-                                              int64_t k_begin, int64_t k_end, void* y_void) {
+__attribute__((target("avx2"))) void Int8Avx2(const void* x_void, const void* w_void, Scales scales, int64_t D,
+                                              int64_t K, int64_t k_begin, int64_t k_end, void* y_void) {
   const auto* x = static_cast<const int8_t*>(x_void);
   const auto* w = static_cast<const int8_t*>(w_void);
-  auto* y = static_cast<int32_t*>(y_void);
+  auto* y = static_cast<float*>(y_void);
   const __m256i ones16 = _mm256_set1_epi16(1);
   const int64_t full = D / 32 * 32;
   for (int64_t k = k_begin; k < k_end; ++k) {
@@ -204,29 +219,20 @@ __attribute__((target("avx2"))) void Int8Avx2(const void* x_void, const void* w_
       }
     }
     #pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) y[m * K + k] = Sum8(acc[m]);
+    for (int m = 0; m < M; ++m) y[m * K + k] = static_cast<float>(Sum8(acc[m])) * scales.x[m] * scales.w[k];
   }
 }
 
 // ---------------------------------------------------------------- float32, AVX2 with FMA
 
-__attribute__((target("avx2,fma"))) inline float Sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int M>
-__attribute__((target("avx2,fma"))) void Float32Avx2(const void* x_void, const void* w_void, int64_t D, int64_t K,
-                                                     int64_t k_begin, int64_t k_end, void* y_void) {
+__attribute__((target("avx2,fma"))) void Float32Avx2(const void* x_void, const void* w_void, Scales, int64_t D,
+                                                     int64_t K, int64_t k_begin, int64_t k_end, void* y_void) {
   const auto* x = static_cast<const float*>(x_void);
   const auto* w = static_cast<const float*>(w_void);
   auto* y = static_cast<float*>(y_void);
   const int64_t full = D / 8 * 8;
-  alignas(32) int32_t lanes[8];
-  for (int i = 0; i < 8; ++i) lanes[i] = i < D - full ? -1 : 0;
-  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  const __m256i tail = avx2::FloatLanes::Lanes(D - full);
   for (int64_t k = k_begin; k < k_end; ++k) {
     const float* w_row = w + k * D;
     __m256 acc[M];
@@ -244,24 +250,11 @@ __attribute__((target("avx2,fma"))) void Float32Avx2(const void* x_void, const v
         acc[m] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * D + full, tail), w_chunk, acc[m]);
     }
     #pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) y[m * K + k] = Sum8(acc[m]);
+    for (int m = 0; m < M; ++m) y[m * K + k] = avx2::FloatLanes::Sum(acc[m]);
   }
 }
 
 // ---------------------------------------------------------------- dispatch
-
-std::atomic<int> isa_limit{2};
-
-int Isa() {
-  static const int detected = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vnni"))
-      return 2;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
-  }();
-  return std::min(detected, isa_limit.load());
-}
 
 // The kernels of one (dtype, instruction set), one per row count M: Table::At<M>.
 struct Int8Avx512Table {
@@ -288,41 +281,39 @@ Kernel Pick(int rows, std::integer_sequence<int, Ms...>) {
   return kernel;
 }
 
-// The work one call shares between threads: outputs in blocks, each claimed by whichever thread is free.
-// Held by a shared_ptr so that a pool task starting after the call has returned finds nothing left to do.
-struct Work {
-  Kernel kernel;
-  const void* x;
-  const void* w;
-  void* y;
-  int64_t D, K, block, blocks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+// The outputs split over XLA's CPU threads, at least 64 each, so that a small matrix is not split into pieces
+// smaller than a task's cost.
+void RunOnPool(ffi::ThreadPool& pool, Kernel kernel, const void* x, const void* w, Scales scales, void* y, int64_t D,
+               int64_t K) {
+  ParallelFor(pool, K, 64, [=](int64_t begin, int64_t end) { kernel(x, w, scales, D, K, begin, end, y); });
+}
 
-  void Drain() {
-    for (int64_t b; (b = next.fetch_add(1)) < blocks;) {
-      kernel(x, w, D, K, b * block, std::min(K, (b + 1) * block), y);
-      done.fetch_add(1, std::memory_order_release);
+// x's rows [M, D] to int8 as `Int8Matrix.matmul` quantizes them in XLA: each row's scale max |x| / 127 (1 for a
+// row of zeros), each value x / scale rounded half to even; plus `offset` (128 for VNNI's unsigned operand).
+// A few thousand values a call, in loops the compiler vectorizes for each instruction set (the clone for the CPU
+// picked when the library loads).
+__attribute__((noinline, target_clones("avx512f", "avx2", "default"))) void QuantizeRows(
+    const float* __restrict x, int64_t M, int64_t D, int offset, float* __restrict scale, uint8_t* __restrict q) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding and taking it away rounds to an integer
+  for (int64_t m = 0; m < M; ++m, x += D, q += D) {
+    uint32_t largest = 0;  // of |x|'s bits, whose order as integers is that of the floats
+    for (int64_t d = 0; d < D; ++d) {
+      uint32_t bits;
+      std::memcpy(&bits, x + d, sizeof bits);
+      bits &= 0x7fffffffu;
+      largest = bits > largest ? bits : largest;
+    }
+    float row_max;
+    std::memcpy(&row_max, &largest, sizeof row_max);
+    const float row_scale = row_max / 127.0f > 0.0f ? row_max / 127.0f : 1.0f;
+    scale[m] = row_scale;
+    for (int64_t d = 0; d < D; ++d) {
+      float rounded = (x[d] / row_scale + kRound) - kRound;
+      rounded = rounded > -127.0f ? rounded : -127.0f;  // a no-op but for NaN, which becomes -127
+      rounded = rounded < 127.0f ? rounded : 127.0f;
+      q[d] = static_cast<uint8_t>(static_cast<int32_t>(rounded) + offset);
     }
   }
-};
-
-void RunOnPool(ffi::ThreadPool& pool, Kernel kernel, const void* x, const void* w, void* y, int64_t D, int64_t K) {
-  auto work = std::make_shared<Work>();
-  work->kernel = kernel;
-  work->x = x;
-  work->w = w;
-  work->y = y;
-  work->D = D;
-  work->K = K;
-  // Blocks of outputs several times more than the threads, so an uneven pool still finishes together;
-  // at least 64 outputs each, so a small matrix is not split into pieces smaller than a task's cost.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  work->block = std::max<int64_t>(64, (K + 4 * threads - 1) / (4 * threads));
-  work->blocks = (K + work->block - 1) / work->block;
-  for (int64_t t = 1; t < std::min(threads, work->blocks); ++t) pool.Schedule([work] { work->Drain(); });
-  work->Drain();  // this thread works too, so the call finishes even if no pool thread is free
-  while (work->done.load(std::memory_order_acquire) < work->blocks) _mm_pause();
 }
 
 // [M, D] and [K, D] with 1 <= M <= 16 on a CPU the kernels run on, or the error to return.
@@ -334,18 +325,18 @@ std::optional<ffi::Error> CheckShapes(ffi::AnyBuffer::Dimensions x, ffi::AnyBuff
   return std::nullopt;
 }
 
-ffi::Error FewRowsInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
-                           ffi::ResultBuffer<ffi::S32> y) {
+ffi::Error FewRowsInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                           ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
   if (auto error = CheckShapes(x.dimensions(), w.dimensions())) return *error;
   const int64_t M = x.dimensions()[0], D = x.dimensions()[1], K = w.dimensions()[0];
+  if (w_scale.element_count() != static_cast<size_t>(K)) return ffi::Error::InvalidArgument("few_rows: w's scales must be [K]");
   const auto rows = std::make_integer_sequence<int, kMaxRows>{};
-  if (Isa() == 2) {  // VNNI's unsigned operand: x + 128, made once per call (M * D bytes, a few KB)
-    std::vector<uint8_t> shifted(M * D);
-    for (int64_t i = 0; i < M * D; ++i) shifted[i] = static_cast<uint8_t>(x.typed_data()[i] + 128);
-    RunOnPool(pool, Pick<Int8Avx512Table>(M, rows), shifted.data(), w.typed_data(), y->typed_data(), D, K);
-  } else {
-    RunOnPool(pool, Pick<Int8Avx2Table>(M, rows), x.typed_data(), w.typed_data(), y->typed_data(), D, K);
-  }
+  const bool vnni = Isa() == 2;
+  float x_scale[kMaxRows];
+  std::vector<uint8_t> x_int8(M * D);  // int8, or with VNNI x + 128 (its unsigned operand)
+  QuantizeRows(x.typed_data(), M, D, vnni ? 128 : 0, x_scale, x_int8.data());
+  const Kernel kernel = vnni ? Pick<Int8Avx512Table>(M, rows) : Pick<Int8Avx2Table>(M, rows);
+  RunOnPool(pool, kernel, x_int8.data(), w.typed_data(), Scales{x_scale, w_scale.typed_data()}, y->typed_data(), D, K);
   return ffi::Error::Success();
 }
 
@@ -355,29 +346,24 @@ ffi::Error FewRowsFloat32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   const int64_t M = x.dimensions()[0], D = x.dimensions()[1], K = w.dimensions()[0];
   const auto rows = std::make_integer_sequence<int, kMaxRows>{};
   const Kernel kernel = Isa() == 2 ? Pick<Float32Avx512Table>(M, rows) : Pick<Float32Avx2Table>(M, rows);
-  RunOnPool(pool, kernel, x.typed_data(), w.typed_data(), y->typed_data(), D, K);
+  RunOnPool(pool, kernel, x.typed_data(), w.typed_data(), Scales{}, y->typed_data(), D, K);
   return ffi::Error::Success();
 }
 
 }  // namespace
+}  // namespace gpt_kernels
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsInt8, FewRowsInt8Impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsInt8, gpt_kernels::FewRowsInt8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsFloat32, FewRowsFloat32Impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsFloat32, gpt_kernels::FewRowsFloat32Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
-
-extern "C" int FewRowsIsa() { return Isa(); }
-
-extern "C" int FewRowsLimitIsa(int limit) {
-  isa_limit.store(limit);
-  return Isa();
-}
