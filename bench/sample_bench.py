@@ -9,8 +9,13 @@ from llama-server; its first-token column is its prefill, there being nothing to
 
 Random weights at the real gpt2 shapes, a 64-token prompt, 128 new tokens, greedy. For each batch size:
 time to the first token in a fresh process state (compile and our weight layout included, measured
-through streaming), and decode throughput after warm-up (best of --repeats). Ours decodes through a
-`gpt.inference.decoding.Decoder` made once per configuration, as the peers load (and CTranslate2 converts) once. Prints a Markdown table for bench/RESULTS.md.
+through streaming), and decode throughput after warm-up (best of --repeats, llama-batched-bench's runs too).
+Ours decodes through a `gpt.inference.decoding.Decoder` made once per configuration, as the peers load (and
+CTranslate2 converts) once. Prints a Markdown table for bench/RESULTS.md.
+
+With --rounds R every batch's comparison runs R times in turn (ours, then each peer, again), and a last table
+gives each pair's ratio per round: a shared machine whose memory bandwidth drifts by tens of percent within
+minutes moves both sides of a round together more than it moves one round against the next.
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ def bench_ours(directory, prompts, new_tokens, dtype, repeats, quantize="none"):
     tokens = run()  # compile the non-streaming loop
     best = min(_timed(run) for _ in range(repeats))
     return ttft, len(prompts) * new_tokens / best, tokens
+
+
+# The pairs compared round by round with --rounds: each of ours against its peer of the same weights' type.
+PAIRS = [("gpt (jax, float32, weights none)", "llama.cpp (f32)"), ("gpt (jax, float32, weights int8)", "llama.cpp (q8_0)"),
+         ("gpt (jax, float32, weights int8)", "CTranslate2 (int8)"), ("gpt (jax, float32, weights none)", "CTranslate2 (float32)")]
 
 
 def write_gpt2_vocab(directory: Path) -> None:
@@ -89,12 +99,14 @@ def bench_ctranslate2(directory, prompts, new_tokens, repeats, compute_type):
     return ttft, len(prompts) * new_tokens / best, [r.sequences_ids[0] for r in results]
 
 
-def bench_llama_cpp(directory, prompts, new_tokens, outtype):
+def bench_llama_cpp(directory, prompts, new_tokens, outtype, repeats):
     import llama_peer
 
     threads = len(os.sched_getaffinity(0))
     gguf = llama_peer.convert(Path(directory), outtype)
-    [(prefill, speed)] = llama_peer.batched_bench(gguf, len(prompts[0]), new_tokens, [len(prompts)], threads).values()
+    runs = [llama_peer.batched_bench(gguf, len(prompts[0]), new_tokens, [len(prompts)], threads)[len(prompts)]
+            for _ in range(repeats)]
+    prefill, speed = min(prefill for prefill, _ in runs), max(speed for _, speed in runs)
     with llama_peer.LlamaServer(gguf, slots=1, slot_context=len(prompts[0]) + new_tokens, threads=threads) as server:
         tokens = [server.greedy_tokens(prompt, new_tokens) for prompt in prompts]
     return prefill, speed, tokens
@@ -133,6 +145,7 @@ def main():
     parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "bf16"])
     parser.add_argument("--ctranslate2", action="store_true", help="also CTranslate2 float32 and int8")
     parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp f32 and q8_0 (built on first use)")
+    parser.add_argument("--rounds", type=int, default=1, help="run each batch's comparison this many times in turn")
     args = parser.parse_args()
 
     import torch
@@ -149,7 +162,8 @@ def main():
         del reference
         if args.ctranslate2 or args.llama_cpp:
             write_gpt2_vocab(Path(tmp))
-        for batch in args.batches:
+        ratios = {}  # (batch, ours, peer) -> [ratio per round]
+        for batch in [batch for batch in args.batches for _ in range(args.rounds)]:
             prompts = np.random.default_rng(batch).integers(0, 50256, (batch, args.prompt_tokens)).tolist()
             theirs = None if args.skip_torch else bench_torch(tmp, prompts, args.new_tokens, args.repeats, args.dtype)
             rows, reference_tokens = [], None
@@ -164,7 +178,8 @@ def main():
                                  *bench_ctranslate2(tmp, prompts, args.new_tokens, args.repeats, compute_type)))
             if args.llama_cpp:
                 for outtype in ("f32", "q8_0"):
-                    rows.append((f"llama.cpp ({outtype})", *bench_llama_cpp(tmp, prompts, args.new_tokens, outtype)))
+                    rows.append((f"llama.cpp ({outtype})",
+                                 *bench_llama_cpp(tmp, prompts, args.new_tokens, outtype, args.repeats)))
             if theirs:
                 rows.append((f"transformers (torch, {args.dtype})", *theirs, None))
             for name, ttft, speed, tokens in rows:
@@ -172,6 +187,14 @@ def main():
                 same = ("-" if tokens is None or reference_tokens is None else
                         f"{sum(a == b for a, b in zip(tokens, reference_tokens))}/{len(tokens)} rows")
                 print(f"| {batch} | {name} | {ttft:.2f} | {speed:.1f} | {ratio} | {same} |", flush=True)
+            speeds = {name: speed for name, _, speed, _ in rows}
+            for ours, peer in PAIRS:
+                if ours in speeds and peer in speeds:
+                    ratios.setdefault((batch, ours, peer), []).append(speeds[ours] / speeds[peer])
+    if args.rounds > 1:
+        print("\n| batch | ours | peer | ratio per round | median |\n| --- | --- | --- | --- | --- |")
+        for (batch, ours, peer), values in ratios.items():
+            print(f"| {batch} | {ours} | {peer} | {', '.join(f'{v:.2f}x' for v in values)} | {np.median(values):.2f}x |")
 
 
 if __name__ == "__main__":
