@@ -14,8 +14,8 @@ Ours decodes through a `gpt.inference.decoding.Decoder` made once per configurat
 CTranslate2 converts) once. Prints a Markdown table for bench/RESULTS.md.
 
 With --rounds R every batch's comparison runs R times in turn (ours, then each peer, again), and a last table
-gives each pair's ratio per round: a shared machine whose memory bandwidth drifts by tens of percent within
-minutes moves both sides of a round together more than it moves one round against the next.
+gives each pair's ratio per round: on a shared machine whose memory bandwidth drifts by tens of percent within
+minutes, one round's ratio can land anywhere in that spread.
 """
 
 from __future__ import annotations
