@@ -84,3 +84,20 @@ def test_the_kernel_runs_where_it_can_and_xla_beyond():
     built = cpu_kernels.isa() is not None
     assert runs_kernel(MAX_KERNEL_HEAD_DIM) == built
     assert not runs_kernel(MAX_KERNEL_HEAD_DIM + 1) and not runs_kernel(64, jnp.bfloat16)
+
+
+def test_under_a_mesh_of_several_devices_the_ops_are_xlas():
+    # XLA partitions its own ops over a mesh; a custom call would have a sharded cache gathered whole onto each
+    # device. A mesh of one device keeps the kernel.
+    from gpt.model.sharding import make_mesh
+
+    def runs_kernel():
+        q, page = jnp.ones((2, 1, 2, 8)), jnp.ones((4, 16, 8))
+        jaxpr = jax.make_jaxpr(attention.attend_paged)(q, (page,), (page,), jnp.zeros((2, 1), jnp.int32))
+        return "ffi_call" in str(jaxpr)
+
+    built = cpu_kernels.isa() is not None
+    with jax.set_mesh(make_mesh(data=2, devices=jax.devices()[:2])):
+        assert not runs_kernel()
+    with jax.set_mesh(make_mesh(data=1, devices=jax.devices()[:1])):
+        assert runs_kernel() == built

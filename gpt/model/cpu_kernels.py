@@ -5,8 +5,10 @@ Two XLA FFI custom calls for a decode step: the matmuls of its few rows (`gpt.mo
 attention over the paged KV cache (`gpt.model.attention.attend_paged`). They are built by the package's
 install as an optional extension (setup.py): a machine without a C++ compiler installs without them, and
 every op is XLA's. They run when they were built, the CPU has AVX2 and FMA, JAX's backend is the CPU (the
-backend table's `cpu_kernels`), and the environment's `GPT_CPU_KERNELS` is not `0` (which keeps XLA's ops,
-to compare the two); `GPT_CPU_KERNELS=avx2` keeps them to their AVX2 paths.
+backend table's `cpu_kernels`), no mesh of several devices is active where the program is traced (XLA
+partitions its own ops over one; a custom call would have its operands gathered whole onto every device),
+and the environment's `GPT_CPU_KERNELS` is not `0` (which keeps XLA's ops, to compare the two);
+`GPT_CPU_KERNELS=avx2` keeps them to their AVX2 paths.
 """
 
 from __future__ import annotations
@@ -44,10 +46,16 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
+def _several_devices() -> bool:
+    """Whether the mesh active where this is traced (`jax.set_mesh`) has more than one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size > 1
+
+
 def isa() -> str | None:
     """The kernels' instruction set here ("avx512_vnni" or "avx2"), or None where they do not run (not built, a
-    CPU without AVX2, a backend other than the CPU, or GPT_CPU_KERNELS=0)."""
-    library = _library() if choices().cpu_kernels else None
+    CPU without AVX2, a backend other than the CPU, a mesh of several devices active, or GPT_CPU_KERNELS=0)."""
+    library = _library() if choices().cpu_kernels and not _several_devices() else None
     return _ISA_NAMES[library.CpuKernelsIsa()] if library is not None else None
 
 
