@@ -1,13 +1,13 @@
 """The compiled CPU decoding kernels (gpt/model/kernels/): loaded, registered with XLA, and which instruction set
 they run.
 
-Two XLA FFI custom calls for a decode step: the matmuls of its few rows (`gpt.model.few_rows`) and its
-attention over the paged KV cache (`gpt.model.attention.attend_paged`). They are built by the package's
-install as an optional extension (setup.py): a machine without a C++ compiler installs without them, and
-every op is XLA's. They run when they were built, the CPU has AVX2 and FMA, JAX's backend is the CPU (the
-backend table's `cpu_kernels`), no mesh of several devices is active where the program is traced (XLA
-partitions its own ops over one; a custom call would have its operands gathered whole onto every device),
-and the environment's `GPT_CPU_KERNELS` is not `0` (which keeps XLA's ops, to compare the two);
+XLA FFI custom calls for a decode step: the matmuls of its few rows, int8 and float32 (`gpt.model.few_rows`),
+and its attention over the paged KV cache (`gpt.model.attention.attend_paged`). They are built by the
+package's install as an optional extension (setup.py): a machine without a C++ compiler installs without
+them, and every op is XLA's. They run when they were built, the CPU has AVX2 and FMA, JAX's backend is the
+CPU (the backend table's `cpu_kernels`), no mesh of several devices is active where the program is traced
+(XLA partitions its own ops over one; a custom call would have its operands gathered whole onto every
+device), and the environment's `GPT_CPU_KERNELS` is not `0` (which keeps XLA's ops, to compare the two);
 `GPT_CPU_KERNELS=avx2` keeps them to their AVX2 paths.
 """
 
