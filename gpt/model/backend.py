@@ -5,7 +5,7 @@ is for mesh axes). Each choice was measured; the figures are in bench/RESULTS.md
 | --- | --- | --- | --- |
 | `fused_attention` | no: softmax(q k^T) v written out, heads as a batch axis | yes on a GPU: `jax.nn.dot_product_attention` (cuDNN's fused kernel at 16-bit, `fused_causal`) | XLA's CPU has no fused kernel; the plain form avoids a transposed copy of k |
 | `loss_chunk_bytes` | 128 MiB of float32 logits a chunk | 1 GiB | a chunk stays in the last-level cache; elsewhere fewer, larger chunks keep the matmuls big ("Training") |
-| `cpu_kernels` | a decode step's matmuls of 1-16 int8 or float32 rows, and its attention, through compiled kernels, where built | XLA's ops | XLA's CPU dots read a few rows' weights below the memory's speed; its attention over the cache is many small programs ("CPU decoding") |
+| `cpu_kernels` | a decode step's matmuls of 1-16 int8 or float32 rows, and its attention, through compiled kernels, where built | XLA's ops | XLA's CPU dots read a few rows' weights below the memory's speed; its attention over the cache is many small programs ("CPU decoding", "The decode step's small programs") |
 | `few_rows_matmul` | without the kernels, 2-16 float32 rows as a multiply and a sum | a dot | XLA's CPU runs 2-16 rows as a GEMM far from the memory's speed ("Serving") |
 | `score_rows` | a prompt's scores (the LM head, its logsumexp and top logprobs) 128 positions at a time | all at once | 128 rows of GPT-2's logits (26 MB) stay in the last-level cache for the reductions over them ("Scoring prompts, and sampling sooner") |
 | `kv_page_length` | an engine's cache in pages of 128 slots | one page | a decode step reads only the pages its rows reached ("Paged KV cache"); cuDNN reads one buffer under the mask |

@@ -100,8 +100,10 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   if (auto error = TakePages(pages, M, a)) return *error;
   const bool wide = Isa() == 2;
   ParallelFor(pool, M, 1, [&a, wide](int64_t begin, int64_t end) {
-    std::vector<float> scores(a.slots);
-    wide ? avx512::AttendRowsOfHead(a, begin, end, scores.data()) : avx2::AttendRowsOfHead(a, begin, end, scores.data());
+    thread_local std::vector<float> scores;  // a row's scores, kept from call to call (a decode step makes dozens)
+    scores.resize(a.slots);
+    wide ? avx512::AttendRowsOfHead(a, begin, end, scores.data())
+         : avx2::AttendRowsOfHead(a, begin, end, scores.data());
   });
   return ffi::Error::Success();
 }

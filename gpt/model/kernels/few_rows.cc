@@ -68,7 +68,7 @@ namespace avx512 {
 struct Int8 {
   using X = uint8_t;
   using W = int8_t;
-  using Sum = int32_t;
+  using Acc = int32_t;
   using Out = float;
   using Vec = __m512i;
   using Mask = __mmask64;
@@ -81,32 +81,32 @@ struct Int8 {
   static Vec Ones() { return _mm512_set1_epi8(1); }
   static Vec Load(const void* p, Mask m) { return _mm512_maskz_loadu_epi8(m, p); }
   static Vec Madd(Vec acc, Vec x, Vec w) { return _mm512_dpbusd_epi32(acc, x, w); }
-  static Sum Total(Vec v) { return _mm512_reduce_add_epi32(v); }
+  static Acc Total(Vec v) { return _mm512_reduce_add_epi32(v); }
 };
 
 struct Float32 : gpt_kernels::avx512::FloatLanes {
   using X = float;
   using W = float;
-  using Sum = float;
+  using Acc = float;
   using Out = float;
-  static Sum Total(Vec v) { return FloatLanes::Sum(v); }
+  static Acc Total(Vec v) { return Sum(v); }
   static constexpr bool kShifted = false;
   static constexpr int kTileRows = 6;
   static constexpr int TileOutputs(int rows) { return rows <= 2 ? 1 : 4; }  // 1-2 rows: one stream of w
 };
 
-// y[r, j] for R rows of x and `Outputs` rows of w (masked loads read zeros past D: they add nothing). Each load
-// of w is preceded by a prefetch of the same place in the next tile's rows (past the last tile it reads
-// nothing: a prefetch never faults): the tile reads `Outputs` short rows at once (GPT-2's 768 bytes in int8),
-// too many streams, each too short, for the hardware's prefetchers to run ahead of. On a 2-core AMD EPYC
-// (Zen 5) the int8 chain of GPT-2 124M's 49 matrices took 3.5-3.9 ms for 1 row against 4.0-4.3 ms without
-// it, 4.6-4.9 against 5.7-6.0 for 8 rows (four and two alternating runs). With
+// y[r, j] for R rows of x and `Outputs` rows of w (masked loads read zeros past D: they add nothing). With
 // Ops::kShifted (int8), `shift[j]` is 128 times row j's sum: the first group of rows computes it, the others
 // take it; the exact integer sum is then scaled by the row's and the output's scales, in that order (as
 // `Int8Matrix.matmul` does in XLA).
+// Each load of w is preceded by a prefetch of the same place in the next tile's rows (past the last tile it
+// reads nothing: a prefetch never faults): the tile reads `Outputs` short rows at once (GPT-2's 768 bytes in
+// int8), too many streams, each too short, for the hardware's prefetchers to run ahead of. On a 2-core AMD
+// EPYC (Zen 5) the int8 chain of GPT-2 124M's 49 matrices took 3.5-3.9 ms for 1 row against 4.0-4.3 ms
+// without it, 4.6-4.9 against 5.7-6.0 for 8 rows (four and two alternating runs).
 template <class Ops, int R, int Outputs, bool First>
 void Tile(const typename Ops::X* x, const typename Ops::W* w, Scales scales, int64_t D, int64_t K,
-          typename Ops::Out* y, typename Ops::Sum* shift) {
+          typename Ops::Out* y, typename Ops::Acc* shift) {
   constexpr bool kSums = Ops::kShifted && First;
   typename Ops::Vec acc[R][Outputs];
   typename Ops::Vec sums[Outputs];
@@ -147,15 +147,16 @@ void Tile(const typename Ops::X* x, const typename Ops::W* w, Scales scales, int
   }
 }
 
-// All M rows in groups of at most Ops::kTileRows, against `Outputs` rows of w.
+// All M rows in groups of at most Ops::kTileRows, against `Outputs` rows of w. Only int8's later groups differ
+// from its first (they take the row sums it made): float32's share one instantiation.
 template <class Ops, int M, int Outputs, bool First = true>
 void Groups(const typename Ops::X* x, const typename Ops::W* w, Scales scales, int64_t D, int64_t K,
-            typename Ops::Out* y, typename Ops::Sum* shift) {
+            typename Ops::Out* y, typename Ops::Acc* shift) {
   constexpr int R = M < Ops::kTileRows ? M : Ops::kTileRows;
   Tile<Ops, R, Outputs, First>(x, w, scales, D, K, y, shift);
   if constexpr (M > R) {
     const Scales rest{scales.x == nullptr ? nullptr : scales.x + R, scales.w};
-    Groups<Ops, M - R, Outputs, false>(x + R * D, w, rest, D, K, y + R * K, shift);
+    Groups<Ops, M - R, Outputs, !Ops::kShifted>(x + R * D, w, rest, D, K, y + R * K, shift);
   }
 }
 
@@ -166,7 +167,7 @@ void Rows(const void* x_void, const void* w_void, Scales scales, int64_t D, int6
   const auto* w = static_cast<const typename Ops::W*>(w_void);
   auto* y = static_cast<typename Ops::Out*>(y_void);
   constexpr int outputs = Ops::TileOutputs(M);
-  typename Ops::Sum shift[outputs];
+  typename Ops::Acc shift[outputs];
   const auto at = [&](int64_t k) { return Scales{scales.x, scales.w == nullptr ? nullptr : scales.w + k}; };
   int64_t k = k_begin;
   for (; k + outputs <= k_end; k += outputs) Groups<Ops, M, outputs>(x, w + k * D, at(k), D, K, y + k, shift);
@@ -329,14 +330,17 @@ ffi::Error FewRowsInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                            ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
   if (auto error = CheckShapes(x.dimensions(), w.dimensions())) return *error;
   const int64_t M = x.dimensions()[0], D = x.dimensions()[1], K = w.dimensions()[0];
-  if (w_scale.element_count() != static_cast<size_t>(K)) return ffi::Error::InvalidArgument("few_rows: w's scales must be [K]");
+  if (w_scale.element_count() != static_cast<size_t>(K))
+    return ffi::Error::InvalidArgument("few_rows: w's scales must be [K]");
   const auto rows = std::make_integer_sequence<int, kMaxRows>{};
   const bool vnni = Isa() == 2;
   float x_scale[kMaxRows];
-  std::vector<uint8_t> x_int8(M * D);  // int8, or with VNNI x + 128 (its unsigned operand)
+  thread_local std::vector<uint8_t> x_int8;  // int8, or with VNNI x + 128 (its unsigned operand); kept from call
+  x_int8.resize(M * D);                      // to call (a decode step makes dozens)
   QuantizeRows(x.typed_data(), M, D, vnni ? 128 : 0, x_scale, x_int8.data());
   const Kernel kernel = vnni ? Pick<Int8Avx512Table>(M, rows) : Pick<Int8Avx2Table>(M, rows);
-  RunOnPool(pool, kernel, x_int8.data(), w.typed_data(), Scales{x_scale, w_scale.typed_data()}, y->typed_data(), D, K);
+  RunOnPool(pool, kernel, x_int8.data(), w.typed_data(), Scales{x_scale, w_scale.typed_data()}, y->typed_data(), D,
+            K);
   return ffi::Error::Success();
 }
 
