@@ -44,13 +44,13 @@ status=0
 for job in "${jobs[@]}"; do
   echo "== $job ($(date -u +%H:%M:%S))"
   case $job in
-    check) timeout 190 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
+    check) timeout 110 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
     train) timeout "${TRAIN_BUDGET:-450}" python3 bench/gpu_bench.py --json "$OUT/train.json" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
-    tests) timeout 140 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/test_model.py tests/test_engine.py \
+    tests) timeout 170 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/test_model.py tests/test_engine.py \
              tests/test_generate.py tests/test_serve.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
-    sample) timeout 100 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
+    sample) timeout 115 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/sample.log" ;;
-    serve) timeout 160 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 --skip-generate 2>&1 \
+    serve) timeout 170 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 --skip-generate 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/serve.log" ;;
     ttl) ttl=(--preset gpt2 --block_size 1024 --batch_size 32 --dtype bfloat16 --lr 6e-4 --max_steps 500
               --eval_every 50 --results "$OUT/ttl.jsonl" --png "$OUT/ttl.png" --data $(python3 -c "$STDLIB_FILES"))
