@@ -99,11 +99,14 @@ struct Float32 : gpt_kernels::avx512::FloatLanes {
 // Ops::kShifted (int8), `shift[j]` is 128 times row j's sum: the first group of rows computes it, the others
 // take it; the exact integer sum is then scaled by the row's and the output's scales, in that order (as
 // `Int8Matrix.matmul` does in XLA).
-// Each load of w is preceded by a prefetch of the same place in the next tile's rows (past the last tile it
-// reads nothing: a prefetch never faults): the tile reads `Outputs` short rows at once (GPT-2's 768 bytes in
-// int8), too many streams, each too short, for the hardware's prefetchers to run ahead of. On a 2-core AMD
-// EPYC (Zen 5) the int8 chain of GPT-2 124M's 49 matrices took 3.5-3.9 ms for 1 row against 4.0-4.3 ms
-// without it, 4.6-4.9 against 5.7-6.0 for 8 rows (four and two alternating runs).
+// Each load of w is preceded by a prefetch of one line of the next tile, whose `Outputs` rows are one block of
+// memory ([K, D] is row-major): the steps walk that block in address order, `Outputs` lines a step, so the
+// next tile is in the cache when it starts (past the last tile they read nothing: a prefetch never faults).
+// The tile's own loads jump between `Outputs` short rows (GPT-2's 768 bytes in int8), too many streams, each
+// too short, for the hardware's prefetchers to run ahead of. On a 2-core AMD EPYC (Zen 5) the int8 chain of
+// GPT-2 124M's 49 matrices took 2.3-3.2 ms for 1 row against 2.7-3.5 with the prefetches at the same place
+// in each of the next tile's rows, and 4.0-4.3 with none; 3.4-3.5 against 3.7-4.1 for 8 rows (alternating
+// processes).
 template <class Ops, int R, int Outputs, bool First>
 void Tile(const typename Ops::X* x, const typename Ops::W* w, Scales scales, int64_t D, int64_t K,
           typename Ops::Out* y, typename Ops::Acc* shift) {
@@ -120,7 +123,7 @@ void Tile(const typename Ops::X* x, const typename Ops::W* w, Scales scales, int
     typename Ops::Vec w_chunk[Outputs];
 #pragma GCC unroll 16
     for (int j = 0; j < Outputs; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (Outputs + j) * D + d), _MM_HINT_T0);  // the next tile's
+      _mm_prefetch(reinterpret_cast<const char*>(w + Outputs * D + d * Outputs + j * Ops::kLanes), _MM_HINT_T0);
       w_chunk[j] = Ops::Load(w + j * D + d, lanes);
       if constexpr (kSums) sums[j] = Ops::Madd(sums[j], Ops::Ones(), w_chunk[j]);
     }
