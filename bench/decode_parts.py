@@ -5,7 +5,9 @@
 1. Matmuls: a chain of GPT-2 124M's 48 block matrices (340 MB, output-major [K, D]) in one jit, for a
    few rows: XLA's dot, the few-row multiply-and-sum (`gpt.model.few_rows.xla_few_rows`), the compiled
    few-rows kernel (`gpt.model.few_rows.kernel_product`, where built), and torch's
-   `x @ W.T` on the same matrices. A step streams every weight once, so these set its floor.
+   `x @ W.T` on the same matrices. A step streams every weight once, so these set its floor. Then the
+   same 48 in int8 with the LM head (124 MB, what an int8 step streams): XLA's quantize-multiply-rescale
+   (`xla_int8_product`) against the kernel (`kernel_int8_product`), with the rate the kernel read them at.
 2. Attention over an 8-row x 12-head cache of 1024 slots, all 12 layers (600 MB, more than the cache
    of a CPU, as in a real step): the paged read (`attend_paged`, pages of `PAGE_LENGTH` slots, each its
    own buffer) against the whole-cache read (`attend` under the mask).
@@ -26,7 +28,8 @@ import numpy as np
 from gpt.model.attention import attend, attend_paged
 from gpt.model.backend import CHOICES
 from gpt.model.cpu_kernels import isa as kernel_isa
-from gpt.model.few_rows import kernel_product, xla_few_rows
+from gpt.model.few_rows import kernel_int8_product, kernel_product, xla_few_rows, xla_int8_product
+from gpt.model.layouts import Int8Matrix
 
 PAGE_LENGTH = CHOICES["cpu"].kv_page_length  # an engine's pages on a CPU
 
@@ -83,6 +86,33 @@ def matmul_chain(rows_list, repeats: int) -> None:
               flush=True)
 
 
+def int8_chain(rows_list, repeats: int) -> None:
+    D = 768
+    rng = np.random.default_rng(0)
+    shapes = [(3 * D, D), (D, D), (4 * D, D), (D, 4 * D)] * 12 + [(50257, D)]
+    matrices = [Int8Matrix.quantize(jnp.asarray(rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])))
+                for shape in shapes]
+    megabytes = sum(m.values_KD.size for m in matrices) / 1e6
+
+    def chain(product):
+        @jax.jit
+        def run(matrices, x_MD):
+            for m in matrices:
+                y = product(x_MD, m.values_KD, m.scale_K)
+                x_MD = y[:, :D] if m.values_KD.shape[0] == 3 * D else y  # as in the float32 chain
+            return x_MD
+        return run
+
+    xla, kernel = chain(xla_int8_product), chain(kernel_int8_product) if kernel_isa() else None
+    print(f"| rows | XLA | kernel ({kernel_isa()}) | kernel's read (GB/s) |")
+    print("| --- | --- | --- | --- |")
+    for rows in rows_list:
+        x_MD = jnp.asarray(rng.standard_normal((rows, D), dtype=np.float32))
+        times = [_median_ms(lambda f=f: f(matrices, x_MD).block_until_ready(), repeats) if f else float("nan")
+                 for f in (xla, kernel)]
+        print(f"| {rows} | {times[0]:.2f} | {times[1]:.2f} | {megabytes / times[1]:.1f} |", flush=True)
+
+
 def attention(positions_list, repeats: int, layers: int = 12) -> None:
     B, N, S, H = 8, 12, 1024, 64
     rng = np.random.default_rng(0)
@@ -113,6 +143,8 @@ def main():
     print(f"# {cpu_name()}, {cores} cores, jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
     print("\nMatmul chain (48 GPT-2 block matrices, float32), ms:\n")
     matmul_chain(args.rows, args.repeats)
+    print("\nMatmul chain, int8 (the 48 block matrices and the LM head), ms:\n")
+    int8_chain(args.rows, args.repeats)
     print(f"\nDecode attention, 12 layers, 8 rows x 12 heads over 1024 slots (pages of {PAGE_LENGTH}), ms:\n")
     attention(args.positions, args.repeats)
 
