@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from serve_process import start_serve
 
 KEY = "soak-key"
