@@ -74,16 +74,18 @@ def test_a_view_of_some_rows_is_the_float64_attention(path, H):
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6 * np.sqrt(H), rtol=0)
 
 
+def _runs_kernel(B, H, dtype=jnp.float32) -> bool:
+    """Whether attend_paged over a two-page cache, traced here, calls the kernel."""
+    q, page = jnp.ones((B, 1, 2, H), dtype), jnp.ones((2 * B, 16, H), dtype)
+    jaxpr = jax.make_jaxpr(attention.attend_paged)(q, (page, page), (page, page), jnp.zeros((B, 1), jnp.int32))
+    return "ffi_call" in str(jaxpr)
+
+
 def test_the_kernel_runs_where_it_can_and_xla_beyond():
     # float32 heads up to MAX_KERNEL_HEAD_DIM on a CPU with the kernels; a larger head, or bfloat16, is XLA's.
-    def runs_kernel(H, dtype=jnp.float32):
-        q, page = jnp.ones((1, 1, 2, H), dtype), jnp.ones((2, 16, H), dtype)
-        jaxpr = jax.make_jaxpr(attention.attend_paged)(q, (page, page), (page, page), jnp.zeros((1, 1), jnp.int32))
-        return "ffi_call" in str(jaxpr)
-
     built = cpu_kernels.isa() is not None
-    assert runs_kernel(MAX_KERNEL_HEAD_DIM) == built
-    assert not runs_kernel(MAX_KERNEL_HEAD_DIM + 1) and not runs_kernel(64, jnp.bfloat16)
+    assert _runs_kernel(1, MAX_KERNEL_HEAD_DIM) == built
+    assert not _runs_kernel(1, MAX_KERNEL_HEAD_DIM + 1) and not _runs_kernel(1, 64, jnp.bfloat16)
 
 
 def test_under_a_mesh_of_several_devices_the_ops_are_xlas():
@@ -91,13 +93,8 @@ def test_under_a_mesh_of_several_devices_the_ops_are_xlas():
     # device. A mesh of one device keeps the kernel.
     from gpt.model.sharding import make_mesh
 
-    def runs_kernel():
-        q, page = jnp.ones((2, 1, 2, 8)), jnp.ones((4, 16, 8))
-        jaxpr = jax.make_jaxpr(attention.attend_paged)(q, (page,), (page,), jnp.zeros((2, 1), jnp.int32))
-        return "ffi_call" in str(jaxpr)
-
     built = cpu_kernels.isa() is not None
     with jax.set_mesh(make_mesh(data=2, devices=jax.devices()[:2])):
-        assert not runs_kernel()
+        assert not _runs_kernel(2, 8)
     with jax.set_mesh(make_mesh(data=1, devices=jax.devices()[:1])):
-        assert runs_kernel() == built
+        assert _runs_kernel(2, 8) == built

@@ -447,6 +447,10 @@ _SIGNALLED_CLI = """
 import os, signal, sys, time
 from gpt.errors import cli_main
 
+# As run from a terminal: a job started in the background (`cmd &`, nohup) inherits SIGINT ignored, and the
+# CLI rightly keeps it ignored, so the tests would see no SIGINT wherever pytest itself ran so.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 class SignalsInItsFinalizer:
     def __del__(self):
         os.kill(os.getpid(), signal.SIGTERM)  # raises in __del__, where Python prints the error and goes on
