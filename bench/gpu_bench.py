@@ -54,6 +54,10 @@ class Bench:
     """Also run the PyTorch peer (right after our first configuration, at its micro-batch, halved until it fits)."""
     torch_compile: bool = True
     json: str | None = None
+    profile_dir: str | None = None
+    """Also trace `profile_steps` steps of each of our configurations with JAX's profiler, into a folder of
+    this one per configuration (`bench/step_profile.py FOLDER` makes the table)."""
+    profile_steps: int = 3
     timeout_s: float = 600
     """Per worker process."""
 
@@ -79,6 +83,8 @@ class Job:
     steps: int = 4
     rounds: int = 2
     torch_compile: bool = True
+    profile_dir: str | None = None
+    profile_steps: int = 3
 
 
 def model_config(preset: str, block_size: int, **runtime):
@@ -142,8 +148,29 @@ def jax_worker(job: Job) -> dict:
 
     result = timed(step, job)
     stats = jax.devices()[0].memory_stats() or {}
+    if job.profile_dir:
+        trace_steps(job, config, train_step, state, batches, key, step)
     return {**result, "peak_bytes": stats.get("peak_bytes_in_use"), "device": jax.devices()[0].device_kind,
             "dtype": config.dtype}
+
+
+def trace_steps(job: Job, config, train_step, state: dict, batches, key, step) -> None:
+    """`job.profile_steps` more steps under JAX's profiler, in a folder of `job.profile_dir` named for the job."""
+    import jax
+
+    from gpt.train.checkpoint import config_to_json
+    from gpt.train.profile import StepTrace
+
+    trace = StepTrace(Path(job.profile_dir) / f"{job.preset}-scan{int(job.scan_layers)}-remat{int(job.remat)}")
+    jax.block_until_ready(state)
+    trace.start()
+    for i in range(job.profile_steps):
+        wait = step(i)
+    wait()
+    jax.block_until_ready(state)
+    hlo = train_step.compiled_text(state["params"], state["opt_state"], batches[0], key)
+    trace.stop(job.profile_steps, {"model": config_to_json(config), "micro_batch": job.micro_batch,
+                                   "block_size": job.block_size, "accumulation": job.accumulation}, hlo)
 
 
 def torch_worker(job: Job) -> dict:
@@ -274,7 +301,8 @@ def main(bench: Bench) -> list[dict]:
             for remat in bench.remat:
                 print(f"jax {preset} scan_layers={scan_layers} remat={remat}", flush=True)
                 row = largest_that_fits(bench, lambda mb, acc: Job(
-                    "jax", preset, bench.block_size, mb, acc, scan_layers, remat, bench.steps, bench.rounds))
+                    "jax", preset, bench.block_size, mb, acc, scan_layers, remat, bench.steps, bench.rounds,
+                    profile_dir=bench.profile_dir, profile_steps=bench.profile_steps))
                 if row is None:
                     continue
                 rows.append(add_rates(row))

@@ -44,7 +44,8 @@ def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax
         chunk_bytes = choices().loss_chunk_bytes
     shards = _batch_shards(B)
     longest = chunk_bytes // (B // shards * table_VD.shape[0] * 4)
-    return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, longest), shards, float(label_smoothing))
+    with jax.named_scope("loss"):
+        return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, longest), shards, float(label_smoothing))
 
 
 def _batch_shards(B: int) -> int:
@@ -88,7 +89,8 @@ def _chunked_inputs(x_BTD, targets_BT, chunk):
 
 def _chunk_loss(x_MD, table_VD, targets_M, valid_M, smoothing):
     """A chunk's summed loss, and the softmax-minus-target gradient of its logits [M, V] (float32)."""
-    logits_MV = jax.lax.dot_general(x_MD, table_VD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    with jax.named_scope("lm_head"):  # the scopes sort a profile's time (bench/step_profile.py)
+        logits_MV = jax.lax.dot_general(x_MD, table_VD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     top_M1 = logits_MV.max(-1, keepdims=True)
     exp_MV = jnp.exp(logits_MV - top_M1)
     total_M1 = exp_MV.sum(-1, keepdims=True)
@@ -127,12 +129,13 @@ def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards, smoothing)
         x_MD, targets_M, valid_M = xs
         loss, dlogits_MV = _chunk_loss(x_MD, table_VD, targets_M, valid_M, smoothing)
         dlogits_MV = dlogits_MV.astype(x_MD.dtype)
-        dx_MD = dlogits_MV @ table_VD
-        # The table's gradient sums over the rows, which are split over `shards` devices: keep one partial
-        # sum per shard through the loop and add them up once after it, rather than once per chunk.
-        rows = x_MD.shape[0] // shards
-        dtable_SVD = dtable_SVD + jnp.einsum("SmV,SmD->SVD", dlogits_MV.reshape(shards, rows, V),
-                                             x_MD.reshape(shards, rows, D), preferred_element_type=jnp.float32)
+        with jax.named_scope("backward"), jax.named_scope("lm_head"):  # the head's backward, done here
+            dx_MD = dlogits_MV @ table_VD
+            # The table's gradient sums over the rows, which are split over `shards` devices: keep one partial
+            # sum per shard through the loop and add them up once after it, rather than once per chunk.
+            rows = x_MD.shape[0] // shards
+            dtable_SVD = dtable_SVD + jnp.einsum("SmV,SmD->SVD", dlogits_MV.reshape(shards, rows, V),
+                                                 x_MD.reshape(shards, rows, D), preferred_element_type=jnp.float32)
         return (total + loss, constrain(dtable_SVD, ("batch", "vocab", None))), dx_MD
 
     xs = _chunked_inputs(x_BTD, targets_BT, chunk)

@@ -8,7 +8,9 @@ gradient norm and updated parameters are all finite: the loop never saves a step
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ from gpt.model.transformer import GPT
 from gpt.train.optimizer import OptimizerConfig, learning_rates, make_optimizer
 
 __all__ = ["loss_fn", "init_train_state", "make_train_step", "make_eval_step", "all_finite", "flops_per_token",
-           "peak_flops", "PEAK_BF16_FLOPS"]
+           "peak_flops", "PEAK_BF16_FLOPS", "TrainStep"]
 
 
 def loss_fn(model: GPT, batch_BT1: jax.Array, dropout_key: jax.Array | None = None,
@@ -90,10 +92,31 @@ def make_train_step(graphdef, optimizer: OptimizerConfig, dropout: bool, mesh: j
     another lr or max_steps) reuses the first one's compiled step, as a later process does through the
     persistent compilation cache. The numbers come out as they would with the schedule inside the step."""
     leaves, treedef = jax.tree.flatten(shardings)
-    compiled = _train_step(graphdef, optimizer.without_schedule(), dropout, mesh, tuple(leaves), treedef,
-                           label_smoothing)
-    rates = _rates_at_step(optimizer, mesh)
-    return lambda params, opt_state, batch_ABT1, key: compiled(params, opt_state, batch_ABT1, key, rates(opt_state))
+    jitted = _train_step(graphdef, optimizer.without_schedule(), dropout, mesh, tuple(leaves), treedef,
+                         label_smoothing)
+    return TrainStep(jitted, _rates_at_step(optimizer, mesh), mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """`make_train_step`'s step: call it as step(params, opt_state, batch [A, B, T+1], key)."""
+
+    jitted: Callable
+    """The jitted step, which also takes the step's learning rates."""
+    rates: Callable
+    """opt_state -> the learning rates of the step it is about to take."""
+    mesh: jax.sharding.Mesh
+
+    def __call__(self, params, opt_state, batch_ABT1, key):
+        with jax.set_mesh(self.mesh):
+            return self.jitted(params, opt_state, batch_ABT1, key, self.rates(opt_state))
+
+    def compiled_text(self, params, opt_state, batch_ABT1, key) -> str:
+        """The optimized HLO of the program a call with these arguments runs (XLA's names for its ops, which
+        a profile's events carry, with the named scopes of the code each came from)."""
+        with jax.set_mesh(self.mesh):
+            lowered = self.jitted.lower(params, opt_state, batch_ABT1, key, self.rates(opt_state))
+            return lowered.compile().as_text()
 
 
 @functools.lru_cache(maxsize=16)
@@ -118,19 +141,21 @@ def _train_step(graphdef, optimizer_without_schedule, dropout, mesh, sharding_le
             loss_and_grad = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch,
                                                                  micro_key if dropout else None, label_smoothing))
             loss, grads = loss_and_grad(params)
-            return jax.tree.map(jnp.add, grad_sum, grads), loss
+            with jax.named_scope("accumulate"):
+                return jax.tree.map(jnp.add, grad_sum, grads), loss
 
         accum = batch_ABT1.shape[0]
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, losses = jax.lax.scan(micro, zeros, (batch_ABT1, jax.random.split(key, accum)))
-        grads = jax.tree.map(lambda g: g / accum, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        loss, grad_norm = losses.mean(), optax.tree.norm(grads)
+        with jax.named_scope("optimizer"):  # the scopes sort a profile's time (bench/step_profile.py)
+            grads = jax.tree.map(lambda g: g / accum, grads)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            loss, grad_norm = losses.mean(), optax.tree.norm(grads)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
                                    "finite": all_finite(loss, grad_norm, params)}
 
-    return _on_mesh(jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, replicated(mesh))), mesh)
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, replicated(mesh)))
 
 
 @functools.lru_cache(maxsize=16)

@@ -56,6 +56,7 @@ from gpt.train.checkpoint import CheckpointManager, config_to_json
 from gpt.train.metrics import MetricsWriter
 from gpt.train.optimizer import OptimizerConfig, make_schedule
 from gpt.train.peers import PeerWatch, agree_on_signal, wait_for_all
+from gpt.train.profile import StepTrace, parse_step_range
 from gpt.train.step import flops_per_token, init_train_state, make_eval_step, make_train_step, peak_flops
 
 __all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setup", "loop", "Plan", "Run"]
@@ -159,6 +160,9 @@ class TrainConfig:
     prefetch: int = 2
     """Batches read and placed on the devices ahead of the step, by a background thread (0: read each
     batch on the loop's own thread, when its step needs it)."""
+    profile_steps: str = ""
+    """'A:B': trace steps A to B-1 (counted from 0) with JAX's profiler into out_dir/profile, for
+    TensorBoard or Perfetto; `bench/step_profile.py OUT_DIR/profile` sums it by category. Empty: none."""
 
     def __post_init__(self):
         for name in ("batch_size", "grad_accum", "max_steps", "eval_iters", "log_interval",
@@ -202,6 +206,9 @@ class TrainConfig:
         for name in ("stop_after", "block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        traced = parse_step_range(self.profile_steps, "TrainConfig.profile_steps")
+        if traced is not None and traced[1] > self.max_steps:
+            raise ConfigError(f"TrainConfig.profile_steps={self.profile_steps!r} ends after max_steps={self.max_steps}")
 
     @property
     def warmup(self) -> int:
@@ -490,6 +497,7 @@ def loop(run: Run, log=print) -> TrainResult:
     config = run.config
     step, pending, deferred_log, val_loss, stop_signal = run.start, _Pending(run), None, None, None
     every = lambda interval: step % interval == 0 or step == run.end  # noqa: E731
+    profile = _Profile(run)
     try:
         with StopSignals() as stop, Prefetch(run.batch, range(run.start, run.end), config.prefetch) as batches, \
                 tqdm(total=run.end, initial=run.start, desc="train", unit="step",
@@ -498,9 +506,11 @@ def loop(run: Run, log=print) -> TrainResult:
                 stop_signal = _stop_signal(stop, step, config.log_interval)
                 if stop_signal is not None:
                     break
-                run.params, run.opt_state, metrics = run.train_step(
-                    run.params, run.opt_state, next(batches), run.key(step))
+                batch = next(batches)
+                profile.before(step, batch)
+                run.params, run.opt_state, metrics = run.train_step(run.params, run.opt_state, batch, run.key(step))
                 step += 1
+                profile.after(step, log)
                 pending.add(step, metrics)
                 bar.update(1)
                 run.checkpoints.check_for_errors()  # a save that failed in the background stops the run now
@@ -527,6 +537,7 @@ def loop(run: Run, log=print) -> TrainResult:
                 run.save(step)
         run.checkpoints.wait()
     finally:
+        profile.trace.abandon()
         run.writer.close()
     result = TrainResult(start_step=run.start, step=step, signal=stop_signal, train_loss=pending.last_loss,
                          val_loss=val_loss, params=run.params, model=nnx.merge(run.graphdef, run.params))
@@ -548,6 +559,35 @@ def _log(run: Run, pending: _Pending, step: int, bar) -> None:
     record = pending.record(step)
     run.writer.write(record)
     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+
+class _Profile:
+    """`--profile_steps A:B`: the trace started before step A is dispatched and stopped once step B-1 has
+    finished (the device drained at both ends, so that the trace holds those steps alone)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.steps = parse_step_range(run.config.profile_steps) if jax.process_index() == 0 else None
+        self.trace = StepTrace(Path(run.config.out_dir) / "profile")
+        self.arguments = None
+
+    def before(self, step: int, batch: jax.Array) -> None:
+        if self.steps is not None and step == max(self.steps[0], self.run.start) < self.steps[1]:
+            jax.block_until_ready((self.run.params, self.run.opt_state))
+            self.arguments = (batch, self.run.key(step))
+            self.first = step
+            self.trace.start()
+
+    def after(self, step: int, log) -> None:
+        if self.trace.active and step == self.steps[1]:
+            run, c = self.run, self.run.config
+            jax.block_until_ready((run.params, run.opt_state))
+            hlo = run.train_step.compiled_text(run.params, run.opt_state, *self.arguments)
+            directory = self.trace.stop(step - self.first, {
+                "model": config_to_json(run.model_config), "micro_batch": c.batch_size,
+                "block_size": c.block_size, "accumulation": c.grad_accum}, hlo)
+            log(f"profile of steps {self.first}-{step - 1} written to {directory}: "
+                f"python bench/step_profile.py {directory}")
 
 
 _STEPS_IN_FLIGHT = 2
