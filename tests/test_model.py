@@ -203,3 +203,41 @@ def test_the_modern_pieces_equal_a_plain_implementation(qk_norm):
     np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max(), rtol=0)
     assert set(params) == {"wte", "blocks", "lnf_scale", "lm_head"}  # no biases, no position table
     assert config.num_params() == sum(a.size for a in jax.tree.leaves(params))
+
+
+def _loss_and_grad(config: GPTConfig, tokens, key=None):
+    graphdef, state = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+
+    def loss(state, tokens):
+        return nnx.merge(graphdef, state).loss(tokens[:, :-1], tokens[:, 1:], dropout_key=key)
+
+    step = jax.jit(jax.value_and_grad(loss))
+    return step(state, tokens), step.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
+
+
+REMAT_MODEL = dict(n_layer=4, n_head=4, n_embd=64, block_size=128, vocab_size=256)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_remat_gives_the_same_loss_and_gradients(scan_layers, dropout):
+    tokens = jax.random.randint(jax.random.key(1), (4, 129), 0, 256)
+    key = jax.random.key(2) if dropout else None
+    config = GPTConfig.preset("small", **REMAT_MODEL, dropout=dropout, scan_layers=scan_layers)
+    (loss, grads), _ = _loss_and_grad(config, tokens, key)
+    (remat_loss, remat_grads), _ = _loss_and_grad(config.replace(remat=True), tokens, key)
+    assert remat_loss == loss
+    for got, want in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(grads)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_remat_keeps_a_fraction_of_the_activations_scanned_or_unrolled(scan_layers):
+    """XLA's peak memory for the step's buffers: remat keeps each block's input and recomputes the rest
+    in the backward pass (unrolled as well as scanned: XLA would otherwise hoist the recomputation back
+    into the forward, and keep everything)."""
+    tokens = jnp.zeros((8, 129), jnp.int32)
+    config = GPTConfig.preset("small", **REMAT_MODEL, scan_layers=scan_layers)
+    _, kept = _loss_and_grad(config, tokens)
+    _, recomputed = _loss_and_grad(config.replace(remat=True), tokens)
+    assert recomputed < 0.5 * kept, (recomputed, kept)

@@ -316,7 +316,7 @@ def transform(
         return block(config, p, x_BTD, positions_BT, None, 0, key)[0]
 
     if config.remat and cache is None:  # a training-time saving; decoding keeps no activations anyway
-        step = jax.checkpoint(step, prevent_cse=False)
+        step = jax.checkpoint(step, prevent_cse=False) if config.scan_layers else recomputed_in_backward(step)
     stacked = isinstance(weights.layers, dict)
     if stacked and cache is None and config.scan_layers:
         x_BTD, _ = jax.lax.scan(lambda x, xs: (step(x, *xs), None), x_BTD, (weights.layers, keys))
@@ -331,6 +331,31 @@ def transform(
     with jax.named_scope("layer_norm"):
         x_BTD = layer_norm(x_BTD, weights.final_scale, weights.final_bias, config.layer_norm_epsilon)
     return x_BTD, None if cache is None else cache.advance(positions_BT)
+
+
+def recomputed_in_backward(function):
+    """`function(x, *rest)` whose backward recomputes it from its inputs, keeping none of its intermediates.
+
+    `jax.checkpoint` does that under a `lax.scan`, but in an unrolled loop XLA drops its optimization
+    barriers before it schedules, runs each block's recomputation as soon as the block's inputs exist (in
+    the forward pass) and keeps as much as without it. Here the recomputation reads x through a sum with
+    zero times the incoming gradient: the same x, which XLA cannot have before the backward reaches the
+    block (the peak memory: `tests/test_model.py`)."""
+
+    @jax.custom_vjp
+    def run(*args):
+        return function(*args)
+
+    def forward(*args):
+        return function(*args), args
+
+    def backward(args, gradient):
+        x, *rest = args
+        x = x + (gradient.reshape(-1)[0] * 0).astype(x.dtype)  # x itself, once the gradient exists
+        return jax.vjp(function, x, *rest)[1](gradient)
+
+    run.defvjp(forward, backward)
+    return run
 
 
 def lm_head(weights: Weights, x_BTD: jax.Array) -> jax.Array:
