@@ -4,8 +4,10 @@
 #   bash bench/gpu_wheels.sh    # here, first: the wheels of the packages the GPU machine lacks, into .whl/
 #   bash bench/gpu.sh all       # there (carry .whl): tests, sample, serve and check, in one ~10-minute call
 #   bash bench/gpu.sh check     # bench/gpu_check.py: cuDNN attention vs the plain path, bf16 vs f32, GPU vs CPU
-#   bash bench/gpu.sh train     # bench/gpu_bench.py: GPT-2 124M training, scan_layers x remat, the torch peer;
-#                               # a call of its own (~6 minutes)
+#   bash bench/gpu.sh train     # bench/gpu_bench.py: GPT-2 124M training in bfloat16 and FP8 (unrolled, no
+#                               # remat), llm.c (LLMC=path to a train_gpt2cu built with USE_CUDNN=1, carried
+#                               # or built in the same call) and torch.compile beside it, each step profiled
+#                               # (bench/step_profile.py's tables after it); a call of its own (~6 minutes)
 #   bash bench/gpu.sh tests     # the engine, generate, model and server tests on the GPU
 #   bash bench/gpu.sh sample    # sample_bench in bfloat16, batch 1 / 8 / 64, torch on CUDA beside it
 #   bash bench/gpu.sh serve     # serve_bench's load in bfloat16, transformers' continuous batching beside it
@@ -16,8 +18,8 @@
 #
 # Each job has a time budget (seconds, below) so that each call ends inside its 10-minute limit; a job cut off
 # at its budget leaves what it printed so far in $OUT/<job>.log. Logs go to $OUT. For a short lease, the
-# training job takes gpu_bench's flags and a budget from the environment, e.g. one configuration and its peer:
-#   TRAIN_ARGS="--scan_layers False --remat False --steps 3" TRAIN_BUDGET=220 bash bench/gpu.sh train
+# training job takes gpu_bench's flags and a budget from the environment, e.g. the memory knobs:
+#   TRAIN_ARGS="--scan_layers False True --remat False True --steps 3" TRAIN_BUDGET=220 bash bench/gpu.sh train
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -45,7 +47,11 @@ for job in "${jobs[@]}"; do
   echo "== $job ($(date -u +%H:%M:%S))"
   case $job in
     check) timeout 110 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
-    train) timeout "${TRAIN_BUDGET:-450}" python3 bench/gpu_bench.py --json "$OUT/train.json" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
+    train) { timeout "${TRAIN_BUDGET:-450}" python3 bench/gpu_bench.py --json "$OUT/train.json" \
+               --profile_dir "$OUT/profile" ${LLMC:+--llmc "$LLMC"} \
+               ${TRAIN_ARGS:---scan_layers False --remat False --fp8 False True}; code=$?
+             for trace in "$OUT"/profile/*/; do echo "== profile $trace"; python3 bench/step_profile.py "$trace"; done
+             (exit $code); } 2>&1 | tee "$OUT/train.log" ;;
     tests) timeout 170 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/test_model.py tests/test_engine.py \
              tests/test_generate.py tests/test_serve.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     sample) timeout 115 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \

@@ -1,7 +1,8 @@
-"""GPT-2 pretraining throughput on one GPU, against PyTorch in the same call: one command, one table.
+"""GPT-2 pretraining throughput on one GPU, against llm.c and PyTorch in the same call: one command, one table.
 
     python bench/gpu_bench.py                 # GPT-2 124M, bfloat16 compute / float32 params, block 1024,
                                               # ~0.5M tokens a step; scan_layers x remat; the torch peer
+    python bench/gpu_bench.py --llmc llm.c/train_gpt2cu --fp8 False True   # llm.c (cuDNN) beside, and FP8
     python bench/gpu_bench.py --presets gpt2 gpt2-medium
     python bench/gpu_bench.py --smoke         # the same code at tiny shapes on a CPU (the test suite runs it)
 
@@ -9,8 +10,9 @@ Each configuration runs in a process of its own (so that one's out-of-memory and
 touch the next): for each, the largest micro-batch of `--micro_batches` that fits, then gradient
 accumulation up to `--tokens_per_step`. Ours is this project's jitted train step (forward, chunked
 cross-entropy, backward, accumulation, clipping, AdamW) dispatched back to back as the training loop does;
-the peer is nanoGPT's recipe in PyTorch: transformers' GPT2LMHeadModel with SDPA (flash) attention,
-bfloat16 autocast, fused AdamW and `torch.compile`, on the same token batches.
+the peers are llm.c's `train_gpt2cu` built with cuDNN (`bench/llmc_peer.py`: the reference pretraining
+codebase, given by `--llmc PATH`) and nanoGPT's recipe in PyTorch: transformers' GPT2LMHeadModel with SDPA
+(flash) attention, bfloat16 autocast, fused AdamW and `torch.compile`, on the same token batches.
 
 Reported: tokens/s (best of `--rounds` rounds of `--steps` optimizer steps), MFU = tokens/s x
 flops_per_token / peak, with flops_per_token = 6 x matmul parameters + 12 x layers x width x block (the
@@ -22,6 +24,7 @@ device memory. `--json PATH` also writes the rows.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -47,12 +50,16 @@ class Bench:
     """Micro-batch sizes to try, largest first; the first that fits is used."""
     scan_layers: tuple[bool, ...] = (False, True)
     remat: tuple[bool, ...] = (False, True)
+    fp8: tuple[bool, ...] = (False,)
+    """`GPTConfig.fp8`: the MLP's and the LM head's products in FP8."""
     steps: int = 5
     """Timed optimizer steps per round."""
     rounds: int = 1
     torch: bool = True
     """Also run the PyTorch peer (right after our first configuration, at its micro-batch, halved until it fits)."""
     torch_compile: bool = True
+    llmc: str | None = None
+    """An llm.c `train_gpt2cu` binary (built with USE_CUDNN=1) to run as a peer on the same shapes."""
     json: str | None = None
     profile_dir: str | None = None
     """Also trace `profile_steps` steps of each of our configurations with JAX's profiler, into a folder of
@@ -73,16 +80,19 @@ class Bench:
 class Job:
     """One configuration, run by a worker process."""
 
-    impl: str  # "jax" or "torch"
+    impl: str  # "jax", "torch" or "llmc"
     preset: str
     block_size: int
     micro_batch: int
     accumulation: int
     scan_layers: bool = False
     remat: bool = False
+    fp8: bool = False
     steps: int = 4
     rounds: int = 2
     torch_compile: bool = True
+    llmc: str | None = None
+    timeout_s: float = 600
     profile_dir: str | None = None
     profile_steps: int = 3
 
@@ -132,7 +142,7 @@ def jax_worker(job: Job) -> dict:
 
     dtype = "float32" if job.preset == "smoke" else "bfloat16"
     config = model_config(job.preset, job.block_size, dtype=dtype, param_dtype="float32",
-                          scan_layers=job.scan_layers, remat=job.remat)
+                          scan_layers=job.scan_layers, remat=job.remat, fp8=job.fp8)
     optimizer = OptimizerConfig(max_steps=10_000)
     mesh = make_mesh(devices=jax.devices()[:1])
     graphdef, params, opt_state, shardings = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
@@ -161,7 +171,8 @@ def trace_steps(job: Job, config, train_step, state: dict, batches, key, step) -
     from gpt.train.checkpoint import config_to_json
     from gpt.train.profile import StepTrace
 
-    trace = StepTrace(Path(job.profile_dir) / f"{job.preset}-scan{int(job.scan_layers)}-remat{int(job.remat)}")
+    name = f"{job.preset}-scan{int(job.scan_layers)}-remat{int(job.remat)}" + ("-fp8" if job.fp8 else "")
+    trace = StepTrace(Path(job.profile_dir) / name)
     jax.block_until_ready(state)
     trace.start()
     for i in range(job.profile_steps):
@@ -213,6 +224,19 @@ def torch_worker(job: Job) -> dict:
             job.preset != "smoke" else "float32"}
 
 
+def llmc_worker(job: Job) -> dict:
+    import llmc_peer
+
+    config = model_config(job.preset, job.block_size)
+    result = llmc_peer.run(job.llmc, depth=config.n_layer, vocab_size=config.vocab_size, micro_batch=job.micro_batch,
+                           block_size=job.block_size, accumulation=job.accumulation, steps=job.steps * job.rounds,
+                           timeout_s=job.timeout_s)
+    return {**result, "peak_bytes": None, "dtype": "bfloat16"}
+
+
+WORKERS = {"jax": jax_worker, "torch": torch_worker, "llmc": llmc_worker}
+
+
 def is_oom(error: BaseException) -> bool:
     text = f"{type(error).__name__}: {error}"
     return any(sign in text for sign in ("RESOURCE_EXHAUSTED", "OutOfMemory", "out of memory", "Out of memory"))
@@ -220,7 +244,7 @@ def is_oom(error: BaseException) -> bool:
 
 def worker(job: Job) -> int:
     try:
-        result = (jax_worker if job.impl == "jax" else torch_worker)(job)
+        result = WORKERS[job.impl](job)
     except Exception as error:
         if is_oom(error):
             return OOM_EXIT
@@ -263,59 +287,70 @@ def add_rates(row: dict) -> dict:
     return {**row, "tokens_per_s": rate, "mfu": rate * flops / peak if peak else None}
 
 
+IMPL_NAMES = {"jax": "gpt (jax)", "llmc": "llm.c (cuDNN)"}
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| impl | preset | scan_layers | remat | micro-batch x accum | tokens/s | MFU | vs torch | "
-             "first step (s) | peak memory (GiB) |", "| --- " * 10 + "|"]
-    peers = {row["preset"]: row["tokens_per_s"] for row in rows if row["impl"] == "torch"}
+    lines = ["| impl | preset | scan_layers | remat | fp8 | micro-batch x accum | tokens/s | MFU | vs llm.c | "
+             "vs torch | first step (s) | peak memory (GiB) |", "| --- " * 12 + "|"]
+    peers = {impl: {row["preset"]: row["tokens_per_s"] for row in rows if row["impl"] == impl}
+             for impl in ("llmc", "torch")}
     for row in rows:
-        impl = "gpt (jax)" if row["impl"] == "jax" else "torch" + (" (compile)" if row["torch_compile"] else "")
+        impl = IMPL_NAMES.get(row["impl"]) or "torch" + (" (compile)" if row["torch_compile"] else "")
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
-        ratio = f"{row['tokens_per_s'] / peers[row['preset']]:.2f}x" if row["preset"] in peers else "-"
+        ratios = [f"{row['tokens_per_s'] / peers[peer][row['preset']]:.2f}x" if row["preset"] in peers[peer] else "-"
+                  for peer in ("llmc", "torch")]
         memory = f"{row['peak_bytes'] / 2**30:.1f}" if row["peak_bytes"] else "-"
-        knobs = ("-", "-") if row["impl"] == "torch" else (row["scan_layers"], row["remat"])
-        lines.append(f"| {impl} | {row['preset']} | {knobs[0]} | {knobs[1]} | {row['micro_batch']} x "
-                     f"{row['accumulation']} | {row['tokens_per_s']:,.0f} | {mfu} | {ratio} | "
+        knobs = (row["scan_layers"], row["remat"], row["fp8"]) if row["impl"] == "jax" else ("-", "-", "-")
+        lines.append(f"| {impl} | {row['preset']} | {' | '.join(map(str, knobs))} | {row['micro_batch']} x "
+                     f"{row['accumulation']} | {row['tokens_per_s']:,.0f} | {mfu} | {' | '.join(ratios)} | "
                      f"{row['first_step_s']:.1f} | {memory} |")
     return "\n".join(lines)
 
 
-def peer_row(bench: Bench, preset: str, micro_batch: int) -> list[dict]:
-    """The torch peer at `micro_batch` (halved until it fits), as a list of zero or one row."""
-    print(f"torch {preset}", flush=True)
+def peer_rows(bench: Bench, preset: str, micro_batch: int) -> list[dict]:
+    """The peers (llm.c where given, then torch) at `micro_batch` (halved until it fits), a row each that ran."""
+    rows = []
     sizes = tuple(mb for mb in bench.micro_batches if mb <= micro_batch)
-    row = largest_that_fits(dataclasses.replace(bench, micro_batches=sizes), lambda mb, acc: Job(
-        "torch", preset, bench.block_size, mb, acc, steps=bench.steps, rounds=bench.rounds,
-        torch_compile=bench.torch_compile))
-    if row is None:
-        return []
-    print("  " + table([add_rates(row)]).splitlines()[-1], flush=True)
-    return [add_rates(row)]
+    for impl in ("llmc", "torch"):
+        if (impl == "llmc" and not bench.llmc) or (impl == "torch" and not bench.torch):
+            continue
+        print(f"{impl} {preset}", flush=True)
+        row = largest_that_fits(dataclasses.replace(bench, micro_batches=sizes), lambda mb, acc: Job(
+            impl, preset, bench.block_size, mb, acc, steps=bench.steps, rounds=bench.rounds,
+            torch_compile=bench.torch_compile, llmc=bench.llmc, timeout_s=bench.timeout_s))
+        if row is not None:
+            rows.append(add_rates(row))
+            print("  " + table(rows[-1:]).splitlines()[-1], flush=True)
+    return rows
 
 
 def main(bench: Bench) -> list[dict]:
     bench = bench.shapes()
     rows = []
     for preset in bench.presets:
-        peer_done = not bench.torch
-        for scan_layers in bench.scan_layers:
-            for remat in bench.remat:
-                print(f"jax {preset} scan_layers={scan_layers} remat={remat}", flush=True)
-                row = largest_that_fits(bench, lambda mb, acc: Job(
-                    "jax", preset, bench.block_size, mb, acc, scan_layers, remat, bench.steps, bench.rounds,
-                    profile_dir=bench.profile_dir, profile_steps=bench.profile_steps))
-                if row is None:
-                    continue
-                rows.append(add_rates(row))
-                print("  " + table(rows[-1:]).splitlines()[-1], flush=True)  # kept if a later job is cut off
-                if not peer_done:  # right after our first row: a budget cut never leaves the table without it
-                    rows += peer_row(bench, preset, row["micro_batch"])
-                    peer_done = True
-                if bench.json:
-                    Path(bench.json).write_text(json.dumps(rows, indent=1))
+        peers_done = False
+        for scan_layers, remat, fp8 in itertools.product(bench.scan_layers, bench.remat, bench.fp8):
+            print(f"jax {preset} scan_layers={scan_layers} remat={remat} fp8={fp8}", flush=True)
+            row = largest_that_fits(bench, lambda mb, acc: Job(
+                "jax", preset, bench.block_size, mb, acc, scan_layers, remat, fp8, bench.steps, bench.rounds,
+                profile_dir=bench.profile_dir, profile_steps=bench.profile_steps))
+            if row is None:
+                continue
+            rows.append(add_rates(row))
+            print("  " + table(rows[-1:]).splitlines()[-1], flush=True)  # kept if a later job is cut off
+            if not peers_done:  # right after our first row: a budget cut never leaves the table without them
+                rows += peer_rows(bench, preset, row["micro_batch"])
+                peers_done = True
+            if bench.json:
+                Path(bench.json).write_text(json.dumps(rows, indent=1))
     device = rows[0]["device"] if rows else "?"
     print(f"\n# {device}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; ~{bench.tokens_per_step:,} tokens "
-          f"a step, block {bench.block_size}; best of {bench.rounds} rounds of {bench.steps} steps")
+          f"a step, block {bench.block_size}; best of {bench.rounds} rounds of {bench.steps} steps (llm.c: the "
+          f"median of its steps after its first two)")
     print(table(rows), flush=True)
+    print("MFU = tokens/s x (6 x matmul parameters + 12 x layers x width x block) / the device's dense bfloat16 "
+          "peak (H100 and H200: 989 TFLOP/s), for every row alike")
     return rows
 
 

@@ -18,17 +18,20 @@ def parse_train_config(argv: list[str]) -> TrainConfig:
 
     `--preset NAME` (the model's shape) and `--recipe NAME` (its architecture and optimizer choices,
     `gpt.train.recipes`) are read first and supply the defaults of every other flag (so `--help` after
-    them shows their values); any `--model.FIELD` or other flag then changes one field.
+    them shows their values), as is `--fp8` (`--model.fp8`); any `--model.FIELD` or other flag then
+    changes one field.
     """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", choices=list(PRESETS), default="small")
     pre.add_argument("--recipe", choices=list(RECIPES), default="gpt2")
+    pre.add_argument("--fp8", action="store_true")
     known, rest = pre.parse_known_args(argv)
-    default = with_recipe(TrainConfig(model=GPTConfig.preset(known.preset)), known.recipe)
+    default = with_recipe(TrainConfig(model=GPTConfig.preset(known.preset, fp8=known.fp8)), known.recipe)
     presets = ", ".join(f"{name} ({c.n_layer} layers x {c.n_embd} wide)" for name, c in PRESETS.items())
     description = (f"Train a GPT (from scratch, or GPT-2 weights with --init_from). --preset NAME sets the "
                    f"--model.* shape, one of: {presets}; default small. --recipe NAME sets the architecture "
                    f"and optimizer: {' or '.join(RECIPES)} (default gpt2; modern: rotary positions, QK-norm, "
-                   f"relu^2, no biases, an untied head, Muon, a warmup-stable-decay schedule).")
+                   f"relu^2, no biases, an untied head, Muon, a warmup-stable-decay schedule). --fp8 is "
+                   f"--model.fp8: the MLP's and the LM head's products in FP8 (for Hopper GPUs).")
     config = tyro.cli(TrainConfig, args=rest, default=default, description=description)
     return config

@@ -108,7 +108,7 @@ RESUMABLE_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps", "weight_decay",
                     "decay_fraction", "label_smoothing")
 _FIXED_GROUPS = ("model", "optimizer", "corpus")
 # Fields of GPTConfig that change how it runs, not what it is.
-_MODEL_RUNTIME_FIELDS = ("dropout", "dtype", "remat", "scan_layers")
+_MODEL_RUNTIME_FIELDS = ("dropout", "dtype", "fp8", "remat", "scan_layers")
 
 
 def identity(model_config: dict, training: dict, corpus: dict) -> dict:

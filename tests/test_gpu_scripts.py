@@ -45,3 +45,41 @@ def test_gpu_check_smoke_passes_and_reports_every_check():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     checks = [line for line in done.stdout.splitlines() if line.startswith("| ") and "| yes |" in line]
     assert len(checks) == 8, done.stdout
+
+
+# Stands in for llm.c's train_gpt2cu, which needs a GPU: it checks the arguments and the token files it is given
+# as llm.c reads them, then prints its log's lines (each step's time: 1000 ms, then 900, 800, ... ms).
+FAKE_LLMC = """#!{python}
+import sys
+sys.path.insert(0, {bench!r})
+import llmc_peer
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+tokens = llmc_peer.read_tokens(args["-i"])
+llmc_peer.read_tokens(args["-j"])
+B, T, D, steps = (int(args[flag]) for flag in ("-b", "-t", "-d", "-x"))
+assert D % (B * T) == 0 and len(tokens) > steps * D and args["-e"] == "d2", args
+print("| device                | FakeGPU 80GB                                       |")
+for step in range(steps):
+    print(f"step {{step + 1:4d}}/{{steps}} | loss 7.000000 (+0.00z)| norm 1.0000 (+0.00z)| lr 6.00e-04 | "
+          f"{{1000 - 100 * step:.2f}} ms | 500 tok/s")
+"""
+
+
+@pytest.mark.slow
+def test_gpu_bench_runs_llmc_on_the_same_shapes_and_fp8_beside_it(tmp_path):
+    fake = tmp_path / "train_gpt2cu"
+    fake.write_text(FAKE_LLMC.format(python=sys.executable, bench=str(ROOT / "bench")))
+    fake.chmod(0o755)
+    rows_path = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--smoke", "--json", str(rows_path),
+                           "--scan_layers", "False", "--remat", "False", "--fp8", "False", "True", "--no-torch",
+                           "--llmc", str(fake)], env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(rows_path.read_text())
+    assert [(row["impl"], row["fp8"]) for row in rows] == [("jax", False), ("llmc", False), ("jax", True)]
+    llmc = rows[1]
+    # The smoke's one round of two steps, after llm.c's two warm-up steps (1000 and 900 ms): 800 and 700 ms.
+    assert llmc["step_s"] == pytest.approx(0.75) and llmc["first_step_s"] == pytest.approx(1.0)
+    assert llmc["device"] == "FakeGPU 80GB" and llmc["micro_batch"] * llmc["accumulation"] == 8
+    assert all(math.isfinite(row["tokens_per_s"]) for row in rows)
+    assert "| llm.c (cuDNN) | smoke |" in done.stdout and "| 1.00x | - |" in done.stdout

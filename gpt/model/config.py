@@ -48,6 +48,8 @@ class GPTConfig:
       mlp_ratio: hidden width of the MLP over n_embd.
       dtype: the compute dtype of activations and matmuls.
       param_dtype: the dtype parameters are stored in (float32 for training).
+      fp8: the MLP's and the LM head's matrix products of the forward without a cache (training and its
+        loss) in FP8 with per-tensor power-of-two scales (`gpt.model.fp8`); decoding computes in `dtype`.
       remat: recompute each block's activations in the backward pass to save memory.
       scan_layers: run the blocks of the training forward as one `lax.scan` over the stacked layers, so
         that compile time stays flat in depth. Off, they run unrolled: on CPU the step is ~5% faster
@@ -70,6 +72,7 @@ class GPTConfig:
     mlp_ratio: int = 4
     dtype: DType = "float32"
     param_dtype: DType = "float32"
+    fp8: bool = False
     remat: bool = False
     scan_layers: bool = False
 

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from gpt.model.few_rows import at_least_two_rows, int8_product, product, quantize_rows
+from gpt.model.fp8 import fp8_matmul
 
-__all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "QUANTIZED_LAYOUTS", "dense"]
+__all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "Fp8Kernel", "QUANTIZED_LAYOUTS", "dense"]
 
 
 @jax.tree_util.register_dataclass
@@ -34,6 +35,18 @@ class OutputMajor:
         """x [M, D] -> [M, K]. Contracting D of both operands directly: spelled `x @ matrix.T`, XLA on CPU
         would copy the transposed matrix first. A decode step's few rows take `gpt.model.few_rows`."""
         return product(x_MD, self.matrix_KD.astype(x_MD.dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Kernel:
+    """A training kernel [D, ...] whose product with x runs in FP8 (`gpt.model.fp8.fp8_matmul`): both operands
+    rounded to e4m3 forward, the gradient to e5m2 backward."""
+
+    kernel: jax.Array
+
+    def matmul(self, x_MD: jax.Array) -> jax.Array:
+        return fp8_matmul(x_MD, self.kernel.reshape(x_MD.shape[1], -1))
 
 
 def dense(x_BTD: jax.Array, kernel) -> jax.Array:

@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 
 from gpt.model.backend import choices
+from gpt.model.fp8 import E4M3, E5M2, quantize_dequantize
 from gpt.model.sharding import constrain, data_parallel_size
 
 __all__ = ["lm_head_cross_entropy"]
 
 
 def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax.Array,
-                          chunk_bytes: int | None = None, label_smoothing: float = 0.0) -> jax.Array:
+                          chunk_bytes: int | None = None, label_smoothing: float = 0.0, fp8: bool = False) -> jax.Array:
     """Mean cross-entropy of `targets` under the logits `x @ table.T`, as
     `optax.softmax_cross_entropy_with_integer_labels(x @ table.T, targets).mean()` computes it (with
     `label_smoothing` e: against `optax.smooth_labels(one_hot(targets), e)`, i.e. 1 - e on the target and
@@ -36,6 +37,8 @@ def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax
       chunk_bytes: the float32 logits each device holds at once (default: 128 MiB on CPU, 1 GiB
         elsewhere). The chunks split T and keep B whole, so a batch split over devices stays split.
       label_smoothing: e in [0, 1); 0 is the plain cross-entropy.
+      fp8: the head's products in FP8 (`gpt.model.fp8`): x and the table rounded to e4m3 (each under one
+        scale), each chunk's gradient of its logits to e5m2 before the two backward products.
     Returns:
       the float32 scalar mean loss (nats). Differentiable in x and table.
     """
@@ -45,7 +48,8 @@ def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax
     shards = _batch_shards(B)
     longest = chunk_bytes // (B // shards * table_VD.shape[0] * 4)
     with jax.named_scope("loss"):
-        return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, longest), shards, float(label_smoothing))
+        return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, longest), shards, float(label_smoothing),
+                             fp8)
 
 
 def _batch_shards(B: int) -> int:
@@ -107,9 +111,17 @@ def _chunk_loss(x_MD, table_VD, targets_M, valid_M, smoothing):
     return jnp.where(valid_M, loss_M, 0.0).sum(), dlogits_MV
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunked_loss(x_BTD, table_VD, targets_BT, chunk, shards, smoothing):
+def _fp8_operands(x_BTD, table_VD, fp8):
+    """The head's forward operands: as they are, or each rounded to e4m3."""
+    if not fp8:
+        return x_BTD, table_VD
+    return quantize_dequantize(x_BTD, E4M3), quantize_dequantize(table_VD, E4M3)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _chunked_loss(x_BTD, table_VD, targets_BT, chunk, shards, smoothing, fp8):
     B, T, _ = x_BTD.shape
+    x_BTD, table_VD = _fp8_operands(x_BTD, table_VD, fp8)
 
     def add_chunk(total, xs):
         x_MD, targets_M, valid_M = xs
@@ -120,15 +132,19 @@ def _chunked_loss(x_BTD, table_VD, targets_BT, chunk, shards, smoothing):
     return total / (B * T)
 
 
-def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards, smoothing):
+def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards, smoothing, fp8):
     B, T, D = x_BTD.shape
     V = table_VD.shape[0]
+    out_dtypes = x_BTD.dtype, table_VD.dtype
+    x_BTD, table_VD = _fp8_operands(x_BTD, table_VD, fp8)
 
     def add_chunk(carry, xs):
         total, dtable_SVD = carry
         x_MD, targets_M, valid_M = xs
         loss, dlogits_MV = _chunk_loss(x_MD, table_VD, targets_M, valid_M, smoothing)
         dlogits_MV = dlogits_MV.astype(x_MD.dtype)
+        if fp8:
+            dlogits_MV = quantize_dequantize(dlogits_MV, E5M2)
         with jax.named_scope("backward"), jax.named_scope("lm_head"):  # the head's backward, done here
             dx_MD = dlogits_MV @ table_VD
             # The table's gradient sums over the rows, which are split over `shards` devices: keep one partial
@@ -142,12 +158,12 @@ def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards, smoothing)
     partial_SVD = constrain(jnp.zeros((shards, V, D), jnp.float32), ("batch", "vocab", None))
     (total, dtable_SVD), dx_nMD = jax.lax.scan(add_chunk, (jnp.zeros((), jnp.float32), partial_SVD), xs)
     # The gradients of the mean, ready for the backward pass to scale by its cotangent (1 for a loss).
-    dx_BTD = (_unchunk(dx_nMD, B, T) / (B * T)).astype(x_BTD.dtype)
-    dtable_VD = (dtable_SVD.sum(0) / (B * T)).astype(table_VD.dtype)
+    dx_BTD = (_unchunk(dx_nMD, B, T) / (B * T)).astype(out_dtypes[0])
+    dtable_VD = (dtable_SVD.sum(0) / (B * T)).astype(out_dtypes[1])
     return total / (B * T), (dx_BTD, dtable_VD)
 
 
-def _chunked_loss_backward(chunk, shards, smoothing, residuals, cotangent):
+def _chunked_loss_backward(chunk, shards, smoothing, fp8, residuals, cotangent):
     dx_BTD, dtable_VD = residuals
     return (cotangent * dx_BTD).astype(dx_BTD.dtype), (cotangent * dtable_VD).astype(dtable_VD.dtype), None
 

@@ -26,7 +26,7 @@ from gpt.errors import ConfigError
 from gpt.model.attention import apply_rope, attend, attend_paged, sinusoidal_embedding
 from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
-from gpt.model.layouts import OutputMajor, dense
+from gpt.model.layouts import Fp8Kernel, OutputMajor, dense
 from gpt.model.loss import lm_head_cross_entropy
 from gpt.model.sharding import constrain
 
@@ -139,6 +139,7 @@ def block(
     Returns the block's output [B, T, D] and the updated cache."""
     dtype = config.compute_dtype
     cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
+    mlp_kernel = Fp8Kernel if config.fp8 and cache is None else lambda kernel: kernel  # the MLP's products
     attn_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
 
     # Each part runs under a named scope: the compiled program's ops carry it, and a profile sorts its time
@@ -180,13 +181,13 @@ def block(
     with jax.named_scope("layer_norm"):
         h_BTD = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"], config.layer_norm_epsilon)
     with jax.named_scope("mlp_up"):
-        h_BTF = dense(h_BTD, cast(p["fc_kernel"]))
+        h_BTF = dense(h_BTD, mlp_kernel(cast(p["fc_kernel"])))
         if p["fc_bias"] is not None:
             h_BTF = h_BTF + cast(p["fc_bias"])
     with jax.named_scope("activation"):
         h_BTF = constrain(ACTIVATIONS[config.activation](h_BTF), ("batch", None, "mlp"))
     with jax.named_scope("mlp_down"):
-        h_BTD = dense(h_BTF, cast(p["proj_kernel"]))
+        h_BTD = dense(h_BTF, mlp_kernel(cast(p["proj_kernel"])))
         if p["proj_bias"] is not None:
             h_BTD = h_BTD + cast(p["proj_bias"])
     x_BTD = x_BTD + dropout(h_BTD, config.dropout, mlp_key)
@@ -292,7 +293,7 @@ def _compiled_loss(config: GPTConfig, weights: Weights, tokens_BT: jax.Array, ta
     at every call (its step is a new closure each time): ~50 ms a call for a tiny model."""
     x_BTD = forward(config, weights, tokens_BT, dropout_key=dropout_key)[0]
     table_VD = weights.head.matrix_KD.astype(x_BTD.dtype)
-    return lm_head_cross_entropy(x_BTD, table_VD, targets_BT, label_smoothing=label_smoothing)
+    return lm_head_cross_entropy(x_BTD, table_VD, targets_BT, label_smoothing=label_smoothing, fp8=config.fp8)
 
 
 def transform(

@@ -82,8 +82,8 @@ class TrainConfig:
     """'scratch', or GPT-2 weights to fine-tune: a hub name (gpt2, gpt2-medium, ...) or an HF directory."""
     model: GPTConfig = PRESETS["small"]
     """The model trained from scratch: `--preset` picks the defaults, `--model.FIELD` changes any field.
-    With --init_from, the shape comes from the checkpoint and only dropout, dtype, param_dtype, remat and
-    scan_layers apply."""
+    With --init_from, the shape comes from the checkpoint and only dropout, dtype, param_dtype, fp8, remat
+    and scan_layers apply."""
     block_size: int | None = None
     """Tokens per training sequence (at most the model's context; default: 128, or the context if shorter)."""
     batch_size: int = 8
@@ -281,7 +281,7 @@ class Plan:
                 f"the newest checkpoint is step {step}: restart every process with the same flags to resume from it")
 
 
-_RUNTIME_FIELDS = ("dropout", "dtype", "param_dtype", "remat", "scan_layers")
+_RUNTIME_FIELDS = ("dropout", "dtype", "param_dtype", "fp8", "remat", "scan_layers")
 
 
 def plan(config: TrainConfig, log=print) -> Plan:
