@@ -30,7 +30,7 @@ def test_each_choice_follows_the_table(monkeypatch, row):
     assert ("dot_general" in traced(few_rows.xla_product)) != chosen.few_rows_matmul
 
     lengths = []
-    monkeypatch.setattr(loss, "_chunked_loss", lambda x, table, targets, length, shards, smoothing: lengths.append(length))
+    monkeypatch.setattr(loss, "_chunked_loss", lambda x, table, targets, length, *_: lengths.append(length))
     loss.lm_head_cross_entropy(jnp.zeros((1, 4096, 8)), jnp.zeros((50304, 8)), jnp.zeros((1, 4096), jnp.int32))
     assert lengths == [loss._chunk_length(4096, chosen.loss_chunk_bytes // (50304 * 4))]
     assert (lengths[0] < 4096) == (row == "cpu")  # in chunks on a CPU, whole on a GPU
