@@ -180,7 +180,9 @@ def busy_time(events: list[dict]) -> float:
 
 
 def profile(directory: Path) -> tuple[dict[str, float], dict]:
-    """(seconds per step of each category, the traced steps' description) of a `--profile_steps` directory."""
+    """(seconds per step of each category, the traced steps' description) of a `--profile_steps` directory.
+    The description gains `lanes`: the threads or streams the ops ran on (a CPU runs ops on several at
+    once, and their times add up to more than the step's)."""
     trace_path = find_trace(directory)
     root = directory if directory.is_dir() else trace_path.parent
     meta_path = next((p for p in (root / META_FILE, *[q / META_FILE for q in trace_path.parents]) if p.exists()), None)
@@ -203,6 +205,7 @@ def profile(directory: Path) -> tuple[dict[str, float], dict]:
             timed.append(event)
     span = max(e["ts"] + e["dur"] for e in timed) - min(e["ts"] for e in timed)
     seconds["idle"] = (span - busy_time(timed)) * 1e-6
+    meta = {**meta, "lanes": len({(e["pid"], e.get("tid")) for e in timed})}
     return {name: value / steps for name, value in seconds.items()}, meta
 
 
@@ -346,7 +349,8 @@ def main(args: Args) -> str:
     peak, bandwidth = peaks(meta.get("device", ""), args.peak_flops, args.peak_bandwidth)
     shape = " x ".join(str(meta.get(key, "?")) for key in ("micro_batch", "block_size", "accumulation"))
     heading = (f"# {meta.get('device', '?')}, {meta.get('steps', '?')} steps traced; "
-               f"micro-batch x block x accumulation {shape}")
+               f"micro-batch x block x accumulation {shape}; ops on {meta['lanes']} threads or streams"
+               + (" (their times add up: a step's wall time is less)" if meta["lanes"] > 1 else ""))
     return heading + "\n" + table(seconds, work, peak, bandwidth)
 
 
