@@ -228,12 +228,15 @@ def test_a_client_gone_mid_body_or_before_its_reply_is_counted_as_such(server, c
 
 def test_the_start_up_line_warns_of_a_public_address_served_without_a_key():
     def lines(**settings):
-        return startup_lines(ServeConfig(**settings), "tiny", 8000, 8, None)
+        return startup_lines(ServeConfig(**{"no_playground": True, **settings}), "tiny", 8000, 8, None)
 
     assert lines() == ["serving 'tiny' on http://127.0.0.1:8000/v1 (8 slots)"]
     assert lines(host="::1") == ["serving 'tiny' on http://::1:8000/v1 (8 slots)"]
     assert "no API key" in lines(host="0.0.0.0")[1] and "GPT_API_KEY" in lines(host="0.0.0.0")[1]
     assert lines(host="0.0.0.0", api_key="k") == ["serving 'tiny' on http://0.0.0.0:8000/v1 (8 slots, API key required)"]
+    # With the playground (the default), its page's address after the rest.
+    assert lines(no_playground=False) == ["serving 'tiny' on http://127.0.0.1:8000/v1 (8 slots)",
+                                          "playground (in a browser): http://127.0.0.1:8000/"]
 
 
 ACCEPT_SCRIPT = """

@@ -12,6 +12,7 @@
     GET  /health           200 while serving, 503 while shutting down
     GET  /metrics          Prometheus: queue depth, live slots, tokens, tokens/s, time to first token,
                            inter-token latency, completion requests by status
+    GET  /                 the playground page (`gpt.serve.playground`), unless playground=False
 
 Text becomes tokens as Hugging Face's GPT-2 tokenizer makes them (`<|endoftext|>` in a prompt is the
 special token, 50256), the same in completions and /tokenize, so that a client that counts tokens
@@ -46,15 +47,18 @@ from gpt.inference.completion import Completion
 from gpt.inference.engine import Engine
 from gpt.inference.scheduler import EngineStopped, QueueFull
 from gpt.serve.metrics import Metrics
+from gpt.serve.playground import PAGE_PATHS, add_playground_routes
 from gpt.serve.protocol import ApiError, Limits, parse_completion, parse_detokenize, parse_tokenize
 from gpt.serve.replies import Choice, choice_json, stream_events, usage, wait_for_update
 from gpt.tokenizer import EOT, get_tokenizer
 
 __all__ = ["create_app", "error_reply", "OPEN_PATHS"]
 
-OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (probes and scrapers)
+# Answered without the API key: probes, scrapers, and the playground's files (no model data; its requests
+# to the API carry the key).
+OPEN_PATHS = ("/health", "/metrics", *PAGE_PATHS)
 _ROUTES = ("POST /v1/completions, GET /v1/models, GET /tokenizer_info, POST /tokenize, POST /detokenize, "
-           "GET /health and GET /metrics")
+           "GET /health, GET /metrics and GET / (the playground)")
 # Parsing a body this small on the event loop costs less than handing it to a thread.
 _INLINE_BODY_BYTES = 16 << 10
 
@@ -132,11 +136,12 @@ class _Served:
 
 
 def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown_deadline_s: float = 10.0,
-               max_request_bytes: int = 8 << 20, api_key: str | None = None,
+               max_request_bytes: int = 8 << 20, api_key: str | None = None, playground: bool = True,
                log: Callable[[str], None] = print) -> FastAPI:
     """The ASGI app over `engine`. Its lifespan warms the engine up and starts its thread, and at shutdown
     stops it (running requests get up to `shutdown_deadline_s`, then end with finish_reason "abort"). A
-    body over `max_request_bytes` gets 413; with `api_key`, a request without it gets 401."""
+    body over `max_request_bytes` gets 413; with `api_key`, a request without it gets 401. `playground`
+    serves the page at `/`."""
     tokenizer = get_tokenizer()
     eot = tokenizer.eot_id if engine.config.vocab_size > tokenizer.eot_id else None
     limits = Limits(model_name, engine.config.vocab_size, engine.cache_length, engine.max_queue,
@@ -163,6 +168,8 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
     _add_error_handlers(app)
     _add_info_routes(app, served, state)
     _add_tokenizer_routes(app, served)
+    if playground:
+        add_playground_routes(app)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):

@@ -63,6 +63,8 @@ class ServeConfig:
     last reply) is closed."""
     keep_alive_s: float = 5.0
     """An idle keep-alive connection is closed after this long."""
+    no_playground: bool = False
+    """Serve no playground page at / (the API alone)."""
 
     def check(self) -> None:
         """ConfigError naming the first setting out of its bound (before anything loads)."""

@@ -242,7 +242,8 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
     engine.warmup(log)
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,
-                     max_request_bytes=int(config.max_request_mb * 2**20), api_key=config.api_key, log=log)
+                     max_request_bytes=int(config.max_request_mb * 2**20), api_key=config.api_key,
+                     playground=not config.no_playground, log=log)
     server = GracefulServer(uvicorn_config(app, config), engine, config.shutdown_deadline_s)
 
     async def main():
@@ -258,12 +259,14 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
 
 
 def startup_lines(config: ServeConfig, name: str, port: int, slots: int, mesh: Mesh | None) -> list[str]:
-    """What serve.py prints once it serves: where, and a warning when an address beyond this machine is
-    served with no API key."""
+    """What serve.py prints once it serves: where, a warning when an address beyond this machine is served
+    with no API key, and the playground's address."""
     over = f", over a mesh {' x '.join(f'{k}={v}' for k, v in mesh.shape.items())}" if mesh is not None else ""
     key = ", API key required" if config.api_key else ""
     lines = [f"serving {name!r} on http://{config.host}:{port}/v1 ({slots} slots{over}{key})"]
     if not config.api_key and not _is_loopback(config.host):
         lines.append(f"warning: serving {config.host} beyond this machine with no API key: anyone who can reach the "
                      f"port gets completions (--api_key, or {API_KEY_VARIABLE})")
+    if not config.no_playground:
+        lines.append(f"playground (in a browser): http://{config.host}:{port}/")
     return lines

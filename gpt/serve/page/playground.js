@@ -1,0 +1,252 @@
+// The playground: completions streamed and coloured by probability, and a text scored token by token.
+// It speaks only the server's public API (/v1/models, /v1/completions, /tokenize). Model text is only
+// ever set as textContent: never parsed as HTML.
+"use strict";
+
+const EOT = "<|endoftext|>";
+const TOP = 5; // alternatives asked for each token
+const $ = (id) => document.getElementById(id);
+let model = null;
+let running = null; // the AbortController of the request in flight
+
+// ----------------------------------------------------------------------------------------- the API
+
+function apiKey() {
+  return sessionStorage.getItem("gpt-api-key");
+}
+
+function askForKey() {
+  return new Promise((resolve) => {
+    const prompt = $("key-prompt"), input = $("api-key");
+    prompt.hidden = false;
+    input.value = "";
+    input.focus();
+    const done = () => {
+      prompt.hidden = true;
+      sessionStorage.setItem("gpt-api-key", input.value);
+      $("key-ok").removeEventListener("click", done);
+      input.removeEventListener("keydown", onEnter);
+      resolve();
+    };
+    const onEnter = (event) => { if (event.key === "Enter") done(); };
+    $("key-ok").addEventListener("click", done);
+    input.addEventListener("keydown", onEnter);
+  });
+}
+
+// fetch() with the key, asking for one (and trying again) while the server answers 401.
+async function api(path, body, signal) {
+  for (;;) {
+    const headers = {};
+    if (body !== undefined) headers["Content-Type"] = "application/json";
+    if (apiKey()) headers["Authorization"] = "Bearer " + apiKey();
+    const reply = await fetch(path, {
+      method: body === undefined ? "GET" : "POST", headers, signal,
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+    if (reply.status === 401) { await askForKey(); continue; }
+    if (!reply.ok) {
+      let message = reply.status + " " + reply.statusText;
+      try { message = (await reply.json()).error.message; } catch (_) { /* not OpenAI's error JSON */ }
+      throw new Error(message);
+    }
+    return reply;
+  }
+}
+
+async function servedModel() {
+  if (model === null) {
+    model = (await (await api("/v1/models")).json()).data[0].id;
+    $("model-name").textContent = model;
+  }
+  return model;
+}
+
+// The server-sent events of a streamed completion, each parsed: an async generator of chunks.
+async function* events(reply) {
+  const reader = reply.body.getReader(), decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6);
+        if (data === "[DONE]") return;
+        yield JSON.parse(data);
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------- the tokens
+
+// A token's span: its text as text, shaded by its probability, its alternatives shown on hover or focus.
+function tokenSpan(text, logprob, alternatives, kind) {
+  const span = document.createElement("span");
+  span.className = "token " + kind;
+  span.textContent = text;
+  if (logprob !== null && logprob !== undefined) {
+    const p = Math.exp(logprob);
+    span.dataset.logprob = String(logprob);
+    span.tabIndex = 0;
+    // Sure tokens stay pale; the less likely, the stronger the colour.
+    span.style.setProperty("--shade", (1 - p).toFixed(4));
+    span.title = (100 * p).toFixed(2) + "%";
+    span.alternatives = alternatives || {};
+    span.addEventListener("mouseenter", () => showDetails(span));
+    span.addEventListener("focus", () => showDetails(span));
+  }
+  return span;
+}
+
+function showDetails(span) {
+  const logprob = Number(span.dataset.logprob);
+  $("details").hidden = false;
+  $("details-title").textContent = JSON.stringify(span.textContent) + ": p = " + Math.exp(logprob).toFixed(4)
+    + ", " + (-logprob / Math.LN2).toFixed(2) + " bits";
+  const rows = Object.entries(span.alternatives).sort((a, b) => b[1] - a[1]);
+  const body = $("alternatives");
+  body.replaceChildren();
+  for (const [token, lp] of rows) {
+    const row = document.createElement("tr"), name = document.createElement("td"), p = document.createElement("td");
+    name.textContent = JSON.stringify(token);
+    p.textContent = Math.exp(lp).toFixed(4);
+    row.dataset.token = token;
+    row.dataset.logprob = String(lp);
+    row.append(name, p);
+    body.append(row);
+  }
+}
+
+function addTokens(logprobs, kind) {
+  const output = $("output");
+  logprobs.tokens.forEach((text, i) => {
+    output.append(tokenSpan(text, logprobs.token_logprobs[i], logprobs.top_logprobs && logprobs.top_logprobs[i], kind));
+  });
+}
+
+// The tokens' ids, from the tokenizer endpoint: each token's text alone is one token (else "?").
+async function labelIds() {
+  const spans = [...$("output").querySelectorAll(".token")].filter((span) => span.dataset.id === undefined);
+  await Promise.all(spans.map(async (span) => {
+    const reply = await (await api("/tokenize", { prompt: span.textContent })).json();
+    span.dataset.id = reply.tokens.length === 1 ? String(reply.tokens[0]) : "?";
+  }));
+}
+
+// ----------------------------------------------------------------------------------------- generate
+
+function generationBody(name) {
+  const number = (id) => $(id).value === "" ? null : Number($(id).value);
+  const body = {
+    model: name, prompt: $("prompt").value, max_tokens: number("max-tokens"), temperature: number("temperature"),
+    top_p: number("top-p"), stream: true, logprobs: TOP,
+  };
+  if (number("top-k")) body.top_k = number("top-k");
+  if (number("seed") !== null) body.seed = number("seed");
+  if ($("stop").value) body.stop = [$("stop").value.replaceAll("\\n", "\n")];
+  return body;
+}
+
+async function generate() {
+  const output = $("output");
+  output.replaceChildren();
+  $("details").hidden = true;
+  setRunning(true);
+  $("status").textContent = "generating";
+  try {
+    const body = generationBody(await servedModel());
+    const prompt = document.createElement("span");
+    prompt.className = "prompt";
+    prompt.textContent = body.prompt;
+    output.append(prompt);
+    let finish = null;
+    for await (const chunk of events(await api("/v1/completions", body, running.signal))) {
+      const choice = chunk.choices[0];
+      if (choice.logprobs) addTokens(choice.logprobs, "generated");
+      finish = choice.finish_reason || finish;
+    }
+    $("status").textContent = "done" + (finish ? " (" + finish + ")" : "");
+    if ($("show-tokens").checked) await labelIds();
+  } catch (error) {
+    $("status").textContent = error.name === "AbortError" ? "stopped" : "error: " + error.message;
+  } finally {
+    setRunning(false);
+  }
+}
+
+function setRunning(on) {
+  running = on ? new AbortController() : null;
+  $("generate").disabled = on;
+  $("score").disabled = on;
+  $("stop-button").disabled = !on;
+}
+
+// ----------------------------------------------------------------------------------------- score
+
+async function score() {
+  const output = $("output"), text = $("score-text").value;
+  output.replaceChildren();
+  $("details").hidden = true;
+  $("score-summary").hidden = true;
+  setRunning(true);
+  $("status").textContent = "scoring";
+  try {
+    const body = { model: await servedModel(), prompt: text + EOT, max_tokens: 0, echo: true, logprobs: TOP };
+    const reply = await (await api("/v1/completions", body, running.signal)).json();
+    const logprobs = reply.choices[0].logprobs;
+    addTokens(logprobs, "scored");
+    const scored = logprobs.token_logprobs.filter((lp) => lp !== null);
+    const nats = -scored.reduce((sum, lp) => sum + lp, 0);
+    const perplexity = Math.exp(nats / scored.length);
+    const bitsPerByte = nats / Math.LN2 / new TextEncoder().encode(text).length;
+    $("scored-tokens").textContent = String(scored.length);
+    $("perplexity").textContent = perplexity.toFixed(4);
+    $("perplexity").dataset.value = String(perplexity);
+    $("bits-per-byte").textContent = bitsPerByte.toFixed(4);
+    $("bits-per-byte").dataset.value = String(bitsPerByte);
+    $("score-summary").hidden = false;
+    $("status").textContent = "scored";
+    if ($("show-tokens").checked) await labelIds();
+  } catch (error) {
+    $("status").textContent = error.name === "AbortError" ? "stopped" : "error: " + error.message;
+  } finally {
+    setRunning(false);
+  }
+}
+
+// ----------------------------------------------------------------------------------------- the page
+
+function setMode(mode) {
+  const scoring = mode === "score";
+  $("generate-panel").hidden = scoring;
+  $("score-panel").hidden = !scoring;
+  $("mode-generate").setAttribute("aria-selected", String(!scoring));
+  $("mode-score").setAttribute("aria-selected", String(scoring));
+  $("legend").textContent = scoring ? "colour: surprisal (the darker, the less expected)"
+    : "colour: the less probable the token, the darker";
+  $("output").replaceChildren();
+  $("details").hidden = true;
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("mode-generate").addEventListener("click", () => setMode("generate"));
+  $("mode-score").addEventListener("click", () => setMode("score"));
+  $("generate").addEventListener("click", generate);
+  $("score").addEventListener("click", score);
+  $("stop-button").addEventListener("click", () => running && running.abort());
+  $("show-tokens").addEventListener("change", async () => {
+    $("output").classList.toggle("boundaries", $("show-tokens").checked);
+    if ($("show-tokens").checked) {
+      try { await labelIds(); } catch (error) { $("status").textContent = "error: " + error.message; }
+    }
+  });
+  setMode("generate");
+  servedModel().catch((error) => { $("status").textContent = "error: " + error.message; });
+});
