@@ -8,6 +8,8 @@ made unique), then times, each in a fresh process so that its peak RSS is its ow
 - ours: `gpt.data.prepare.prepare` on every core (reading, tokenizing, the split, writing shards);
 - the ceiling: tiktoken's `encode_ordinary_batch` on every core over the same documents, counting the
   tokenizer calls alone (no reading, no writing);
+- the check every use makes of the prepared shards (`gpt.data.shards.verify_shards`: sizes, SHA-256s and
+  ids, streamed), which a resume waits for;
 - nanoGPT's way (its openwebtext/prepare.py): Hugging Face `datasets` `load_dataset("json")` +
   `map(num_proc=cores)`, then the tokens concatenated into an `np.memmap`.
 
@@ -42,6 +44,16 @@ import resource, sys, time
 from gpt.data.prepare import prepare
 start = time.perf_counter()
 meta = prepare([sys.argv[1]], sys.argv[2], val_fraction=0.05, workers=int(sys.argv[3]), progress=False)
+print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+      meta["train_tokens"] + meta["val_tokens"])
+"""
+
+VERIFY = """
+import json, resource, sys, time
+from gpt.data.shards import verify_shards
+start = time.perf_counter()
+verify_shards(sys.argv[1], 50257)
+meta = json.load(open(sys.argv[1] + "/meta.json"))
 print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
       meta["train_tokens"] + meta["val_tokens"])
 """
@@ -133,9 +145,11 @@ def main(config: Config) -> None:
         rows, ratios = [], []
         for repeat in range(config.repeats):
             ours = measure(OURS, str(corpus), str(Path(tmp) / f"ours{repeat}"), str(config.workers))
+            verify = measure(VERIFY, str(Path(tmp) / f"ours{repeat}"))
             ceiling = measure(CEILING, str(corpus), str(config.workers))
             shutil.rmtree(Path(tmp) / f"ours{repeat}")
             rows += [("ours: gpt.data.prepare.prepare", ours),
+                     ("the shards checked at each use: gpt.data.shards.verify_shards", verify),
                      ("ceiling: tiktoken encode_ordinary_batch (tokenizer calls only)", ceiling)]
             ratios.append(ceiling[0] / ours[0])
         if not config.skip_nanogpt:

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from gpt.data.corpus import BadRecords, expand_inputs, read_sections
 from gpt.data.loader import shard_paths
+from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, cli_main
 from gpt.inference.decoding import Decoder
 from gpt.loading import load
@@ -217,6 +218,8 @@ def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
     streams = _streams(config)
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     model = model if model is not None else load(config.init_from, config.dtype)
+    if config.split:  # the run's own shards, checked against their record before anything is scored
+        verify_shards(Path(config.init_from) / "data", model.config.vocab_size, (config.split,))
     context = model.config.block_size
     stride = config.stride if config.stride is not None else context
     if not 1 <= stride <= context:

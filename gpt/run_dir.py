@@ -53,11 +53,16 @@ class RunLocked(ConfigError):
 
 
 class RunLock:
-    """`with RunLock(out_dir):` holds `out_dir` for one run; a second holder gets RunLocked at once."""
+    """`with RunLock(out_dir):` holds `out_dir` for one run; a second holder gets RunLocked at once.
 
-    def __init__(self, out_dir: str | os.PathLike, enabled: bool = True):
+    The same lock guards a prepared data directory (`gpt.data.prepare`): a preparation holds it while it
+    writes, a training run while it reads, so neither writes under the other. `role` says what the holder
+    does, in the refusal a second one gets."""
+
+    def __init__(self, out_dir: str | os.PathLike, enabled: bool = True, role: str = "training run",
+                 advice: str = "or use another --out_dir"):
         self.path = Path(out_dir) / ".lock"
-        self.enabled = enabled
+        self.enabled, self.role, self.advice = enabled, role, advice
         self.file = None
 
     def __enter__(self) -> RunLock:
@@ -70,13 +75,12 @@ class RunLock:
         except BlockingIOError:
             holder = self._holder()
             self.file.close()
-            raise RunLocked(
-                f"{self.path.parent} is in use by another training run ({holder}); wait for it to finish, "
-                f"or use another --out_dir"
-            ) from None
+            role, _, who = holder.rpartition(": ")
+            raise RunLocked(f"{self.path.parent} is in use by another {role or 'process'} ({who}); wait for it to "
+                            f"finish, {self.advice}") from None
         self.file.seek(0)
         self.file.truncate()
-        self.file.write(f"pid {os.getpid()} on host {socket.gethostname()}, since "
+        self.file.write(f"{self.role}: pid {os.getpid()} on host {socket.gethostname()}, since "
                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         self.file.flush()
         return self

@@ -9,23 +9,20 @@ own rows of the same global batch.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from gpt.errors import ConfigError, MissingInput
+from gpt.data.shards import read_meta
+from gpt.errors import ConfigError
 
 __all__ = ["Batches", "shard_paths", "unigram_loss"]
 
 
 def shard_paths(data_dir: str | os.PathLike, split: str) -> tuple[list[Path], np.dtype]:
     """The token shards of `split` ('train' or 'val') listed in `data_dir/meta.json`, and their dtype."""
-    meta_path = Path(data_dir) / "meta.json"
-    if not meta_path.is_file():
-        raise MissingInput(f"{meta_path} is missing: prepare the corpus first (python -m gpt.data)")
-    meta = json.loads(meta_path.read_text())
+    meta = read_meta(data_dir)
     return [Path(data_dir) / shard["file"] for shard in meta["shards"][split]], np.dtype(meta["dtype"])
 
 

@@ -7,17 +7,22 @@
   flight, and tokens go straight to the open shard file. Peak memory does not grow with the corpus.
 - **Shards.** `train_00000.bin`, ... and `val_00000.bin`, ... of `shard_tokens` tokens each (the last one
   shorter), `uint16` when the vocabulary fits (GPT-2's does), else `uint32`. Every document ends with
-  `<|endoftext|>`. `meta.json` lists the shards and their token counts, every input with its SHA-256,
-  the tokenizer, the split rule and what was skipped.
+  `<|endoftext|>`. `meta.json` lists the shards with their token counts and SHA-256s (`gpt.data.shards`
+  checks them at every use), every input with its SHA-256, the tokenizer, the split rule and what was
+  skipped.
+- **One writer.** A preparation holds the data directory's lock (`gpt.run_dir.RunLock`, as a training run
+  reading it does): a second preparation, or one beside a run, is refused with one line naming the
+  holder. Shards and `meta.json` are written to temporaries and renamed; a failure (a full disk, a bad
+  input) removes the shard it was writing.
 - **The validation split** is decided per section by its text alone: a section is validation when the
   first 8 bytes of its BLAKE2b hash, read as a fraction of 2**64, fall below `val_fraction`. The same text
   lands in the same split whatever else the corpus holds, so a corpus that grows keeps its validation
   set (plus a share of the new text), the rule needs one pass, and a corpus of one big file still gets a
   validation split, spread through it.
 - **Restartable.** A shard appears (renamed into place) only when whole, and `progress.json` then
-  records where each split resumes (section index, token offset). A preparation killed half way
-  re-reads its inputs up to there (reading is cheap) and tokenizes only the rest; the shards equal an
-  uninterrupted run's byte for byte. Inputs whose hashes and settings match `meta.json` are not
+  records where each split resumes (section index, token offset) and each finished shard's checksum. A
+  preparation killed half way checks those shards on disk, re-reads its inputs up to there (reading is
+  cheap) and tokenizes only the rest; the shards equal an uninterrupted run's byte for byte. Inputs whose hashes and settings match `meta.json` are not
   prepared again at all.
 - **Bad records** (a line that is not JSON, a missing or non-string text field) are skipped, counted in
   `meta.json` and reported with the first file:line of each kind. Preparation stops with an error only
@@ -42,15 +47,16 @@ from tqdm import tqdm
 
 from gpt.data.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, input_format, read_sections
 from gpt.data.loader import Batches, unigram_loss
+from gpt.data.shards import ShardHasher
 from gpt.errors import ConfigError, MissingInput
-from gpt.run_dir import make_dir
+from gpt.run_dir import RunLock, make_dir
 from gpt.tokenizer import get_tokenizer
 
 __all__ = ["prepare", "sources", "in_validation", "default_corpus", "corpus_identity", "Batches", "unigram_loss",
            "PrepareConfig"]
 
 SPLIT_RULE = "section is val when blake2b-64(text) / 2**64 < val_fraction"
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3  # 3: each shard's SHA-256
 _BATCH_CHARS = 1 << 20
 _BINARY_PROBE = 8192
 _WRITE_BUFFER = 4 << 20
@@ -114,10 +120,10 @@ class _ShardWriter:
     def __init__(self, directory: Path, split: str, dtype, shard_tokens: int, state: dict | None,
                  on_shard: Callable[[], None]):
         self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
-        self.shards: list[int] = list(state["shards"]) if state else []
+        self.shards: list[dict] = list(state["shards"]) if state else []  # {tokens, sha256} of each finished one
         self.next_section, self.next_offset = (state["next_section"], state["next_offset"]) if state else (0, 0)
         self.on_shard = on_shard
-        self.file, self.filled = None, 0
+        self.file, self.filled, self.hasher = None, 0, ShardHasher()
 
     def state(self) -> dict:
         return {"shards": self.shards, "next_section": self.next_section, "next_offset": self.next_offset}
@@ -138,6 +144,7 @@ class _ShardWriter:
                 self.file = open(self._path(len(self.shards)).with_suffix(".bin.tmp"), "wb", buffering=_WRITE_BUFFER)
             part = tokens[: self.shard_tokens - self.filled]
             self.file.write(memoryview(part))  # no copy: a 1-D slice is contiguous
+            self.hasher.update(part)
             self.filled += part.size
             consumed += part.size
             tokens = tokens[part.size:]
@@ -150,15 +157,34 @@ class _ShardWriter:
         os.fsync(self.file.fileno())
         self.file.close()
         self._path(len(self.shards)).with_suffix(".bin.tmp").replace(self._path(len(self.shards)))
-        self.shards.append(self.filled)
-        self.file, self.filled = None, 0
+        self.shards.append({"tokens": self.filled, "sha256": self.hasher.hexdigest()})
+        self.file, self.filled, self.hasher = None, 0, ShardHasher()
         self.on_shard()
+
+    def abort(self) -> None:
+        """Close and remove the shard being written (after a failure: nothing half-written stays)."""
+        if self.file is not None:
+            self.file.close()
+            self._path(len(self.shards)).with_suffix(".bin.tmp").unlink(missing_ok=True)
+            self.file = None
 
     def close(self) -> list[dict]:
         """Finish the last (shorter) shard; the list of shards for meta.json."""
         if self.file is not None and self.filled:
             self._finish()
-        return [{"file": self._path(i).name, "tokens": n} for i, n in enumerate(self.shards)]
+        return [{"file": self._path(i).name, **shard} for i, shard in enumerate(self.shards)]
+
+    def on_disk(self) -> bool:
+        """Are the finished shards that the resume state lists on disk, whole and unchanged?"""
+        for index, shard in enumerate(self.shards):
+            path = self._path(index)
+            if not path.is_file() or path.stat().st_size != shard["tokens"] * self.dtype.itemsize:
+                return False
+            hasher = ShardHasher()
+            hasher.update(np.fromfile(path, self.dtype))
+            if hasher.hexdigest() != shard["sha256"]:
+                return False
+        return True
 
 
 # ------------------------------------------------------------------------------------------ prepare
@@ -190,6 +216,16 @@ def _encode(batch: list[tuple[int, Section]], val_fraction: float, dtype) -> lis
 
 def _matches(record: dict, corpus_sources: list[dict], settings: dict) -> bool:
     return record.get("sources") == corpus_sources and all(record.get(k) == v for k, v in settings.items())
+
+
+def _read_state(progress_path: Path) -> dict:
+    """A JSON record (an interrupted preparation's progress.json, a finished one's meta.json), or {} (none,
+    or not JSON: then the preparation starts again)."""
+    try:
+        state = json.loads(progress_path.read_text()) if progress_path.is_file() else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def _clear_shards(out_dir: Path) -> None:
@@ -259,12 +295,13 @@ def _check_splits(inputs, counts: collections.Counter, bad: BadRecords, totals: 
 
 def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val_fraction: float = 0.1,
             text_field: str = "text", workers: int | None = None, shard_tokens: int = 100_000_000,
-            progress: bool | None = None, corpus_sources: list[dict] | None = None) -> dict:
+            progress: bool | None = None, corpus_sources: list[dict] | None = None, lock: bool = True) -> dict:
     """Tokenize `inputs` (files, directories, globs; text, JSONL, Parquet or saved datasets) into token
     shards in `out_dir` with GPT-2's tokenizer, as this module's docstring describes.
 
     `corpus_sources`: `sources(inputs)` when the caller has it already (the inputs are then not read
-    again to hash them). Returns the metadata (also written to `out_dir/meta.json`), with `train_tokens`
+    again to hash them). `lock`: take `out_dir`'s lock for the preparation (False for a caller that holds
+    it: a training run). Returns the metadata (also written to `out_dir/meta.json`), with `train_tokens`
     and `val_tokens`.
     """
     if not 0 < val_fraction < 1:
@@ -278,6 +315,19 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"out_dir '{out_dir}' is a file, not a directory")
     corpus_sources = corpus_sources if corpus_sources is not None else sources(inputs)
+    with RunLock(make_dir(out_dir), enabled=lock, role="corpus preparation",
+                 advice="or prepare into another --out_dir"):
+        try:
+            return _prepare_locked(corpus_sources, inputs, out_dir, val_fraction, text_field, workers, shard_tokens,
+                                   progress)
+        except MissingInput:
+            raise
+        except OSError as e:  # a full disk, a directory that cannot be written: nothing half-written is left
+            raise ConfigError(f"preparing the corpus in {out_dir} failed: {e}") from None
+
+
+def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_field, workers, shard_tokens,
+                    progress) -> dict:
     paths = [Path(source["path"]) for source in corpus_sources]
     tokenizer = get_tokenizer()
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
@@ -286,12 +336,11 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
                 "shard_tokens": shard_tokens, "section_chars": SECTION_CHARS, "split_rule": SPLIT_RULE}
     meta_path, progress_path = out_dir / "meta.json", out_dir / "progress.json"
     if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
+        meta = _read_state(meta_path)  # a record that is not JSON matches nothing: prepared anew
         if _matches(meta, corpus_sources, settings) and all((out_dir / s["file"]).is_file()
                                                      for split in ("train", "val") for s in meta["shards"][split]):
             return meta
-    state = json.loads(progress_path.read_text()) if progress_path.is_file() else {}
-    make_dir(out_dir)
+    state = _read_state(progress_path)
     if not _matches(state, corpus_sources, settings):
         _clear_shards(out_dir)
         state = {}
@@ -304,8 +353,17 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val
 
     writers = {split: _ShardWriter(out_dir, split, dtype, shard_tokens, state.get(split), save_progress)
                for split in ("train", "val")}
-    counts, bad = _tokenize(paths, text_field, val_fraction, dtype, writers, workers, progress)
-    shards = {split: writer.close() for split, writer in writers.items()}
+    if state and not all(writer.on_disk() for writer in writers.values()):  # a finished shard lost or changed
+        _clear_shards(out_dir)
+        writers = {split: _ShardWriter(out_dir, split, dtype, shard_tokens, None, save_progress)
+                   for split in ("train", "val")}
+    try:
+        counts, bad = _tokenize(paths, text_field, val_fraction, dtype, writers, workers, progress)
+        shards = {split: writer.close() for split, writer in writers.items()}
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
 
     totals = {split: sum(s["tokens"] for s in shards[split]) for split in shards}
     _check_splits(inputs, counts, bad, totals, val_fraction)

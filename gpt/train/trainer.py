@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from gpt.data.prefetch import Prefetch
 from gpt.data.prepare import Batches, corpus_identity, default_corpus, prepare, sources
+from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, RunFailed
 from gpt.model import gpt2
 from gpt.model.config import PRESETS, GPTConfig
@@ -354,7 +355,9 @@ def train(config: TrainConfig, log=print) -> TrainResult:
     """
     checked = plan(config, log)
     log = _main_process_only(log)
-    with PeerWatch(checked.restart_advice) as peers, RunLock(checked.out_dir, enabled=jax.process_index() == 0), \
+    main = jax.process_index() == 0
+    with PeerWatch(checked.restart_advice) as peers, RunLock(checked.out_dir, enabled=main), \
+            RunLock(checked.out_dir / "data", enabled=main, advice="or train with another --out_dir"), \
             _checkpoint_manager(checked.out_dir, config.keep_checkpoints) as checkpoints, \
             peers.collective_failures_named():
         newest = checkpoints.newest_metadata()
@@ -388,6 +391,8 @@ class Run:
     model_config: GPTConfig
     mesh: jax.sharding.Mesh
     identity: dict
+    data_identity: str
+    """The prepared shards' digest (`gpt.data.shards.verify_shards`), recorded with every checkpoint."""
     graphdef: nnx.GraphDef
     params: dict
     opt_state: object
@@ -428,8 +433,8 @@ class Run:
 
     def save(self, step: int) -> None:
         self.checkpoints.save(step, self.params, self.opt_state, {
-            "step": step, "identity": self.identity, "model_config": config_to_json(self.model_config),
-            "train_config": config_to_json(self.config)})
+            "step": step, "identity": self.identity, "data_identity": self.data_identity,
+            "model_config": config_to_json(self.model_config), "train_config": config_to_json(self.config)})
 
 
 def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
@@ -439,9 +444,9 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = checked.out_dir / "data"
 
-    def prepare_corpus() -> dict:
+    def prepare_corpus() -> dict:  # under the data directory's lock, which the run holds
         return prepare(checked.inputs, data_dir, config.val_fraction, config.text_field,
-                       corpus_sources=checked.corpus_sources)
+                       corpus_sources=checked.corpus_sources, lock=False)
 
     if pid == 0:
         meta = prepare_corpus()
@@ -451,6 +456,8 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
                      f"{config.prepare_timeout_s}")
         if pid != 0:
             meta = prepare_corpus()
+    data_identity = verify_shards(data_dir, model_config.vocab_size)  # before anything trains on them
+    _check_data_identity(checkpoints, data_identity, data_dir)
     rows = config.batch_size * config.grad_accum
     train_batches = Batches.of_split(data_dir, "train", config.block_size, rows, config.seed, pid, nproc)
     val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
@@ -472,11 +479,22 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     if start >= end:
         log(f"nothing to train: {checked.out_dir} is at step {start} and this run ends at step {end} (raise "
             f"--max_steps, with --resume_anyway, to train further)")
-    return Run(config, model_config, mesh, checked.identity, graphdef, params, opt_state,
+    return Run(config, model_config, mesh, checked.identity, data_identity, graphdef, params, opt_state,
                make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0, mesh=mesh, shardings=shardings,
                                label_smoothing=config.label_smoothing),
                make_eval_step(graphdef, mesh), make_schedule(optimizer, optimizer.lr), train_batches, val_batches,
                checkpoints, MetricsWriter(checked.out_dir, resume_step=start, enabled=pid == 0), start, end)
+
+
+def _check_data_identity(checkpoints: CheckpointManager, data_identity: str, data_dir: Path) -> None:
+    """ConfigError when the newest checkpoint was trained on other prepared shards than `data_dir`'s (a
+    checkpoint from before shards had checksums records none, and passes)."""
+    newest = checkpoints.newest_metadata()
+    trained_on = None if newest is None else newest[1].get("data_identity")
+    if trained_on is not None and trained_on != data_identity:
+        raise ConfigError(f"the prepared shards in {data_dir} are not those step {newest[0]} was trained on (their "
+                          f"checksums differ); resume with the data it was trained on, or train a new run in "
+                          f"another --out_dir")
 
 
 def _build_model(config: TrainConfig, model_config: GPTConfig) -> GPT:

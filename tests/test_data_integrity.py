@@ -1,0 +1,224 @@
+"""Prepared data is trusted as checkpoints are: shards checked against their record at every use, one
+preparation at a time, nothing half-written left by a failure, and a resume only on the shards it trained on."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpt.data import prepare as prepare_module
+from gpt.data.prepare import prepare
+from gpt.data.shards import ShardHasher, verify_shards
+from gpt.errors import ConfigError
+from gpt.run_dir import RunLock, RunLocked
+
+from training import ROOT, run
+
+ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
+VOCAB = 50257
+
+
+def prepare_cli(*flags, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gpt.data", *flags], env=ENV, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+def rewrite(data: Path, name: str, ids: np.ndarray, *, record: bool = False) -> None:
+    """Replace shard `name`'s ids; with `record`, update meta.json to match (a consistent forgery)."""
+    (data / name).write_bytes(ids.astype(np.uint16).tobytes())
+    if record:
+        meta = json.loads((data / "meta.json").read_text())
+        for shard in meta["shards"][name.split("_")[0]]:
+            if shard["file"] == name:
+                hasher = ShardHasher()
+                hasher.update(ids.astype(np.uint16))
+                shard["tokens"], shard["sha256"] = int(ids.size), hasher.hexdigest()
+        (data / "meta.json").write_text(json.dumps(meta))
+
+
+# ------------------------------------------------------------------------------------------ preparation
+
+@pytest.mark.slow
+def test_of_two_preparations_into_one_directory_the_second_is_refused_and_the_first_is_intact(tmp_path, corpus_text):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(corpus_text * 3)
+    b.write_text(corpus_text[:100_000][::-1])
+    out = tmp_path / "data"
+    first = prepare_cli("--data", str(a), "--out_dir", str(out), "--workers", "1")
+    deadline = time.time() + 60
+    while not (out / ".lock").is_file() or not (out / ".lock").read_text():
+        assert time.time() < deadline and first.poll() is None, first.communicate()
+        time.sleep(0.01)
+    first.send_signal(signal.SIGSTOP)  # held in the middle of its preparation, the lock with it
+    try:
+        second = subprocess.run([sys.executable, "-m", "gpt.data", "--data", str(b), "--out_dir", str(out)], env=ENV,
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert second.returncode == 2 and len(second.stderr.strip().splitlines()) == 1, second.stderr
+    assert "in use by another corpus preparation (pid" in second.stderr and "Traceback" not in second.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    assert [s["path"] for s in meta["sources"]] == [str(a)]
+    verify_shards(out, VOCAB)  # every shard as recorded: nothing of b's got in
+
+
+def test_a_preparation_beside_a_training_run_is_refused_naming_it(tmp_path, corpus):
+    out = tmp_path / "data"
+    with RunLock(out, role="training run"):
+        with pytest.raises(RunLocked, match=r"in use by another training run \(pid"):
+            prepare([corpus], out)
+    assert prepare([corpus], out)["train_tokens"] > 0  # once it is free
+
+
+@pytest.mark.slow
+def test_a_training_run_refuses_a_data_directory_being_prepared(tmp_path, corpus):
+    out = tmp_path / "run"
+    with RunLock(out / "data", role="corpus preparation"):
+        done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--data", corpus, "--out_dir", str(out),
+                               "--preset", "tiny", "--max_steps", "2"], env=ENV, capture_output=True, text=True,
+                              timeout=300)
+    assert done.returncode == 2 and "in use by another corpus preparation (pid" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (out / "checkpoints").exists()
+
+
+def test_a_failed_preparation_leaves_no_partial_shard_and_says_so_in_one_line(tmp_path, corpus, monkeypatch):
+    writes = []
+    original = prepare_module._ShardWriter.write
+
+    def full_disk(self, index, tokens):
+        writes.append(index)
+        if len(writes) > 3:
+            raise OSError(28, "No space left on device")
+        return original(self, index, tokens)
+
+    monkeypatch.setattr(prepare_module._ShardWriter, "write", full_disk)
+    out = tmp_path / "data"
+    with pytest.raises(ConfigError, match="No space left on device") as error:
+        prepare([corpus], out, shard_tokens=2_000, workers=1)
+    assert "\n" not in str(error.value) and str(out) in str(error.value)
+    assert not list(out.glob("*.tmp")) and not (out / "meta.json").exists()
+
+
+def test_an_interrupted_preparation_whose_finished_shard_was_lost_prepares_it_again(tmp_path, corpus, monkeypatch):
+    whole = prepare([corpus], tmp_path / "whole", shard_tokens=5_000, workers=1)
+    finished = []
+    original = prepare_module._ShardWriter._finish
+
+    def killed_after_three_shards(self):
+        original(self)
+        finished.append(1)
+        if len(finished) == 3:
+            raise KeyboardInterrupt  # as a kill would stop it, after progress.json was written
+
+    out = tmp_path / "data"
+    monkeypatch.setattr(prepare_module._ShardWriter, "_finish", killed_after_three_shards)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([corpus], out, shard_tokens=5_000, workers=1)
+    monkeypatch.setattr(prepare_module._ShardWriter, "_finish", original)
+    assert (out / "progress.json").is_file() and not list(out.glob("*.tmp"))
+    (out / "train_00000.bin").unlink()
+    meta = prepare([corpus], out, shard_tokens=5_000, workers=1)
+    assert meta["shards"] == whole["shards"]  # every shard, checksums and all, as an uninterrupted run's
+    verify_shards(out, VOCAB)
+
+
+def test_a_progress_record_that_is_not_json_starts_the_preparation_again(tmp_path, corpus):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "progress.json").write_text("{not json")
+    (out / "meta.json").write_text("\x00garbage")
+    meta = prepare([corpus], out)
+    assert meta["train_tokens"] > 0 and json.loads((out / "meta.json").read_text())["shards"] == meta["shards"]
+
+
+# ------------------------------------------------------------------------------------------ every use
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    """A tiny run of 8 steps (its checkpoint records its shards' digest), kept pristine: tests copy it."""
+    directory = tmp_path_factory.mktemp("trained")
+    run(directory, corpus, max_steps=8)
+    return directory / "run"
+
+
+def tampered_copy(trained: Path, tmp_path: Path, tamper) -> Path:
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    tamper(out / "data")
+    return out
+
+
+def _ids(data: Path, name: str) -> np.ndarray:
+    return np.fromfile(data / name, np.uint16)
+
+
+TAMPERINGS = {
+    "another corpus's shard": (lambda d: rewrite(d, "train_00000.bin", np.arange(_ids(d, "train_00000.bin").size)
+                                                 % 1000), "does not hold what was prepared"),
+    "truncated to half": (lambda d: rewrite(d, "train_00000.bin", _ids(d, "train_00000.bin")[: _ids(
+        d, "train_00000.bin").size // 2]), "bytes where meta.json records"),
+    "a tenth of its ids overwritten": (lambda d: rewrite(d, "train_00000.bin", np.where(
+        np.arange(_ids(d, "train_00000.bin").size) % 10 == 0, 42, _ids(d, "train_00000.bin"))),
+        "does not hold what was prepared"),
+    "ids past the vocabulary, its record forged to match": (lambda d: rewrite(d, "train_00000.bin", np.where(
+        np.arange(_ids(d, "train_00000.bin").size) == 77, 65000, _ids(d, "train_00000.bin")), record=True),
+        "token id 65000 at position 77, outside the vocabulary"),
+    "an odd number of bytes": (lambda d: (d / "val_00000.bin").write_bytes((d / "val_00000.bin").read_bytes()[:-1]),
+                               "bytes where meta.json records"),
+    "empty": (lambda d: (d / "train_00000.bin").write_bytes(b""), "has 0 bytes where meta.json records"),
+    "a record naming a file outside the directory": (lambda d: (d / "meta.json").write_text(
+        (d / "meta.json").read_text().replace('"train_00000.bin"', '"../../outside.bin"')), "not a shard file of"),
+    "a consistent forgery (other shards, their record to match)": (lambda d: rewrite(
+        d, "train_00000.bin", _ids(d, "train_00000.bin")[::-1], record=True), "are not those step 8 was trained on"),
+}
+
+
+@pytest.mark.parametrize("tampering", TAMPERINGS)
+def test_a_tampered_shard_is_refused_at_resume_before_the_first_step(trained, tmp_path, corpus, tampering):
+    tamper, message = TAMPERINGS[tampering]
+    out = tampered_copy(trained, tmp_path, tamper)
+    (out.parent / "outside.bin").write_bytes(b"\x00\x01" * 64)
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=message) as error:
+        run(tmp_path, corpus, max_steps=10, resume_anyway=True)
+    assert "\n" not in str(error.value)
+    assert (out / "metrics.jsonl").read_text() == before and sorted(p.name for p in (out / "checkpoints").iterdir()
+                                                                    if p.name.isdigit()) == ["8"]
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_truncated_shard_in_one_line_with_exit_2(trained, tmp_path, corpus):
+    out = tampered_copy(trained, tmp_path, TAMPERINGS["truncated to half"][0])
+    from training import cli_flags
+
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), *cli_flags(data=(corpus,), out_dir=str(out),
+                                                                              max_steps=10, num_devices=None),
+                           "--resume_anyway"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "train_00000.bin" in done.stderr and "delete" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_untampered_copy_resumes(trained, tmp_path, corpus):
+    """The control: a copy nobody touched trains on from its checkpoint."""
+    tampered_copy(trained, tmp_path, lambda data: None)
+    result = run(tmp_path, corpus, max_steps=10, resume_anyway=True)
+    assert result.start_step == 8 and result.step == 10
+
+
+def test_gpt_eval_checks_the_split_it_scores(trained, tmp_path):
+    from gpt.eval import EvalConfig, evaluate
+
+    out = tampered_copy(trained, tmp_path, TAMPERINGS["a tenth of its ids overwritten"][0])
+    assert evaluate(EvalConfig(init_from=str(out), split="val"))["overall"]["tokens"] > 0  # val is intact
+    with pytest.raises(ConfigError, match="train_00000.bin does not hold what was prepared"):
+        evaluate(EvalConfig(init_from=str(out), split="train"))
