@@ -222,3 +222,125 @@ def test_gpt_eval_checks_the_split_it_scores(trained, tmp_path):
     assert evaluate(EvalConfig(init_from=str(out), split="val"))["overall"]["tokens"] > 0  # val is intact
     with pytest.raises(ConfigError, match="train_00000.bin does not hold what was prepared"):
         evaluate(EvalConfig(init_from=str(out), split="train"))
+
+
+# ------------------------------------------------------------------------------------------ broken inputs
+
+def _jsonl(records: int = 400) -> bytes:
+    return b"".join(json.dumps({"text": f"document {i}: " + "some words of text " * 30}).encode() + b"\n"
+                    for i in range(records))
+
+
+def _parquet(path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [f"row {i} " + "words " * 50 for i in range(2000)]}), path)
+
+
+def _saved_dataset(path: Path) -> None:
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["a document " * 40] * 50}).save_to_disk(str(path))
+
+
+def broken_input(kind: str, tmp_path: Path) -> Path:
+    import gzip
+
+    import zstandard
+
+    if kind == "a truncated .jsonl.gz":
+        path = tmp_path / "c.jsonl.gz"
+        whole = gzip.compress(_jsonl())
+        path.write_bytes(whole[: len(whole) // 2])
+    elif kind == "a .gz that is not gzip":
+        path = tmp_path / "c.jsonl.gz"
+        path.write_bytes(_jsonl())
+    elif kind == "a truncated .jsonl.zst":
+        path = tmp_path / "c.jsonl.zst"
+        whole = zstandard.ZstdCompressor(write_checksum=True).compress(_jsonl(4000))
+        path.write_bytes(whole[: len(whole) // 2])
+    elif kind == "a truncated .parquet":
+        path = tmp_path / "c.parquet"
+        _parquet(path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif kind == "a fake .parquet":
+        path = tmp_path / "c.parquet"
+        path.write_bytes(b"PAR1 this is not parquet at all PAR1")
+    elif kind == "a saved dataset missing its .arrow":
+        path = tmp_path / "saved"
+        _saved_dataset(path)
+        for arrow in path.glob("*.arrow"):
+            arrow.unlink()
+    return path
+
+
+BROKEN = ("a truncated .jsonl.gz", "a .gz that is not gzip", "a truncated .jsonl.zst", "a truncated .parquet",
+          "a fake .parquet", "a saved dataset missing its .arrow")
+
+
+@pytest.mark.parametrize("kind", BROKEN)
+def test_a_broken_input_is_one_line_naming_it_and_leaves_nothing_behind(tmp_path, kind):
+    path = broken_input(kind, tmp_path)
+    out = tmp_path / "data"
+    with pytest.raises(ConfigError, match=f"data input '{path}' cannot be read") as error:
+        prepare([path], out)
+    assert "\n" not in str(error.value)
+    assert not list(out.glob("*.bin*")) and not (out / "meta.json").exists()
+
+
+@pytest.mark.slow
+def test_the_cli_answers_a_broken_input_with_exit_2_and_one_line(tmp_path):
+    path = broken_input("a truncated .jsonl.zst", tmp_path)
+    done = subprocess.run([sys.executable, "-m", "gpt.data", "--data", str(path), "--out_dir", str(tmp_path / "d")],
+                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "truncated" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its permissions")
+def test_an_unreadable_input_is_one_line(tmp_path, corpus):
+    path = tmp_path / "secret.txt"
+    path.write_text(Path(corpus).read_text())
+    path.chmod(0)
+    with pytest.raises(ConfigError, match="cannot be read: Permission denied"):
+        prepare([path], tmp_path / "data")
+
+
+def test_a_lone_surrogate_in_a_jsonl_string_is_replaced_and_counted(tmp_path, corpus_text):
+    path = tmp_path / "c.jsonl"
+    lines = [json.dumps({"text": corpus_text[i * 20_000:(i + 1) * 20_000]}) for i in range(20)]
+    lines[3] = json.dumps({"text": "before \ud800 after " * 100})  # valid JSON; no UTF-8 can hold it
+    path.write_text("\n".join(lines))
+    meta = prepare([path], tmp_path / "data")
+    assert meta["replaced_invalid_utf8"] == 100 and meta["documents"] == 20
+
+
+def test_inputs_are_read_once_by_real_path_and_a_link_back_up_is_not_followed(tmp_path, corpus_text):
+    from gpt.data.corpus import expand_inputs
+
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text(corpus_text[:50_000])
+    (root / "sub" / "b.txt").write_text(corpus_text[50_000:100_000])
+    (root / "sub" / "up").symlink_to(root)  # a loop
+    (root / "sub" / "again.txt").symlink_to(root / "a.txt")
+    files = expand_inputs([root, root / "a.txt", str(root / "**" / "*.txt")])
+    assert sorted(p.name for p in files) == ["a.txt", "b.txt"]
+
+
+def test_a_runs_out_dir_inside_its_corpus_is_never_read_as_corpus(tmp_path, corpus_text):
+    (tmp_path / "text.txt").write_text(corpus_text[:200_000])
+    changes = dict(data=(str(tmp_path),), out_dir=str(tmp_path / "run"))
+    run(tmp_path, None, max_steps=4, **changes)  # writes run/metrics.jsonl, checkpoints, shards under the corpus
+    result = run(tmp_path, None, max_steps=6, resume_anyway=True, **changes)
+    assert result.start_step == 4 and result.step == 6
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 10**23])
+def test_a_seed_outside_what_the_generators_take_is_refused_at_once(seed):
+    from gpt.train.trainer import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"seed must be in \[0, 2\*\*63\)"):
+        TrainConfig(seed=seed)
+    TrainConfig(seed=2**63 - 1)

@@ -10,8 +10,8 @@ from flax import nnx
 
 from gpt.cli import parse_train_config
 from gpt.model.config import GPTConfig
-from gpt.model.kv_cache import KVCache
 from gpt.model.fp8 import E4M3, E5M2, fp8_matmul, quantize_dequantize
+from gpt.model.kv_cache import KVCache
 from gpt.model.loss import lm_head_cross_entropy
 from gpt.model.transformer import GPT
 

@@ -102,3 +102,11 @@ def test_depth_is_counted_without_recursion():
     with pytest.raises(ApiError, match="too deeply"):
         parse_json(b"[" * 33 + b"]" * 33)
     assert parse_json(json.dumps({"a": [1] * 10_000, "b": {"c": [[1]]}}).encode())["b"] == {"c": [[1]]}
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 10**400])
+def test_a_seed_the_sampler_would_alias_is_refused_naming_it(seed):
+    """The sampler's key holds 32 bits: two seeds that differ past them would give the same text."""
+    error = refused(body(seed=seed))
+    assert error.param == "seed" and "seed must be in [0, 2**32)" in str(error), str(error)
+    assert parse_completion(body(seed=2**32 - 1), LIMITS).requests[0].seed == 2**32 - 1

@@ -14,7 +14,14 @@ the sections one by one gives exactly the tokens of the whole document (the test
 tiktoken). Sections are the unit of the validation split and of restarting.
 
 Bad records (a line that is not JSON, a missing or non-string field) are skipped and counted in
-`BadRecords`, which keeps the first file:line of each kind.
+`BadRecords`, which keeps the first file:line of each kind. A lone surrogate in a JSON string (valid JSON,
+not text) becomes U+FFFD, as invalid UTF-8 does, and is counted with it. An input that cannot be read (a
+truncated or damaged .gz, .zst or Parquet file, a saved dataset missing a file, no permission) is one
+line naming it, never a traceback, and never half read: a .zst must end at the end of a frame.
+
+Inputs are resolved once, by real path: a file reached twice (through a symlink, or named twice) is read
+once, a directory that links back to one above it is not entered again, an unreadable directory is an
+error, and the paths under `exclude` (a run's own out_dir) are never part of the corpus.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import io
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -42,6 +50,7 @@ _PIECE_BYTES = 8 << 20
 # the newline first so that the regex engine scans for that literal: 11x faster than leading with the
 # lookbehind, which tries every position (it was the costliest step of reading a JSONL corpus).
 _SAFE_BREAK = re.compile(r"\n(?<=[!-~]\n)(?=[!-~])")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,28 +97,58 @@ def _is_hf_dataset(path: Path) -> bool:
     return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
 
 
-def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
-    """Files (and saved datasets) named by `inputs`: files as given, directories searched recursively for
-    text, JSONL and Parquet files (in name order), globs expanded. Raises MissingInput / ConfigError."""
-    found: list[Path] = []
+def expand_inputs(inputs: Sequence[str | os.PathLike], exclude: Sequence[str | os.PathLike] = ()) -> list[Path]:
+    """Files (and saved datasets) named by `inputs`, each once: files as given, directories searched
+    recursively for text, JSONL and Parquet files (in name order), globs expanded; nothing under `exclude`.
+    Raises MissingInput / ConfigError."""
+    found: dict[str, Path] = {}  # by real path: a file reached twice is read once
+    excluded = [os.path.realpath(path) for path in exclude]
+
+    def add(path: Path) -> None:
+        real = os.path.realpath(path)
+        if not any(real == e or real.startswith(e.rstrip(os.sep) + os.sep) for e in excluded):
+            found.setdefault(real, path)
+
     for item in inputs:
         path = Path(item)
         if path.is_dir() and _is_hf_dataset(path):
-            found.append(path)
+            add(path)
         elif path.is_file():
-            found.append(path)
+            add(path)
         elif path.is_dir():
-            suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES + (".parquet",)
-            found.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(suffixes)))
+            for file in _corpus_files(path):
+                add(file)
         else:
             matches = sorted(Path(m) for m in glob.glob(str(item), recursive=True) if Path(m).is_file())
             if not matches:
                 raise MissingInput(f"data input {str(item)!r} is not a file, a directory or a matching glob")
-            found.extend(matches)
+            for match in matches:
+                add(match)
     if not found:
         raise ConfigError(f"no corpus files found in {[str(i) for i in inputs]} (directories are searched for "
-                          f"{', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)}, .parquet)")
-    return found
+                          f"{', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)}, .parquet"
+                          + (f"; {', '.join(map(str, exclude))} excluded" if exclude else "") + ")")
+    return list(found.values())
+
+
+def _corpus_files(directory: Path) -> list[Path]:
+    """The corpus files under `directory`, in name order, each directory entered once (a symlink back to
+    one above it is not followed again); ConfigError for a directory that cannot be read."""
+    suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES + (".parquet",)
+    files, seen = [], set()
+
+    def unreadable(error: OSError) -> None:
+        raise ConfigError(f"data directory {error.filename!r} cannot be read: {error.strerror}")
+
+    for root, dirs, names in os.walk(directory, onerror=unreadable, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        files += [Path(root) / name for name in names if name.lower().endswith(suffixes)
+                  and (Path(root) / name).is_file()]
+    return sorted(files)
 
 
 def split_sections(pieces: Iterable[str], size: int = SECTION_CHARS) -> Iterator[Section]:
@@ -153,14 +192,54 @@ def _text_documents(path: Path, bad: BadRecords) -> Iterator[Iterable[str]]:
     yield _text_pieces(path)  # one document per file
 
 
+class _ZstdFrames(io.RawIOBase):
+    """A .zst file's decompressed bytes, frame after frame; OSError when it ends inside a frame (a truncated
+    file: zstandard's own reader stops there as if at the end)."""
+
+    def __init__(self, path: Path):
+        import zstandard
+
+        self.file, self.zstandard = open(path, "rb"), zstandard
+        self.frame, self.pending = zstandard.ZstdDecompressor().decompressobj(), b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.pending:
+            block = self.file.read(1 << 20)
+            if not block:
+                if not self.frame.eof and self.started:
+                    raise OSError("the file ends inside a zstd frame: it is truncated")
+                return 0
+            self.pending = self._decompress(block)
+        size = min(len(buffer), len(self.pending))
+        buffer[:size], self.pending = self.pending[:size], self.pending[size:]
+        return size
+
+    started = False
+
+    def _decompress(self, block: bytes) -> bytes:
+        out = []
+        while block:
+            self.started = True
+            out.append(self.frame.decompress(block))
+            block = self.frame.unused_data if self.frame.eof else b""
+            if block:  # the next frame
+                self.frame = self.zstandard.ZstdDecompressor().decompressobj()
+        return b"".join(out)
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
 def _open_jsonl(path: Path):
     name = path.name.lower()
     if name.endswith(".gz"):
         return gzip.open(path, "rb")
     if name.endswith(".zst"):
-        import zstandard
-
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return _ZstdFrames(path)
     return open(path, "rb")
 
 
@@ -177,10 +256,11 @@ def _jsonl_documents(path: Path, field: str, bad: BadRecords) -> Iterator[Iterab
             if not isinstance(record, dict) or field not in record:
                 bad.add(f"records without a {field!r} field", f"{path}:{number}")
                 continue
-            if not isinstance(record[field], str):
+            text = record[field]
+            if not isinstance(text, str):
                 bad.add(f"records whose {field!r} is not a string", f"{path}:{number}")
                 continue
-            yield (record[field],)
+            yield (_SURROGATE.sub("\ufffd", text),)  # a lone surrogate: JSON, but no text
 
 
 def _arrow_documents(batches, field: str, where: str, bad: BadRecords) -> Iterator[Iterable[str]]:
@@ -225,5 +305,23 @@ def read_sections(path: Path, text_field: str, bad: BadRecords) -> Iterator[Sect
         documents = _parquet_documents(path, text_field, bad)
     else:
         documents = _hf_dataset_documents(path, text_field, bad)
-    for pieces in documents:
-        yield from split_sections(pieces)
+    try:
+        for pieces in documents:
+            yield from split_sections(pieces)
+    except _READ_ERRORS as e:  # a damaged, truncated or unreadable input: one line naming it
+        raise ConfigError(f"data input {str(path)!r} cannot be read: {_reason(e)}") from None
+
+
+def _reason(error: BaseException) -> str:
+    return error.strerror if isinstance(error, OSError) and error.strerror else str(error) or type(error).__name__
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What the readers raise on a damaged or unreadable input (not the bugs: TypeError and the like)."""
+    import pyarrow
+    import zstandard
+
+    return OSError, EOFError, zlib.error, ValueError, KeyError, zstandard.ZstdError, pyarrow.ArrowException
+
+
+_READ_ERRORS = _read_errors()

@@ -97,11 +97,17 @@ def _sha256(path: Path, refuse_binary: bool) -> str:
     return digest.hexdigest()
 
 
-def sources(inputs: Sequence[str | os.PathLike]) -> list[dict]:
-    """Every input named by `inputs` with its format and SHA-256: one read of the whole corpus, which
-    `corpus_identity` and `prepare` share. Refuses missing and binary inputs."""
-    return [{"path": str(p), "format": input_format(p), "sha256": _sha256(p, input_format(p) == "text")}
-            for p in expand_inputs(inputs)]
+def sources(inputs: Sequence[str | os.PathLike], exclude: Sequence[str | os.PathLike] = ()) -> list[dict]:
+    """Every input named by `inputs` (nothing under `exclude`) with its format and SHA-256: one read of the
+    whole corpus, which `corpus_identity` and `prepare` share. Refuses missing, unreadable and binary inputs."""
+    found = []
+    for path in expand_inputs(inputs, exclude):
+        try:
+            found.append({"path": str(path), "format": input_format(path),
+                          "sha256": _sha256(path, input_format(path) == "text")})
+        except OSError as e:
+            raise ConfigError(f"data input {str(path)!r} cannot be read: {e.strerror or e}") from None
+    return found
 
 
 def corpus_identity(corpus_sources: list[dict], val_fraction: float, text_field: str = "text") -> dict:

@@ -24,7 +24,7 @@ __all__ = ["Request", "check_request", "check_prompt", "check_prompts", "check_s
 class Request:
     """One completion to generate. Knobs as in `gpt.inference.sampling.SamplingParams` (temperature 0 is greedy).
 
-    seed, stream: integers (taken modulo 2**32); the request's draws are a pure function of (seed, stream,
+    seed, stream: integers (taken modulo 2**32; the server refuses seeds outside [0, 2**32)); the request's draws are a pure function of (seed, stream,
       model, prompt, knobs), whatever else the engine is running; `generate` gives the rows of one call
       streams 0, 1, ...
     stop_tokens: an id, or ids, that end the completion (not emitted). stop_strings: a text, or texts, that

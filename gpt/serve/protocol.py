@@ -231,6 +231,8 @@ def parse_completion(raw: bytes, limits: Limits) -> Parsed:
         raise ApiError(400, "max_tokens must be >= 1, got 0; 0 only with echo: true, which scores the prompt and "
                             "generates nothing", "max_tokens")
     seed = _number(body, "seed", None, int)
+    if seed is not None and not 0 <= seed < 2**32:  # the sampler's key holds 32 bits: a larger one would alias
+        raise ApiError(400, f"seed must be in [0, 2**32), got {describe(seed)}", "seed")
     knobs = dict(
         max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", None),
         top_k=_number(body, "top_k", None, int) or None,  # 0 is a common way to say "no top-k"

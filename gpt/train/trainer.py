@@ -204,6 +204,8 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.prefetch < 0:
             raise ConfigError(f"TrainConfig.prefetch must be >= 0, got {self.prefetch}")
+        if not 0 <= self.seed < 2**63:  # numpy's and JAX's generators take it as a 64-bit integer
+            raise ConfigError(f"TrainConfig.seed must be in [0, 2**63), got {self.seed}")
         for name in ("stop_after", "block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -307,7 +309,7 @@ def plan(config: TrainConfig, log=print) -> Plan:
                           f"devices (data x fsdp = {data_parallel_size(mesh)})")
     config, model_config = _resolve_model(config, log)
     inputs = list(config.data) or default_corpus()
-    corpus_sources = sources(inputs)  # the one read of the whole corpus before tokenizing
+    corpus_sources = sources(inputs, exclude=[out_dir])  # the one read of the corpus; never the run's own files
     run_identity = identity(config_to_json(model_config), {**dataclasses.asdict(config), "warmup_steps": config.warmup},
                             corpus_identity(corpus_sources, config.val_fraction, config.text_field))
     return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity)
@@ -421,7 +423,7 @@ class Run:
 
     def key(self, step: int) -> jax.Array:
         """The random key of step `step`'s dropout (a pure function of the seed and the step)."""
-        return jax.random.key(self.config.seed * 7919 + step)
+        return jax.random.key((self.config.seed * 7919 + step) % 2**63)  # a seed near 2**63 must not overflow
 
     def evaluate(self) -> float:
         """The mean loss of `eval_iters` validation batches (waits for the device)."""
