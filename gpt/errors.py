@@ -21,7 +21,7 @@ import sys
 
 from gpt.signals import StopSignals
 
-__all__ = ["UserError", "ConfigError", "MissingInput", "RunFailed", "cli_main"]
+__all__ = ["UserError", "ConfigError", "MissingInput", "RunFailed", "cli_main", "check_fits_in_memory"]
 
 
 class UserError(Exception):
@@ -41,6 +41,18 @@ class MissingInput(UserError, FileNotFoundError):
 
 class RunFailed(RuntimeError):
     """The run stopped on purpose (a non-finite step, a failed save): the CLIs print this line and exit 1."""
+
+
+def check_fits_in_memory(setting: str, nbytes: int, what: str, advice: str) -> None:
+    """ConfigError naming `setting` when `nbytes` (what it asks the host to hold) is over half this machine's
+    memory: an error now, where allocating it would fail (or swap) after the work began."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # not knowable here: nothing to check against
+        return
+    if nbytes > memory // 2:
+        raise ConfigError(f"{setting} needs about {nbytes / 2**30:,.1f} GiB for {what}, over half this machine's "
+                          f"{memory / 2**30:,.1f} GiB of memory: {advice}")
 
 
 class _DropOrbaxErrors(logging.Filter):

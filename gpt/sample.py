@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from gpt.errors import ConfigError, MissingInput
+from gpt.errors import ConfigError, MissingInput, check_fits_in_memory
 from gpt.generate import generate_text, new_tokens_that_fit
 from gpt.inference.decoding import Decoder
 from gpt.inference.sampling import SamplingParams
@@ -18,6 +18,9 @@ from gpt.model.sharding import make_mesh, parse_mesh
 __all__ = ["SampleConfig", "sample"]
 
 _DEFAULT_NEW_TOKENS = 200
+# What a sample keeps for each of its tokens on the host: a Python int in a list (~36 bytes), a slot of the
+# request's arrays and its text; rounded up.
+_BYTES_A_TOKEN = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,9 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ConfigError(f"SampleConfig.{name} must be >= 1, got {getattr(config, name)}")
     start = _prompt(config.start)
+    held = len(start) + (config.max_new_tokens or _DEFAULT_NEW_TOKENS)  # about a token a character, at most
+    check_fits_in_memory(f"SampleConfig.num_samples={config.num_samples}", config.num_samples * held * _BYTES_A_TOKEN,
+                         "the samples' prompts and tokens", "ask for fewer --num_samples")
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     # Laid out for decoding (and quantized) once, for every sample.
     decoder = Decoder.of(load(config.init_from, config.dtype), config.quantize, mesh)

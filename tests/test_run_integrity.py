@@ -298,6 +298,9 @@ USER_ERRORS = [
     ("train.py", ["--weight_decay", "nan"], "TrainConfig.weight_decay must be >= 0 and finite, got nan"),
     ("train.py", ["--grad_clip", "-1"], "TrainConfig.grad_clip must be >= 0 and finite, got -1.0"),
     ("train.py", ["--peak_flops", "nan"], "TrainConfig.peak_flops must be positive and finite, got nan"),
+    ("train.py", ["--seed", "-1"], "TrainConfig.seed must be in [0, 2**63), got -1"),
+    ("train.py", ["--batch_size", "100000000"], "TrainConfig.batch_size=100000000 x grad_accum=1 needs about"),
+    ("sample.py", ["--num_samples", "20000000000"], "SampleConfig.num_samples=20000000000 needs about"),
     ("train.py", ["--sample_tokens", "-5"], "TrainConfig.sample_tokens must be >= 0, got -5"),
     ("sample.py", ["--temperature", "-1"], "temperature must be >= 0 (0 is greedy) and finite, got -1.0"),
     ("sample.py", ["--init_from", "/no/such/run"], "--init_from '/no/such/run' is not a training out_dir"),
@@ -539,3 +542,17 @@ def test_when_a_process_dies_the_other_says_which_in_one_line_and_a_restart_resu
     for worker, (_, err) in zip(workers, outputs):
         assert worker.returncode == 0, err[-3000:]
     assert saved_steps(out)[-1] == newest + 2
+
+
+def test_a_failed_first_save_says_none_was_kept_and_removes_its_partial_directory(tmp_path):
+    manager = CheckpointManager(tmp_path / "run")
+    try:
+        partial = manager.directory / "4.orbax-checkpoint-tmp-1764230000"
+        (partial / "params").mkdir(parents=True)
+        (partial / "params" / "data").write_bytes(b"\0" * 1024)
+        manager._saving = 4
+        error = manager._save_failed(OSError(28, "No space left on device"))
+        assert "no checkpoint was saved before it" in str(error) and "step None" not in str(error)
+        assert str(error).endswith("No space left on device") and not partial.exists()
+    finally:
+        manager.close()

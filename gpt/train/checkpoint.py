@@ -162,11 +162,16 @@ class CheckpointManager:
             raise self._save_failed(error) from error
 
     def _save_failed(self, error: BaseException) -> RunFailed:
+        """The failure of the save in flight, after its temporary directory is removed (on a full disk, that
+        frees the room it took)."""
+        for partial in self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(partial, ignore_errors=True)
         self.manager.reload()
-        return RunFailed(
-            f"saving checkpoint step {self._saving} to {self.directory} failed; the last complete checkpoint "
-            f"is step {self.latest_step()}; the cause: {_os_error(error)}"
-        )
+        last = self.latest_step()
+        kept = (f"the last complete checkpoint is step {last}" if last is not None else
+                "no checkpoint was saved before it: a restart starts from step 0")
+        return RunFailed(f"saving checkpoint step {self._saving} to {self.directory} failed; {kept}; the cause: "
+                         f"{_os_error(error)}")
 
     def close(self) -> None:
         """Finish pending saves and release Orbax's threads; a failed save is raised as RunFailed."""

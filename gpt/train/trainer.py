@@ -38,7 +38,7 @@ from tqdm import tqdm
 from gpt.data.prefetch import Prefetch
 from gpt.data.prepare import Batches, corpus_identity, default_corpus, prepare, sources
 from gpt.data.shards import verify_shards
-from gpt.errors import ConfigError, RunFailed
+from gpt.errors import ConfigError, RunFailed, check_fits_in_memory
 from gpt.model import gpt2
 from gpt.model.config import PRESETS, GPTConfig
 from gpt.model.sharding import (
@@ -308,6 +308,10 @@ def plan(config: TrainConfig, log=print) -> Plan:
         raise ConfigError(f"TrainConfig.batch_size={config.batch_size} must be divisible by the data-parallel "
                           f"devices (data x fsdp = {data_parallel_size(mesh)})")
     config, model_config = _resolve_model(config, log)
+    batch_bytes = config.grad_accum * config.batch_size * (config.block_size + 1) * 4 * (config.prefetch + 2)
+    check_fits_in_memory(f"TrainConfig.batch_size={config.batch_size} x grad_accum={config.grad_accum}", batch_bytes,
+                         f"the int32 token batches in flight ({config.prefetch} prefetched + 2 steps')",
+                         "use a smaller --batch_size or --grad_accum")
     inputs = list(config.data) or default_corpus()
     corpus_sources = sources(inputs, exclude=[out_dir])  # the one read of the corpus; never the run's own files
     run_identity = identity(config_to_json(model_config), {**dataclasses.asdict(config), "warmup_steps": config.warmup},
