@@ -28,7 +28,7 @@ def test_gpu_bench_smoke_measures_every_configuration_and_the_torch_peer(tmp_pat
         assert row["micro_batch"] * row["accumulation"] * row["block_size"] == 4 * 2 * 64
         assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0
         assert row["first_step_s"] > 0
-    assert "| gpt (jax) | smoke | True | True | 4 x 2 |" in done.stdout
+    assert "| gpt (jax) | smoke | True | True | False | 4 x 2 |" in done.stdout  # scan_layers, remat, fp8
     # Each of our configurations traced, and its trace sorted by bench/step_profile.py.
     assert sorted(path.name for path in profiles.iterdir()) == [
         "smoke-scan0-remat0", "smoke-scan0-remat1", "smoke-scan1-remat0", "smoke-scan1-remat1"]

@@ -155,25 +155,34 @@ function generationBody(name) {
 }
 
 async function generate() {
-  const output = $("output");
-  output.replaceChildren();
-  $("details").hidden = true;
-  setRunning(true);
-  $("status").textContent = "generating";
-  try {
+  await request("generating", async (signal) => {
     const body = generationBody(await servedModel());
     const prompt = document.createElement("span");
     prompt.className = "prompt";
     prompt.textContent = body.prompt;
-    output.append(prompt);
+    $("output").append(prompt);
     let finish = null;
-    for await (const chunk of events(await api("/v1/completions", body, running.signal))) {
+    for await (const chunk of events(await api("/v1/completions", body, signal))) {
       const choice = chunk.choices[0];
       if (choice.logprobs) addTokens(choice.logprobs, "generated");
       finish = choice.finish_reason || finish;
     }
-    $("status").textContent = "done" + (finish ? " (" + finish + ")" : "");
+    return "done" + (finish ? " (" + finish + ")" : "");
+  });
+}
+
+// One request at a time: the output cleared, the buttons set, `work(signal)` run (Stop aborts its signal),
+// and its outcome, an error, or "stopped" as the status.
+async function request(doing, work) {
+  $("output").replaceChildren();
+  $("details").hidden = true;
+  $("score-summary").hidden = true;
+  setRunning(true);
+  $("status").textContent = doing;
+  try {
+    const outcome = await work(running.signal);
     if ($("show-tokens").checked) await labelIds();
+    $("status").textContent = outcome;
   } catch (error) {
     $("status").textContent = error.name === "AbortError" ? "stopped" : "error: " + error.message;
   } finally {
@@ -191,15 +200,10 @@ function setRunning(on) {
 // ----------------------------------------------------------------------------------------- score
 
 async function score() {
-  const output = $("output"), text = $("score-text").value;
-  output.replaceChildren();
-  $("details").hidden = true;
-  $("score-summary").hidden = true;
-  setRunning(true);
-  $("status").textContent = "scoring";
-  try {
+  const text = $("score-text").value;
+  await request("scoring", async (signal) => {
     const body = { model: await servedModel(), prompt: text + EOT, max_tokens: 0, echo: true, logprobs: TOP };
-    const reply = await (await api("/v1/completions", body, running.signal)).json();
+    const reply = await (await api("/v1/completions", body, signal)).json();
     const logprobs = reply.choices[0].logprobs;
     addTokens(logprobs, "scored");
     const scored = logprobs.token_logprobs.filter((lp) => lp !== null);
@@ -212,13 +216,8 @@ async function score() {
     $("bits-per-byte").textContent = bitsPerByte.toFixed(4);
     $("bits-per-byte").dataset.value = String(bitsPerByte);
     $("score-summary").hidden = false;
-    $("status").textContent = "scored";
-    if ($("show-tokens").checked) await labelIds();
-  } catch (error) {
-    $("status").textContent = error.name === "AbortError" ? "stopped" : "error: " + error.message;
-  } finally {
-    setRunning(false);
-  }
+    return "scored";
+  });
 }
 
 // ----------------------------------------------------------------------------------------- the page
