@@ -1,8 +1,8 @@
 """Generation: a batch of prompts through one `gpt.inference.engine.Engine`, run on the caller's thread.
 
 The engine is sized for the call: a slot per prompt (rounded up to a power of two) up to `max_batch`
-slots, the other prompts waiting in its queue and entering as rows finish (each slot holds a cache and a
-row of logits, so the engine's memory does not grow past max_batch prompts), and a cache of prompt
+slots, the other prompts waiting in its queue and entering as rows finish (each slot holds a cache row, its
+next token and a row of its seen tokens, so the engine's memory does not grow past max_batch prompts), and a cache of prompt
 bucket + a power of two >= max_new_tokens positions (capped at the model's context), so that new prompt
 lengths and new `max_new_tokens` inside a bucket reuse the compiled programs. Every sampling knob is a
 traced value. Each call has its own engine, so calls are re-entrant and thread-safe: an `on_token`

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from gpt.data.corpus import split_sections
-from gpt.data.prepare import Batches, in_validation, prepare
+from gpt.data.loader import Batches
+from gpt.data.prepare import in_validation, prepare
 from gpt.errors import ConfigError
 from gpt.tokenizer import get_tokenizer
 
@@ -271,3 +272,14 @@ def test_the_loader_is_deterministic_and_never_crosses_a_shard(tmp_path):
     np.testing.assert_array_equal(batches[5], np.concatenate([h[5] for h in halves]))
     with pytest.raises(ConfigError, match=r"at most 40 tokens each, fewer than block_size \+ 1 = 41"):
         Batches(shards[:1], block_size=40, batch_size=2, seed=0)
+
+
+def test_a_corpus_prepared_by_the_library_call_is_what_train_reads_without_tokenizing_again(tmp_path, corpus):
+    """prepare()'s defaults are train.py's: a run on the same corpus finds its shards up to date."""
+    from training import run
+
+    prepare([corpus], tmp_path / "run" / "data")
+    meta = tmp_path / "run" / "data" / "meta.json"
+    written = meta.stat().st_mtime_ns
+    run(tmp_path, corpus, max_steps=2)
+    assert meta.stat().st_mtime_ns == written

@@ -344,3 +344,13 @@ def test_a_seed_outside_what_the_generators_take_is_refused_at_once(seed):
     with pytest.raises(ConfigError, match=r"seed must be in \[0, 2\*\*63\)"):
         TrainConfig(seed=seed)
     TrainConfig(seed=2**63 - 1)
+
+
+def test_a_file_that_decoded_with_losses_is_named_in_a_warning(tmp_path, corpus_text, capsys):
+    good, lossy = tmp_path / "good.txt", tmp_path / "lossy.txt"
+    good.write_text(corpus_text[:100_000])
+    lossy.write_bytes(corpus_text[:100_000].encode() + b"\xff\xfe" * 500)  # invalid UTF-8
+    meta = prepare([good, lossy], tmp_path / "data")
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert meta["replaced_invalid_utf8"] == 1000
+    assert len(warnings) == 1 and str(lossy) in warnings[0] and "1,000 of its" in warnings[0], warnings

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from gpt.data.prepare import unigram_loss
+from gpt.data.loader import unigram_loss
 from gpt.errors import ConfigError, UserError
 from gpt.model.config import GPTConfig
 from gpt.tokenizer import get_tokenizer

@@ -46,20 +46,21 @@ import numpy as np
 from tqdm import tqdm
 
 from gpt.data.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, input_format, read_sections
-from gpt.data.loader import Batches, unigram_loss
 from gpt.data.shards import ShardHasher
 from gpt.errors import ConfigError, MissingInput
 from gpt.run_dir import RunLock, make_dir
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["prepare", "sources", "in_validation", "default_corpus", "corpus_identity", "Batches", "unigram_loss",
-           "PrepareConfig"]
+__all__ = ["prepare", "sources", "in_validation", "default_corpus", "corpus_identity", "PrepareConfig",
+           "DEFAULT_VAL_FRACTION"]
 
 SPLIT_RULE = "section is val when blake2b-64(text) / 2**64 < val_fraction"
+DEFAULT_VAL_FRACTION = 0.05  # prepare's, `python -m gpt.data`'s and train.py's: one corpus, one preparation
 _FORMAT_VERSION = 3  # 3: each shard's SHA-256
 _BATCH_CHARS = 1 << 20
 _BINARY_PROBE = 8192
 _WRITE_BUFFER = 4 << 20
+_LOSSY_SHARE = 1e-3  # a file with more of its characters replaced than this is named in a warning
 
 
 def default_corpus() -> list[Path]:
@@ -195,11 +196,11 @@ class _ShardWriter:
 
 # ------------------------------------------------------------------------------------------ prepare
 
-def _numbered_sections(paths: list[Path], text_field: str, bad: BadRecords) -> Iterator[tuple[int, Section]]:
+def _numbered_sections(paths: list[Path], text_field: str, bad: BadRecords) -> Iterator[tuple[int, Path, Section]]:
     index = 0
     for path in paths:
         for section in read_sections(path, text_field, bad):
-            yield index, section
+            yield index, path, section
             index += 1
 
 
@@ -248,13 +249,16 @@ def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, wr
     resume_at = min(w.next_section for w in writers.values())
     bad = BadRecords()
     counts = collections.Counter()
+    lossy: dict[Path, tuple[int, int]] = collections.defaultdict(lambda: (0, 0))  # (U+FFFD, characters) a file
 
     def batches() -> Iterator[list[tuple[int, Section]]]:
         batch, size = [], 0
-        for index, section in _numbered_sections(paths, text_field, bad):
+        for index, path, section in _numbered_sections(paths, text_field, bad):
             counts["sections"] += 1
             counts["documents"] += section.last
-            counts["replaced_invalid_utf8"] += section.text.count("\ufffd")
+            replaced = section.text.count("\ufffd")
+            counts["replaced_invalid_utf8"] += replaced
+            lossy[path] = (lossy[path][0] + replaced, lossy[path][1] + len(section.text))
             if index < resume_at:
                 continue  # both splits already hold it in finished shards
             batch.append((index, section))
@@ -282,6 +286,10 @@ def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, wr
                 drain_one()
         while in_flight:
             drain_one()
+    for path, (replaced, characters) in lossy.items():
+        if replaced > _LOSSY_SHARE * characters:
+            print(f"warning: {path}: {replaced:,} of its {characters:,} characters were not valid UTF-8 (or were lone "
+                  f"surrogates) and became U+FFFD", file=sys.stderr)
     return counts, bad
 
 
@@ -299,8 +307,8 @@ def _check_splits(inputs, counts: collections.Counter, bad: BadRecords, totals: 
                               f"text or another val_fraction")
 
 
-def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val_fraction: float = 0.1,
-            text_field: str = "text", workers: int | None = None, shard_tokens: int = 100_000_000,
+def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
+            val_fraction: float = DEFAULT_VAL_FRACTION, text_field: str = "text", workers: int | None = None, shard_tokens: int = 100_000_000,
             progress: bool | None = None, corpus_sources: list[dict] | None = None, lock: bool = True) -> dict:
     """Tokenize `inputs` (files, directories, globs; text, JSONL, Parquet or saved datasets) into token
     shards in `out_dir` with GPT-2's tokenizer, as this module's docstring describes.
@@ -397,7 +405,7 @@ class PrepareConfig:
     empty prepares the embedded default corpus."""
     out_dir: str = "out/data"
     """Where the shards and meta.json go (train.py uses OUT_DIR/data)."""
-    val_fraction: float = 0.05
+    val_fraction: float = DEFAULT_VAL_FRACTION
     """The share of sections held out for validation (by hash: see gpt/data/prepare.py)."""
     text_field: str = "text"
     """The field (JSONL) or column (Parquet, datasets) that holds each document's text."""

@@ -220,7 +220,8 @@ class Engine:
         return programs
 
     def compiled_shapes(self) -> int:
-        """How many programs the engine's jitted functions hold (for tests: no compile after warm-up)."""
+        """How many programs the decoding verbs' jitted functions hold, for every engine of the process (they
+        are shared: for tests, that nothing compiles after a warm-up)."""
         return compiled_programs()
 
     def start(self) -> None:

@@ -272,11 +272,6 @@ def forward(
     return transform(config, weights, x_BTD, positions_BT, cache, blocks_key)
 
 
-# What GPT's methods run: one program per shape when called eagerly (op by op, a first forward dispatches
-# and compiles hundreds of small programs: seconds for a tiny model); inlined into a caller's own jit.
-compiled_forward = jax.jit(forward, static_argnames="config")
-
-
 @functools.partial(jax.jit, static_argnames="config")
 def _compiled_logits(config: GPTConfig, weights: Weights, tokens_BT: jax.Array, positions_BT: jax.Array | None,
                      cache: KVCache | None, dropout_key: jax.Array | None) -> tuple[jax.Array, KVCache | None]:
@@ -397,10 +392,6 @@ class GPT(nnx.Module):
             final_bias=None if self.lnf_bias is None else self.lnf_bias[...],
             head=OutputMajor(embedding if self.lm_head is None else self.lm_head[...]),
         )
-
-    def hidden(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """The training forward's final hidden states [B, T, D] (after the last LayerNorm)."""
-        return compiled_forward(self.config, self.weights(), tokens_BT, dropout_key=dropout_key)[0]
 
     def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array, *, dropout_key: jax.Array | None = None,
              label_smoothing: float = 0.0) -> jax.Array:

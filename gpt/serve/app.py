@@ -146,7 +146,6 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
     eot = tokenizer.eot_id if engine.config.vocab_size > tokenizer.eot_id else None
     limits = Limits(model_name, engine.config.vocab_size, engine.cache_length, engine.max_queue,
                     engine.max_stop_tokens, eot)
-    limits.max_prompt_chars  # noqa: B018  (reads the vocabulary's longest token now, not on a request's clock)
     served = _Served(engine, model_name, limits, Metrics(engine), max_request_bytes)
     state = {"serving": False}
 

@@ -47,7 +47,9 @@ class Limits:
 
     model_name: the name clients must send; vocab_size, cache_length, max_queue, max_stop_tokens: the
     engine's; eot: the end-of-text id every completion stops at (None when the vocabulary has none);
-    max_depth: how deeply JSON arrays and objects may nest.
+    max_depth: how deeply JSON arrays and objects may nest; max_prompt_chars (derived): the most characters
+    a prompt string can have and still fit the cache in tokens, found from the vocabulary's longest token
+    when the limits are made (at start-up, not on a request's clock).
     """
 
     model_name: str
@@ -57,11 +59,10 @@ class Limits:
     max_stop_tokens: int
     eot: int | None
     max_depth: int = 32
+    max_prompt_chars: int = dataclasses.field(init=False)
 
-    @property
-    def max_prompt_chars(self) -> int:
-        """The most characters a prompt string can have and still fit the cache in tokens."""
-        return self.cache_length * _longest_token_bytes()
+    def __post_init__(self):
+        object.__setattr__(self, "max_prompt_chars", self.cache_length * _longest_token_bytes())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from gpt.data.prefetch import Prefetch
-from gpt.data.prepare import Batches, corpus_identity, default_corpus, prepare, sources
+from gpt.data.loader import Batches
+from gpt.data.prepare import DEFAULT_VAL_FRACTION, corpus_identity, default_corpus, prepare, sources
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, RunFailed, check_fits_in_memory
 from gpt.model import gpt2
@@ -73,7 +74,7 @@ class TrainConfig:
     out_dir: str = "out"
     """Where the tokenized data, checkpoints, metrics.jsonl and TensorBoard events go; a run resumes from
     the newest intact checkpoint here automatically."""
-    val_fraction: float = 0.05
+    val_fraction: float = DEFAULT_VAL_FRACTION
     """The share of the corpus held out for evaluation (sections chosen by hash: see gpt/data/prepare.py)."""
     text_field: str = "text"
     """The field (JSONL) or column (Parquet, saved datasets) holding each document's text."""
