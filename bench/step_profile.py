@@ -101,13 +101,18 @@ def _inside(op: Op, computations: dict[str, list[Op]]) -> list[Op]:
 
 
 def scope(op_name: str) -> str | None:
-    """The innermost known named scope in a name stack (None outside all of them)."""
-    known = [part for part in op_name.split("/") if part in SCOPES or part in GEMM_ROLES]
+    """The innermost known named scope in a name stack (None outside all of them). A scope inside a
+    differentiated function is wrapped in its transforms (`transpose(jvp(mlp_up))`): its name is inside."""
+    parts = [re.sub(r"^(?:[\w-]+\()+([^()]*)\)+$", r"\1", part) for part in op_name.split("/")]
+    known = [part for part in parts if part in SCOPES or part in GEMM_ROLES]
     return known[-1] if known else None
 
 
 def direction(op_name: str) -> str:
-    """'bwd' for the backward pass (a transpose of the forward, or code under a `backward` scope), else 'fwd'."""
+    """'bwd' for the backward pass (a transpose of the forward, or code under a `backward` scope), else 'fwd';
+    a forward recomputed in the backward pass (`recompute`, remat) is forward work."""
+    if "/recompute/" in op_name:
+        return "fwd"
     return "bwd" if "transpose(" in op_name or "/backward/" in op_name else "fwd"
 
 

@@ -281,5 +281,5 @@ def test_a_corpus_prepared_by_the_library_call_is_what_train_reads_without_token
     prepare([corpus], tmp_path / "run" / "data")
     meta = tmp_path / "run" / "data" / "meta.json"
     written = meta.stat().st_mtime_ns
-    run(tmp_path, corpus, max_steps=2)
+    run(tmp_path, corpus, max_steps=3)
     assert meta.stat().st_mtime_ns == written

@@ -348,7 +348,7 @@ def test_a_seed_outside_what_the_generators_take_is_refused_at_once(seed):
 
 def test_a_file_that_decoded_with_losses_is_named_in_a_warning(tmp_path, corpus_text, capsys):
     good, lossy = tmp_path / "good.txt", tmp_path / "lossy.txt"
-    good.write_text(corpus_text[:100_000])
+    good.write_text(corpus_text[:400_000])
     lossy.write_bytes(corpus_text[:100_000].encode() + b"\xff\xfe" * 500)  # invalid UTF-8
     meta = prepare([good, lossy], tmp_path / "data")
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]

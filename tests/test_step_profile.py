@@ -58,6 +58,8 @@ ENTRY %main.1 (a: bf16[64,32], b: bf16[32,128], c: f32[32,128]) -> bf16[64,128] 
   %convert_fusion = bf16[32,128]{1,0} fusion(%c), kind=kLoop, calls=%fused_convert
   %norm_fusion = bf16[64,32]{1,0} fusion(%a), kind=kLoop, calls=%fused_norm, metadata={op_name="jit(step)/while/body/closed_call/jvp(jit(_compiled_loss))/layer_norm/rsqrt"}
   %adam = f32[32,128]{1,0} multiply(%c, %c), metadata={op_name="jit(step)/optimizer/mul"}
+  %remat-dot = bf16[64,128]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/while/body/closed_call/transpose(jvp(jit(_compiled_loss)))/recompute/jvp(mlp_down)/dot_general"}
+  %remat-dot.1 = bf16[64,128]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/while/body/closed_call/transpose(jvp(jit(_compiled_loss)))/backward/transpose(jvp(mlp_down))/dot_general"}
   %while.1 = (s32[], bf16[64,32]{1,0}) while(%t), condition=%body, body=%body
   ROOT %out = bf16[64,128]{1,0} add(%gemm_fusion, %gemm_fusion), metadata={op_name="jit(step)/add"}
 }
@@ -74,6 +76,8 @@ ENTRY %main.1 (a: bf16[64,32], b: bf16[32,128], c: f32[32,128]) -> bf16[64,128] 
     ("adam", "optimizer"),
     ("out", "other fusions"),
     ("while.1", None),  # a container: its body's ops are timed themselves
+    ("remat-dot", "mlp_down fwd"),  # remat unrolled: the forward recomputed in the backward pass
+    ("remat-dot.1", "mlp_down bwd"),  # and its backward, the scopes wrapped in their transforms
 ])
 def test_each_op_goes_to_the_category_of_its_work_and_scope(name, category):
     ops, computations = step_profile.parse_hlo(HLO)

@@ -35,8 +35,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from gpt.data.prefetch import Prefetch
 from gpt.data.loader import Batches
+from gpt.data.prefetch import Prefetch
 from gpt.data.prepare import DEFAULT_VAL_FRACTION, corpus_identity, default_corpus, prepare, sources
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, RunFailed, check_fits_in_memory
