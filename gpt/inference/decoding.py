@@ -511,7 +511,11 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Arr
     """Up to `num_steps` (<= max_steps, static) decode steps for every live slot, in one while_loop.
 
     The loop ends early when no slot is live, or, with `stop_at_finish`, once any slot finishes (so that
-    the host can hand the freed slot to a waiting request).
+    the host can hand the freed slot to a waiting request). It checks that condition after every chunk of
+    `decode_chunk_length(max_steps)` steps, which run unrolled: on a GPU a while loop's condition goes back
+    to the host at each iteration (`gpt.model.backend`'s `decode_chunk`). So `num_steps` is rounded up to a
+    whole chunk, and when one chunk is all of `max_steps` there is no loop. Within a chunk, a slot that
+    finished (or a free one) runs on as a free slot does, emitting nothing.
 
     rows_R: int32 [R], distinct slots that hold every live one: the steps run over those R rows alone
     (on a CPU, a step over 8 rows costs about twice one over 1; `gpt.inference.engine` picks R from the live
@@ -560,8 +564,22 @@ def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: j
                       live=c.live, steps=i + 1)
         return slots, out
 
-    slots, out = jax.lax.while_loop(keep_going, step, (slots, out))
+    chunk = decode_chunk_length(max_steps)
+
+    def steps(carry):
+        for _ in range(chunk):
+            carry = step(carry)
+        return carry
+
+    if chunk == max_steps:  # one chunk is the whole call: no loop, nothing to read back between steps
+        return steps((slots, out))
+    slots, out = jax.lax.while_loop(keep_going, steps, (slots, out))
     return slots, out
+
+
+def decode_chunk_length(max_steps: int) -> int:
+    """Decode steps a chunk runs unrolled: the backend's `decode_chunk`, or less, to divide `max_steps`."""
+    return max(c for c in range(1, min(choices().decode_chunk, max_steps) + 1) if max_steps % c == 0)
 
 
 # One compiled program per shape; the config is static, the weights, slots and knobs are traced. The

@@ -10,6 +10,7 @@ is for mesh axes). Each choice was measured; the figures are in bench/RESULTS.md
 | `score_rows` | a prompt's scores (the LM head, its logsumexp and top logprobs) 128 positions at a time | all at once | 128 rows of GPT-2's logits (26 MB) stay in the last-level cache for the reductions over them ("Scoring prompts, and sampling sooner") |
 | `kv_page_length` | an engine's cache in pages of 128 slots | one page | a decode step reads only the pages its rows reached ("Paged KV cache"); cuDNN reads one buffer under the mask |
 | `narrow_decodes` | decodes compiled for 1, 2, 4, ... rows | for every slot | a step over 8 rows costs about twice one over 1 on a CPU, about the same on a GPU ("Serving") |
+| `decode_chunk` | 1: a decode call's loop checks after every step whether to go on | 8 steps unrolled between checks | a GPU's while loop reads its condition back on the host at every iteration, and waits for it before the next; a CPU's does not, and gains from stopping at once (to be measured on a GPU: "The decode loop in chunks") |
 """
 
 from __future__ import annotations
@@ -32,13 +33,16 @@ class BackendChoices:
     score_rows: int | None  # None: every position of a prefill at once
     kv_page_length: int | None  # None: the whole cache is one page
     narrow_decodes: bool
+    decode_chunk: int  # decode steps run unrolled between two checks of the decode loop's condition
 
 
 CHOICES = {
     "cpu": BackendChoices(fused_attention=False, loss_chunk_bytes=128 << 20, cpu_kernels=True,
-                          few_rows_matmul=True, score_rows=128, kv_page_length=128, narrow_decodes=True),
+                          few_rows_matmul=True, score_rows=128, kv_page_length=128, narrow_decodes=True,
+                          decode_chunk=1),
     "gpu": BackendChoices(fused_attention=True, loss_chunk_bytes=1 << 30, cpu_kernels=False,
-                          few_rows_matmul=False, score_rows=None, kv_page_length=None, narrow_decodes=False),
+                          few_rows_matmul=False, score_rows=None, kv_page_length=None, narrow_decodes=False,
+                          decode_chunk=8),
 }
 _OTHER = dataclasses.replace(CHOICES["gpu"], fused_attention=False)  # a TPU: XLA's own attention
 
