@@ -16,7 +16,7 @@ from gpt.data.loader import unigram_loss
 from gpt.errors import ConfigError, UserError
 from gpt.model.config import GPTConfig
 from gpt.tokenizer import get_tokenizer
-from gpt.train.checkpoint import CheckpointManager, load_model
+from gpt.train.checkpoint import CheckpointManager, is_finite, load_model
 from gpt.train.trainer import NonFiniteStep
 
 from training import MODEL, ROOT, cli_flags, flat, run
@@ -187,3 +187,26 @@ def test_sample_and_export_from_a_training_run(tmp_path, corpus):
     tokens = np.arange(12, dtype=np.int32).reshape(1, 12)
     np.testing.assert_array_equal(np.asarray(gpt2.load(tmp_path / "hf")(tokens)),
                                   np.asarray(load_model(tmp_path / "run")(tokens)))
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_while_the_first_is_saved_ends_cleanly_with_its_status(tmp_path, corpus):
+    out = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "train.py"), *cli_flags(data=(corpus,), out_dir=str(out), max_steps=100000,
+               checkpoint_interval=100000, eval_interval=100000, log_interval=1, num_devices=None)]
+    process = subprocess.Popen(command, env={**os.environ, "XLA_FLAGS": ""}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.2)  # the run is saving the step it stopped at
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert "Traceback" not in output
+    manager = CheckpointManager(out, async_save=False)
+    step = manager.latest_step()
+    manager.close()
+    assert step is not None and is_finite(jax.tree.leaves(load_model(out, step=step)))
