@@ -39,10 +39,11 @@ from gpt.data.loader import shard_paths
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, cli_main
 from gpt.inference.decoding import Decoder
+from gpt.inference.scoring import scored_positions
 from gpt.loading import load
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh, parse_mesh
-from gpt.model.transformer import GPT, forward, lm_head
+from gpt.model.transformer import GPT, forward
 from gpt.run_dir import has_checkpoint
 from gpt.tokenizer import get_tokenizer
 
@@ -159,16 +160,25 @@ def _streams(config: EvalConfig) -> list[tuple[str, Callable[[Score], Iterator[n
             for path in expand_inputs(config.data)]
 
 
-def _nll_function(config: GPTConfig, mesh: Mesh | None):
-    """(weights, tokens int32 [B, C], scored bool [B, C - 1]) -> summed NLL (float32 []) of the scored
-    targets tokens[:, 1:], through the model's one forward over `weights` in any layout."""
+def _nll_program(config: GPTConfig):
+    """jit((weights, tokens int32 [B, C], scored bool [B, C - 1]) -> summed NLL (float32 []) of the scored
+    targets tokens[:, 1:]), through the model's one forward over `weights` in any layout."""
 
     @jax.jit
     def nll(weights, tokens_BC, scored_BC):
         hidden_BCD, _ = forward(config, weights, tokens_BC)  # positions 0..C-1
-        log_probs = jax.nn.log_softmax(lm_head(weights, hidden_BCD[:, :-1]), axis=-1)
-        target_log_probs = jnp.take_along_axis(log_probs, tokens_BC[:, 1:, None], axis=-1)[..., 0]
-        return -jnp.sum(jnp.where(scored_BC, target_log_probs, 0.0))
+        B, C = tokens_BC.shape
+        # The targets' log-probabilities a block of positions at a time: never [B, C, V] logits at once.
+        target_log_probs = scored_positions(weights, hidden_BCD[:, :-1].reshape(B * (C - 1), -1),
+                                            tokens_BC[:, 1:].reshape(-1), False, config.vocab_size)[0]
+        return -jnp.sum(jnp.where(scored_BC.reshape(-1), target_log_probs, 0.0))
+
+    return nll
+
+
+def _nll_function(config: GPTConfig, mesh: Mesh | None):
+    """`_nll_program(config)`, called on `mesh` (None: no mesh)."""
+    nll = _nll_program(config)
 
     def call(*args):
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():

@@ -3,6 +3,7 @@ strided recipe computed with transformers on the same weights."""
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -147,3 +148,20 @@ def test_a_mesh_scores_as_one_device_and_int8_costs_little(tmp_path, corpus_text
     assert int8["nats_per_token"] != one["nats_per_token"], "int8 weights are not the float32 ones"
     with pytest.raises(ConfigError, match="quantize must be one of none"):
         evaluate(EvalConfig(**base, quantize="int4"))
+
+
+def test_scoring_never_holds_every_positions_logits_at_once():
+    """gpt.eval's program at a batch of 8 windows of 64 over GPT-2's vocabulary: XLA's temporaries stay under
+    half of what the [B, C - 1, V] float32 logits alone would take (they are scored a block at a time)."""
+    from flax import nnx
+
+    from gpt import GPT, GPTConfig
+    from gpt.eval import _nll_program
+    from gpt.inference.decoding import Decoder
+
+    config = GPTConfig.preset("tiny", vocab_size=50257, block_size=64)
+    decoder = Decoder.of(GPT(config, rngs=nnx.Rngs(0)))
+    tokens, scored = jnp.zeros((8, 64), jnp.int32), jnp.ones((8, 63), bool)
+    compiled = _nll_program(decoder.config).lower(decoder.weights, tokens, scored).compile()
+    logits = 8 * 63 * config.vocab_size * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < logits / 2

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from gpt.errors import ConfigError
 from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams, choose
 from gpt.inference.scheduler import NO_TOKEN  # an Emitted entry where a slot produced nothing
+from gpt.inference.scoring import scored_positions, token_scores
 from gpt.model.backend import choices
 from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
@@ -252,7 +253,7 @@ class PromptScores:
 
 
 def score_prompt(weights: Weights, x_bPD: jax.Array, targets_bP: jax.Array, score_b: jax.Array,
-                 top_b: jax.Array) -> PromptScores:
+                 top_b: jax.Array, vocab_size: int) -> PromptScores:
     """`PromptScores` from the final hidden states x_bPD of a piece: the LM head at every position, run
     only when some row is scored (`score_b`; bool [b]), the top J only when one of those wants them
     (`top_b`). A token's logprob and its top-J entry come from the same logits, so they are equal when
@@ -260,29 +261,9 @@ def score_prompt(weights: Weights, x_bPD: jax.Array, targets_bP: jax.Array, scor
     b, P = targets_bP.shape
     J, wants_top = TOP_LOGPROBS, jnp.any(score_b & top_b)
 
-    def scores_of(x_RD, targets_R):
-        """(logprob [R], top ids [R, J], top logprobs [R, J]) of R positions."""
-        logits_RV = lm_head(weights, x_RD[None])[0]
-        logsumexp_R1 = jax.nn.logsumexp(logits_RV, axis=-1, keepdims=True)
-        logprob_R = (jnp.take_along_axis(logits_RV, targets_R[:, None], axis=-1) - logsumexp_R1)[:, 0]
-
-        def top():
-            top_logits_RJ, top_ids_RJ = jax.lax.top_k(logits_RV, J)
-            return top_ids_RJ, top_logits_RJ - logsumexp_R1
-
-        R = targets_R.shape[0]
-        return logprob_R, *jax.lax.cond(wants_top, top, lambda: (jnp.zeros((R, J), jnp.int32), jnp.zeros((R, J))))
-
     def scores():
-        rows = choices().score_rows or b * P
-        x_RD, targets_R = x_bPD.reshape(b * P, -1), targets_bP.reshape(b * P)
-        if b * P <= rows:
-            logprob, top_ids, top_logprobs = scores_of(x_RD, targets_R)
-        else:  # a block of positions at a time, its logits still in cache for the reductions over them
-            n = -(-b * P // rows)
-            pad = lambda a: jnp.pad(a, [(0, n * rows - b * P)] + [(0, 0)] * (a.ndim - 1)).reshape(n, rows, *a.shape[1:])  # noqa: E731
-            blocks = jax.lax.map(lambda block: scores_of(*block), (pad(x_RD), pad(targets_R)))
-            logprob, top_ids, top_logprobs = (a.reshape(n * rows, *a.shape[2:])[: b * P] for a in blocks)
+        logprob, top_ids, top_logprobs = scored_positions(weights, x_bPD.reshape(b * P, -1),
+                                                          targets_bP.reshape(b * P), wants_top, vocab_size)
         return PromptScores(logprob.reshape(b, P), top_ids.reshape(b, P, J), top_logprobs.reshape(b, P, J))
 
     nothing = lambda: PromptScores(jnp.zeros((b, P)), jnp.zeros((b, P, J), jnp.int32), jnp.zeros((b, P, J)))  # noqa: E731
@@ -308,7 +289,7 @@ def prefill(config: GPTConfig, weights: Weights, prefix: Prefix | None, tokens_b
     real_bP = jnp.arange(P)[None, :] < lengths_b[:, None]
     seen_bV = prefix.seen.at[rows_b[:, None], tokens_bP].max(real_bP)
     last_bD = jnp.where((lengths_b > 0)[:, None], x_bPD[rows_b, jnp.maximum(lengths_b - 1, 0)], prefix.last_hidden)
-    scores = score_prompt(weights, x_bPD, targets_bP, score_b, top_b)
+    scores = score_prompt(weights, x_bPD, targets_bP, score_b, top_b, config.vocab_size)
     return Prefix(cache=cache, seen=seen_bV, last_hidden=last_bD), scores
 
 
@@ -381,19 +362,8 @@ def _choose_next(weights: Weights, x_RD: jax.Array, live_R: jax.Array, remaining
     without being emitted; a row that emits its last allowed token ends after it."""
     logits_RV = lm_head(weights, x_RD[:, None])[:, 0]
     token_R = choose(logits_RV, seen_RV, settings.params, _keys(settings, generated_R))
-    # log p = logit - logsumexp(logits): one reduction over the vocabulary, never a [R, V] log_softmax.
-    logsumexp_R1 = jax.nn.logsumexp(logits_RV, axis=-1, keepdims=True)
-    logprob_R = (jnp.take_along_axis(logits_RV, token_R[:, None], axis=-1) - logsumexp_R1)[:, 0]
+    logprob_R, top_ids_RJ, top_logprobs_RJ = token_scores(logits_RV, token_R, jnp.any(settings.top_logprobs & live_R))
     R = token_R.shape[0]
-
-    def top_logprobs():
-        top_logits_RJ, top_ids_RJ = jax.lax.top_k(logits_RV, TOP_LOGPROBS)
-        return top_logits_RJ - logsumexp_R1, top_ids_RJ
-
-    top_logprobs_RJ, top_ids_RJ = jax.lax.cond(
-        jnp.any(settings.top_logprobs & live_R), top_logprobs,
-        lambda: (jnp.zeros((R, TOP_LOGPROBS), jnp.float32), jnp.zeros((R, TOP_LOGPROBS), jnp.int32)),
-    )
     is_stop_R = jnp.any(token_R[:, None] == settings.stop_tokens, axis=-1)
     emitted_R = live_R & ~is_stop_R
     remaining_R = remaining_R - emitted_R
