@@ -170,7 +170,7 @@ def _nll_program(config: GPTConfig):
         B, C = tokens_BC.shape
         # The targets' log-probabilities a block of positions at a time: never [B, C, V] logits at once.
         target_log_probs = scored_positions(weights, hidden_BCD[:, :-1].reshape(B * (C - 1), -1),
-                                            tokens_BC[:, 1:].reshape(-1), False, config.vocab_size)[0]
+                                            tokens_BC[:, 1:].reshape(-1), False)[0]
         return -jnp.sum(jnp.where(scored_BC.reshape(-1), target_log_probs, 0.0))
 
     return nll

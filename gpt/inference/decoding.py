@@ -253,7 +253,7 @@ class PromptScores:
 
 
 def score_prompt(weights: Weights, x_bPD: jax.Array, targets_bP: jax.Array, score_b: jax.Array,
-                 top_b: jax.Array, vocab_size: int) -> PromptScores:
+                 top_b: jax.Array) -> PromptScores:
     """`PromptScores` from the final hidden states x_bPD of a piece: the LM head at every position, run
     only when some row is scored (`score_b`; bool [b]), the top J only when one of those wants them
     (`top_b`). A token's logprob and its top-J entry come from the same logits, so they are equal when
@@ -263,7 +263,7 @@ def score_prompt(weights: Weights, x_bPD: jax.Array, targets_bP: jax.Array, scor
 
     def scores():
         logprob, top_ids, top_logprobs = scored_positions(weights, x_bPD.reshape(b * P, -1),
-                                                          targets_bP.reshape(b * P), wants_top, vocab_size)
+                                                          targets_bP.reshape(b * P), wants_top)
         return PromptScores(logprob.reshape(b, P), top_ids.reshape(b, P, J), top_logprobs.reshape(b, P, J))
 
     nothing = lambda: PromptScores(jnp.zeros((b, P)), jnp.zeros((b, P, J), jnp.int32), jnp.zeros((b, P, J)))  # noqa: E731
@@ -289,7 +289,7 @@ def prefill(config: GPTConfig, weights: Weights, prefix: Prefix | None, tokens_b
     real_bP = jnp.arange(P)[None, :] < lengths_b[:, None]
     seen_bV = prefix.seen.at[rows_b[:, None], tokens_bP].max(real_bP)
     last_bD = jnp.where((lengths_b > 0)[:, None], x_bPD[rows_b, jnp.maximum(lengths_b - 1, 0)], prefix.last_hidden)
-    scores = score_prompt(weights, x_bPD, targets_bP, score_b, top_b, config.vocab_size)
+    scores = score_prompt(weights, x_bPD, targets_bP, score_b, top_b)
     return Prefix(cache=cache, seen=seen_bV, last_hidden=last_bD), scores
 
 

@@ -45,12 +45,12 @@ def block_rows(vocab_size: int) -> int:
     return choices().score_rows or max(1, choices().loss_chunk_bytes // (4 * vocab_size))
 
 
-def scored_positions(weights: Weights, x_RD: jax.Array, targets_R: jax.Array, wants_top: jax.Array | bool,
-                     vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`token_scores` of R positions' final hidden states x [R, D] (the LM head of `vocab_size` outputs run
-    here) against their targets int32 [R], `block_rows` positions at a time."""
+def scored_positions(weights: Weights, x_RD: jax.Array, targets_R: jax.Array, wants_top: jax.Array | bool
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`token_scores` of R positions' final hidden states x [R, D] (the LM head run here) against their
+    targets int32 [R], `block_rows` positions at a time."""
     R = targets_R.shape[0]
-    rows = block_rows(vocab_size)
+    rows = block_rows(jax.eval_shape(lm_head, weights, x_RD[None, :1]).shape[-1])  # the vocabulary's size
 
     def scores_of(x_rD, targets_r):
         return token_scores(lm_head(weights, x_rD[None])[0], targets_r, wants_top)
