@@ -22,9 +22,10 @@ def alone(model, prompt: str, max_tokens: int) -> str:
     return generate_text(model, [prompt], max_tokens, temperature=0, stop_tokens=[EOT])[0]
 
 
-def decisive_model() -> GPT:
-    """A tiny model with GPT-2's vocabulary (so text round-trips) and scaled weights (no greedy ties)."""
-    model = GPT(GPTConfig.preset("tiny", vocab_size=50257, block_size=128), rngs=nnx.Rngs(0))
+def decisive_model(vocab_size: int = 50257) -> GPT:
+    """A tiny model with GPT-2's vocabulary (so text round-trips; or `vocab_size`) and scaled weights (varied
+    greedy paths, no ties)."""
+    model = GPT(GPTConfig.preset("tiny", vocab_size=vocab_size, block_size=128), rngs=nnx.Rngs(0))
     state = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, state))
     return model

@@ -7,9 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
 
-from gpt import GPT, GPTConfig
 from gpt.generate import generate
 from gpt.inference import decoding
 from gpt.inference.decoding import decode, decode_chunk_length, init_slots
@@ -17,13 +15,12 @@ from gpt.inference.engine import Engine
 from gpt.inference.request import Request
 from gpt.model import backend
 
+from serving import decisive_model
+
 
 @pytest.fixture(scope="module")
 def model():
-    model = GPT(GPTConfig.preset("tiny", block_size=128), rngs=nnx.Rngs(0))
-    state = nnx.state(model, nnx.Param)  # scaled up: varied greedy paths, far from ties
-    nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, state))
-    return model
+    return decisive_model(vocab_size=256)  # the engine tests' model
 
 
 @pytest.fixture
