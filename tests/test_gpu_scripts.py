@@ -83,3 +83,22 @@ def test_gpu_bench_runs_llmc_on_the_same_shapes_and_fp8_beside_it(tmp_path):
     assert llmc["device"] == "FakeGPU 80GB" and llmc["micro_batch"] * llmc["accumulation"] == 8
     assert all(math.isfinite(row["tokens_per_s"]) for row in rows)
     assert "| llm.c (cuDNN) | smoke |" in done.stdout and "| 1.00x | - |" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_compiled_static_cache_peer_decodes_the_eager_peers_greedy_tokens(tmp_path):
+    """sample_bench's gpt-fast-style peer (static cache, torch.compile; CUDA graphs on a GPU) at tiny shapes:
+    the same greedy tokens as transformers' eager generate, at a speed it reports."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import numpy as np
+    import torch
+    import transformers
+    from sample_bench import bench_torch
+
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2)).save_pretrained(tmp_path)
+    prompts = np.random.default_rng(1).integers(0, 50256, (2, 16)).tolist()
+    eager = bench_torch(str(tmp_path), prompts, 12, 1, "float32")
+    compiled = bench_torch(str(tmp_path), prompts, 12, 1, "float32", compiled=True)
+    assert compiled[2] == eager[2] and len(compiled[2][0]) == 12
+    assert compiled[1] > 0 and math.isfinite(compiled[1])
