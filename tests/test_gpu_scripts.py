@@ -93,6 +93,7 @@ def test_the_compiled_static_cache_peer_decodes_the_eager_peers_greedy_tokens(tm
     import numpy as np
     import torch
     import transformers
+
     from sample_bench import bench_torch
 
     torch.manual_seed(0)
