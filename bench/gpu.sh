@@ -11,7 +11,8 @@
 #   bash bench/gpu.sh tests     # the engine, generate, model and server tests on the GPU
 #   bash bench/gpu.sh sample    # sample_bench in bfloat16, batch 1 / 8 / 64, torch on CUDA beside it
 #   bash bench/gpu.sh decode    # the same with gpt-fast's recipe beside it too (a static cache under
-#                               # torch.compile(mode="reduce-overhead")): its compiles make it a call of its own
+#                               # torch.compile(mode="reduce-overhead")), then a decode step's profile
+#                               # (bench/decode_profile.py): its compiles make it a call of its own
 #   bash bench/gpu.sh serve     # serve_bench's load in bfloat16, transformers' continuous batching beside it
 #   bash bench/gpu.sh ttl       # time_to_loss at GPT-2 124M's shape in bfloat16 (gpt2, modern, torch.compile),
 #                               # on the machine's own Python standard library; a call of its own (~7 minutes).
@@ -58,8 +59,9 @@ for job in "${jobs[@]}"; do
              tests/test_generate.py tests/test_serve.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     sample) timeout 115 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/sample.log" ;;
-    decode) timeout 500 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 --torch-compile 2>&1 \
-             | grep -v -e "it/s]" -e Warn | tee "$OUT/decode.log" ;;
+    decode) { timeout 380 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 --torch-compile; code=$?
+              timeout 150 python3 bench/decode_profile.py --dtype bfloat16 --batch 1 --out "$OUT/decode_profile"
+              (exit $code); } 2>&1 | grep -v -e "it/s]" -e Warn | tee "$OUT/decode.log" ;;
     serve) timeout 170 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 --skip-generate 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/serve.log" ;;
     ttl) ttl=(--preset gpt2 --block_size 1024 --batch_size 32 --dtype bfloat16 --lr 6e-4 --max_steps 500

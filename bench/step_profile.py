@@ -117,11 +117,13 @@ def direction(op_name: str) -> str:
 
 
 def _is_gemm(op: Op) -> bool:
+    """A matrix product: XLA's dot, a library's GEMM (cuBLAS), or this project's CPU kernel for a few rows."""
     return op.opcode in ("dot", "convolution") or (
-        op.opcode == "custom-call" and re.search(r"gemm|matmul|cublas", op.target, re.I) is not None)
+        op.opcode == "custom-call" and re.search(r"gemm|matmul|cublas|few_rows", op.target, re.I) is not None)
 
 
 def _is_attention_kernel(op: Op) -> bool:
+    """cuDNN's fused attention, or this project's CPU kernel for a decode step's."""
     return op.opcode == "custom-call" and re.search(r"fmha|flash|attention", op.target, re.I) is not None
 
 
@@ -210,7 +212,7 @@ def profile(directory: Path) -> tuple[dict[str, float], dict]:
             timed.append(event)
     span = max(e["ts"] + e["dur"] for e in timed) - min(e["ts"] for e in timed)
     seconds["idle"] = (span - busy_time(timed)) * 1e-6
-    meta = {**meta, "lanes": len({(e["pid"], e.get("tid")) for e in timed})}
+    meta = {**meta, "lanes": len({(e["pid"], e.get("tid")) for e in timed}), "ops_per_step": len(timed) / steps}
     return {name: value / steps for name, value in seconds.items()}, meta
 
 
@@ -346,15 +348,17 @@ def main(args: Args) -> str:
         raise SystemExit("step_profile: give a trace directory, or --roofline")
     seconds, meta = profile(Path(args.trace))
     work = {}
-    if "model" in meta:
+    if "model" in meta and "micro_batch" in meta:  # a training step's shapes: its roofline
         fields = {f.name for f in dataclasses.fields(GPTConfig)}
         config = GPTConfig(**{k: v for k, v in meta["model"].items() if k in fields})
         width = 2 if config.dtype in ("bfloat16", "float16") else 4
         work = roofline(config, meta["micro_batch"], meta["block_size"], meta.get("accumulation", 1), width)
     peak, bandwidth = peaks(meta.get("device", ""), args.peak_flops, args.peak_bandwidth)
-    shape = " x ".join(str(meta.get(key, "?")) for key in ("micro_batch", "block_size", "accumulation"))
+    shape = (f"decoding {meta['decode_rows']} rows a token" if "decode_rows" in meta else "micro-batch x block x "
+             "accumulation " + " x ".join(str(meta.get(key, "?")) for key in ("micro_batch", "block_size", "accumulation")))
     heading = (f"# {meta.get('device', '?')}, {meta.get('steps', '?')} steps traced; "
-               f"micro-batch x block x accumulation {shape}; ops on {meta['lanes']} threads or streams"
+               f"{shape}; {meta['ops_per_step']:,.0f} ops a step, on "
+               f"{meta['lanes']} threads or streams"
                + (" (their times add up: a step's wall time is less)" if meta["lanes"] > 1 else ""))
     return heading + "\n" + table(seconds, work, peak, bandwidth)
 

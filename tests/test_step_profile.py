@@ -159,3 +159,15 @@ def test_a_profiled_run_sorts_its_steps_device_time_into_every_part_of_the_model
     table = step_profile.main(step_profile.Args(trace=str(directory)))
     assert "| mlp_up bwd |" in table and "3 steps traced" in table and "8 x 32 x 2" in table
     assert jax.default_backend() == "cpu" and "| - |" in table  # no ceilings on a CPU: no floors
+
+
+@pytest.mark.slow
+def test_a_decode_profile_sorts_each_tokens_time_into_the_models_parts(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import decode_profile
+
+    table = decode_profile.main(decode_profile.Args(smoke=True, out=str(tmp_path / "decode")))
+    assert "6 steps traced; decoding 1 rows a token" in table and "ops a step" in table
+    for part in ("qkv", "attn_proj", "mlp_up", "mlp_down", "lm_head", "attention"):
+        assert f"| {part} fwd |" in table, (part, table)
+    assert "bwd" not in table and "| idle |" in table

@@ -360,7 +360,8 @@ def recomputed_in_backward(function):
 def lm_head(weights: Weights, x_BTD: jax.Array) -> jax.Array:
     """The LM head: float32 logits [B, T, V] of hidden states [B, T, D]."""
     head = weights.head.astype(x_BTD.dtype)
-    return constrain(dense(x_BTD, head).astype(jnp.float32), ("batch", None, "vocab"))
+    with jax.named_scope("lm_head"):  # the scopes sort a profile's time (bench/step_profile.py)
+        return constrain(dense(x_BTD, head).astype(jnp.float32), ("batch", None, "vocab"))
 
 
 class GPT(nnx.Module):

@@ -6,8 +6,9 @@ else). It leaves in `directory`:
 
 - `plugins/profile/<time>/*.trace.json.gz` (and the `.xplane.pb` that TensorBoard's profile plugin reads,
   and `perfetto_trace.json.gz` for ui.perfetto.dev): JAX's own trace;
-- `train_step.hlo.txt`: the optimized HLO of the step, whose op names the trace's events carry, each op
-  with the named scope of the code it came from (`qkv`, `attention`, `mlp_up`, `optimizer`, ...);
+- `step.hlo.txt`: the optimized HLO of the step (a training step, or a decode call: bench/decode_profile.py),
+  whose op names the trace's events carry, each op with the named scope of the code it came from (`qkv`,
+  `attention`, `mlp_up`, `optimizer`, ...);
 - `profile.json`: how many steps were traced and their shapes (model, micro-batch, accumulation).
 
 `bench/step_profile.py DIRECTORY` turns the three into a table of device time by category.
@@ -24,7 +25,7 @@ from gpt.errors import ConfigError
 
 __all__ = ["StepTrace", "parse_step_range", "HLO_FILE", "META_FILE"]
 
-HLO_FILE = "train_step.hlo.txt"
+HLO_FILE = "step.hlo.txt"
 META_FILE = "profile.json"
 
 
