@@ -14,6 +14,8 @@
 #                               # torch.compile(mode="reduce-overhead")), then a decode step's profile
 #                               # (bench/decode_profile.py): its compiles make it a call of its own
 #   bash bench/gpu.sh serve     # serve_bench's load in bfloat16, transformers' continuous batching beside it
+#   bash bench/gpu.sh serve_wide  # 32 slots on the standard load, 64 on a heavier one (256 requests from 64
+#                               # clients), 1 and 4 steps a call: throughput, TTFT and ITL p50/p99; a call
 #   bash bench/gpu.sh ttl       # time_to_loss at GPT-2 124M's shape in bfloat16 (gpt2, modern, torch.compile),
 #                               # on the machine's own Python standard library; a call of its own (~7 minutes).
 #                               # The JAX variants and the torch peer run in separate processes (one GPU's
@@ -62,6 +64,11 @@ for job in "${jobs[@]}"; do
     decode) { timeout 380 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 --torch-compile; code=$?
               timeout 150 python3 bench/decode_profile.py --dtype bfloat16 --batch 1 --out "$OUT/decode_profile"
               (exit $code); } 2>&1 | grep -v -e "it/s]" -e Warn | tee "$OUT/decode.log" ;;
+    serve_wide) { timeout 260 python3 bench/serve_bench.py --dtype bfloat16 --slots 32 --steps-per-call 1 4 \
+                    --skip-generate --skip-torch; code=$?
+                  timeout 300 python3 bench/serve_bench.py --dtype bfloat16 --slots 64 --requests 256 --clients 64 \
+                    --steps-per-call 1 4 --skip-generate --skip-torch
+                  (exit $code); } 2>&1 | grep -v -e "it/s]" -e Warn | tee "$OUT/serve_wide.log" ;;
     serve) timeout 170 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 --skip-generate 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/serve.log" ;;
     ttl) ttl=(--preset gpt2 --block_size 1024 --batch_size 32 --dtype bfloat16 --lr 6e-4 --max_steps 500
