@@ -141,57 +141,56 @@ def block(
     cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
     mlp_kernel = Fp8Kernel if config.fp8 and cache is None else lambda kernel: kernel  # the MLP's products
     attn_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+    B, T, _ = x_BTD.shape
+    N, H = config.n_head, config.head_dim
 
     # Each part runs under a named scope: the compiled program's ops carry it, and a profile sorts its time
     # by it (bench/step_profile.py).
     with jax.named_scope("layer_norm"):
         h_BTD = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"], config.layer_norm_epsilon)
-    B, T, _ = x_BTD.shape
-    N, H = config.n_head, config.head_dim
-    with jax.named_scope("qkv"):
-        qkv_BTK = dense(h_BTD, cast(p["qkv_kernel"]))
-        if p["qkv_bias"] is not None:
-            qkv_BTK = qkv_BTK + cast(p["qkv_bias"]).reshape(3 * N * H)
+    qkv_bias = None if p["qkv_bias"] is None else cast(p["qkv_bias"]).reshape(3 * N * H)
+    qkv_BTK = _linear("qkv", h_BTD, cast(p["qkv_kernel"]), qkv_bias)
     with jax.named_scope("attention"):
-        qkv_BT3NH = qkv_BTK.reshape(B, T, 3, N, H)
-        q_BTNH, k_BTNH, v_BTNH = qkv_BT3NH[:, :, 0], qkv_BT3NH[:, :, 1], qkv_BT3NH[:, :, 2]
-        if config.qk_norm:
-            q_BTNH, k_BTNH = rms_normalize(q_BTNH), rms_normalize(k_BTNH)
-        if config.position == "rope":
-            q_BTNH = apply_rope(q_BTNH, positions_BT, config.rope_theta)
-            k_BTNH = apply_rope(k_BTNH, positions_BT, config.rope_theta)
-        q_BTNH = constrain(q_BTNH, ("batch", None, "heads", None))
-
-        if cache is None:
-            k_MTH, v_MTH = (x.transpose(0, 2, 1, 3).reshape(B * N, T, H) for x in (k_BTNH, v_BTNH))
-            attn_BTNH = attend(q_BTNH, k_MTH, v_MTH, None)
-        else:
-            cache = cache.write(layer, k_BTNH, v_BTNH, positions_BT)
-            if T == 1:  # a decode step: read only the pages the rows have reached (one page: all, under the mask)
-                attn_BTNH = attend_paged(q_BTNH, *cache.pages(layer), positions_BT, cache.head_rows(N))
-            else:
-                attn_BTNH = attend(q_BTNH, *cache.layer(layer), mask_BTS)
-
-    with jax.named_scope("attn_proj"):
-        out_BTD = dense(attn_BTNH.reshape(B, T, N * H), cast(p["out_kernel"]))
-        if p["out_bias"] is not None:
-            out_BTD = out_BTD + cast(p["out_bias"])
+        attn_BTNH, cache = _attention(config, qkv_BTK.reshape(B, T, 3, N, H), positions_BT, cache, layer, mask_BTS)
+    out_BTD = _linear("attn_proj", attn_BTNH.reshape(B, T, N * H), cast(p["out_kernel"]), cast(p["out_bias"]))
     x_BTD = x_BTD + dropout(out_BTD, config.dropout, attn_key)
 
     with jax.named_scope("layer_norm"):
         h_BTD = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"], config.layer_norm_epsilon)
-    with jax.named_scope("mlp_up"):
-        h_BTF = dense(h_BTD, mlp_kernel(cast(p["fc_kernel"])))
-        if p["fc_bias"] is not None:
-            h_BTF = h_BTF + cast(p["fc_bias"])
+    h_BTF = _linear("mlp_up", h_BTD, mlp_kernel(cast(p["fc_kernel"])), cast(p["fc_bias"]))
     with jax.named_scope("activation"):
         h_BTF = constrain(ACTIVATIONS[config.activation](h_BTF), ("batch", None, "mlp"))
-    with jax.named_scope("mlp_down"):
-        h_BTD = dense(h_BTF, mlp_kernel(cast(p["proj_kernel"])))
-        if p["proj_bias"] is not None:
-            h_BTD = h_BTD + cast(p["proj_bias"])
+    h_BTD = _linear("mlp_down", h_BTF, mlp_kernel(cast(p["proj_kernel"])), cast(p["proj_bias"]))
     x_BTD = x_BTD + dropout(h_BTD, config.dropout, mlp_key)
     return constrain(x_BTD, ("batch", None, None)), cache
+
+
+def _linear(scope: str, x_BTD: jax.Array, kernel, bias: jax.Array | None) -> jax.Array:
+    """x times a kernel (`dense`), plus the bias when there is one, under the named scope `scope`."""
+    with jax.named_scope(scope):
+        y_BTK = dense(x_BTD, kernel)
+        return y_BTK if bias is None else y_BTK + bias
+
+
+def _attention(config: GPTConfig, qkv_BT3NH: jax.Array, positions_BT: jax.Array, cache: KVCache | None,
+               layer: int, mask_BTS: jax.Array | None) -> tuple[jax.Array, KVCache | None]:
+    """The block's attention of its queries, keys and values [B, T, 3, N, H] (as `block` describes):
+    [B, T, N, H] and the cache with this layer's new keys and values written."""
+    B, T, _, N, H = qkv_BT3NH.shape
+    q_BTNH, k_BTNH, v_BTNH = qkv_BT3NH[:, :, 0], qkv_BT3NH[:, :, 1], qkv_BT3NH[:, :, 2]
+    if config.qk_norm:
+        q_BTNH, k_BTNH = rms_normalize(q_BTNH), rms_normalize(k_BTNH)
+    if config.position == "rope":
+        q_BTNH = apply_rope(q_BTNH, positions_BT, config.rope_theta)
+        k_BTNH = apply_rope(k_BTNH, positions_BT, config.rope_theta)
+    q_BTNH = constrain(q_BTNH, ("batch", None, "heads", None))
+    if cache is None:
+        k_MTH, v_MTH = (x.transpose(0, 2, 1, 3).reshape(B * N, T, H) for x in (k_BTNH, v_BTNH))
+        return attend(q_BTNH, k_MTH, v_MTH, None), None
+    cache = cache.write(layer, k_BTNH, v_BTNH, positions_BT)
+    if T == 1:  # a decode step: read only the pages the rows have reached (one page: all, under the mask)
+        return attend_paged(q_BTNH, *cache.pages(layer), positions_BT, cache.head_rows(N)), cache
+    return attend(q_BTNH, *cache.layer(layer), mask_BTS), cache
 
 
 @jax.tree_util.register_dataclass
