@@ -190,7 +190,21 @@ def _attention(config: GPTConfig, qkv_BT3NH: jax.Array, positions_BT: jax.Array,
     cache = cache.write(layer, k_BTNH, v_BTNH, positions_BT)
     if T == 1:  # a decode step: read only the pages the rows have reached (one page: all, under the mask)
         return attend_paged(q_BTNH, *cache.pages(layer), positions_BT, cache.head_rows(N)), cache
+    if cache.rows is not None or len(cache.k[layer]) > 1:  # a few positions a row (a draft's verification)
+        return _attend_each_query(q_BTNH, cache, layer, positions_BT), cache
     return attend(q_BTNH, *cache.layer(layer), mask_BTS), cache
+
+
+def _attend_each_query(q_BTNH: jax.Array, cache: KVCache, layer: int, positions_BT: jax.Array) -> jax.Array:
+    """Attention of T queries a row over a paged cache or a view of one, as B * T decode queries, each
+    reading its row's pages up to its own position (the keys of this forward's earlier positions are
+    written already). [B, T, N, H]."""
+    B, T, N, H = q_BTNH.shape
+    rows_M = cache.head_rows(N)
+    rows_BN = (jnp.arange(B * N, dtype=jnp.int32) if rows_M is None else rows_M).reshape(B, 1, N)
+    rows_M = jnp.broadcast_to(rows_BN, (B, T, N)).reshape(B * T * N)  # query (b, t)'s heads read row b's
+    out = attend_paged(q_BTNH.reshape(B * T, 1, N, H), *cache.pages(layer), positions_BT.reshape(B * T, 1), rows_M)
+    return out.reshape(B, T, N, H)
 
 
 @jax.tree_util.register_dataclass
