@@ -23,6 +23,7 @@ from gpt.inference.engine import Engine
 from gpt.inference.request import Request, check_prompts, check_stop_tokens, is_int
 from gpt.inference.sampling import SamplingParams
 from gpt.inference.shapes import prompt_buckets
+from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS
 from gpt.inference.text_stream import TextStream
 from gpt.model.transformer import GPT
 from gpt.tokenizer import get_tokenizer
@@ -63,6 +64,8 @@ def generate(
     quantize: str | None = None,
     mesh: Mesh | None = None,
     max_batch: int = 64,
+    draft: str | None = None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens.
 
@@ -88,6 +91,10 @@ def generate(
         Decoder's own.
       max_batch: the most prompts decoded at once (the engine's slots); the rest wait and enter as rows
         finish. The results do not depend on it: a row gives what it gives alone.
+      draft: "ngram" drafts each row's next tokens from its own prompt and output (prompt lookup) and
+        verifies up to `draft_tokens` of them a step (`gpt.inference.speculation`): the same tokens as
+        without a draft, sooner where the text repeats itself. None (or "none") decodes without one.
+      draft_tokens: the most drafted tokens a step verifies.
     Returns:
       One list of new token ids per prompt.
     """
@@ -106,7 +113,8 @@ def generate(
     # call runs the whole decode.
     engine = Engine(model, slots=min(_bucket(len(prompts), 1), int(max_batch)), cache_length=cache_length,
                     max_queue=len(prompts), steps_per_call=1 if on_token is not None else cache_length,
-                    max_stop_tokens=_bucket(len(stop_tokens) + 1, 4), quantize=quantize, mesh=mesh)
+                    max_stop_tokens=_bucket(len(stop_tokens) + 1, 4), quantize=quantize, mesh=mesh, draft=draft,
+                    draft_tokens=draft_tokens)
     knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  repetition_penalty=repetition_penalty, seed=seed, stop_tokens=tuple(stop_tokens),
                  stop_strings=stop_strings)

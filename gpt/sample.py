@@ -11,6 +11,7 @@ from gpt.errors import ConfigError, MissingInput, check_fits_in_memory
 from gpt.generate import generate_text, new_tokens_that_fit
 from gpt.inference.decoding import Decoder
 from gpt.inference.sampling import SamplingParams
+from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft
 from gpt.loading import load
 from gpt.model.config import DType
 from gpt.model.sharding import make_mesh, parse_mesh
@@ -54,6 +55,11 @@ class SampleConfig:
     mesh: str = ""
     """Sample sharded over a device mesh, e.g. 'tensor=4' (heads and MLP split over 4 devices) or
     'data=2,tensor=4'; empty runs on one device."""
+    draft: Draft = "none"
+    """ngram: guess the next tokens from the prompt and output so far and verify them a few at once: the
+    same samples, sooner where the text repeats itself."""
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    """The most guessed tokens one step verifies."""
 
 
 def _prompt(start: str) -> str:
@@ -75,6 +81,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     knobs = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
                  repetition_penalty=config.repetition_penalty)
     SamplingParams.check(**knobs)  # raises ConfigError naming the knob and its bound
+    check_draft(config.draft, config.draft_tokens)
     for name in ("num_samples", "max_new_tokens"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ConfigError(f"SampleConfig.{name} must be >= 1, got {getattr(config, name)}")
@@ -94,8 +101,8 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
         on_text = (lambda row, piece: (out.write(piece), out.flush())) if config.stream else None
         if config.stream:
             out.write(start)
-        batch = generate_text(decoder, [start] * rows, max_new_tokens, seed=config.seed + i,
-                              on_text=on_text, **knobs)
+        batch = generate_text(decoder, [start] * rows, max_new_tokens, seed=config.seed + i, on_text=on_text,
+                              draft=config.draft, draft_tokens=config.draft_tokens, **knobs)
         texts.extend(batch)
         if config.stream:
             out.write("\n---------------\n")

@@ -31,6 +31,7 @@ from gpt.errors import ConfigError
 from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams, choose
 from gpt.inference.scheduler import NO_TOKEN  # an Emitted entry where a slot produced nothing
 from gpt.inference.scoring import scored_positions, token_scores
+from gpt.inference.speculation import ngram_drafts, stands
 from gpt.model.backend import choices
 from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
@@ -175,6 +176,9 @@ class Slots:
       generated: int32 [S], tokens chosen so far (the position in the request's PRNG stream).
       seen: bool [S, V], tokens in the prompt or output (for the repetition penalty).
       settings: each slot's request's knobs.
+      history: int32 [S, C], each slot's tokens at their positions (prompt, output, its last token at
+        its cache's length), where a draft is looked up (`gpt.inference.speculation`); None when the
+        slots decode without one.
     """
 
     cache: KVCache
@@ -184,6 +188,7 @@ class Slots:
     generated: jax.Array
     seen: jax.Array
     settings: Settings
+    history: jax.Array | None = None
 
     def select(self, rows_R: jax.Array) -> Slots:
         """Slots `rows_R` (int32 [R], distinct) alone: their rows of every array, over a view of the cache."""
@@ -203,12 +208,14 @@ class Admission:
     """b requests entering slots: the host's side of one `insert` ([b] each).
 
     slots: int32, where each goes (S or more for a row that enters no slot). max_tokens: int32, how many
-    tokens each may emit. settings: what each asked for.
+    tokens each may emit. settings: what each asked for. prompt: int32 [b, C], each prompt right-padded to
+    the slots' length, for their `history` (None when they keep none).
     """
 
     slots: jax.Array
     max_tokens: jax.Array
     settings: Settings
+    prompt: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -302,7 +309,9 @@ class Emitted:
     its row unemitted; logprob: float32, the token's log-probability under the model (before any
     sampling knob); top_ids, top_logprobs: [M, R, J], the J most likely tokens (zeros unless some row
     asked for them); live: bool [R], whether each row is still generating after the last step; steps:
-    int32, how many of the M steps ran.
+    int32, how many of the M entries a row may hold (a step with a draft writes up to K + 1 entries a
+    row, so rows differ: each row's entries end at its first NO_TOKEN). drafted, accepted: int32, draft
+    tokens proposed and draft tokens that stood, over every row and step.
     """
 
     token: jax.Array
@@ -312,6 +321,8 @@ class Emitted:
     top_logprobs: jax.Array
     live: jax.Array
     steps: jax.Array
+    drafted: jax.Array
+    accepted: jax.Array
 
     @classmethod
     def empty(cls, max_steps: int, live_R: jax.Array) -> Emitted:
@@ -320,19 +331,21 @@ class Emitted:
         return cls(token=jnp.full((M, R), NO_TOKEN, jnp.int32), stopped=jnp.zeros((M, R), jnp.bool_),
                    logprob=jnp.zeros((M, R)),
                    top_ids=jnp.zeros((M, R, J), jnp.int32), top_logprobs=jnp.zeros((M, R, J)), live=live_R,
-                   steps=jnp.int32(0))
+                   steps=jnp.int32(0), drafted=jnp.int32(0), accepted=jnp.int32(0))
 
 
-def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_tokens: int) -> Slots:
+def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_tokens: int,
+               history: bool = False) -> Slots:
     """Empty slots (all free) over a zeroed cache of `cache_length` positions per slot, paged on CPU so
     that a decode step reads only the pages its rows have reached (on a GPU, one page that cuDNN's
-    attention reads under the mask)."""
+    attention reads under the mask); with each slot's `history` when `history` (for a draft)."""
     S = num_slots
     return Slots(
         cache=KVCache.init(config, S, cache_length, choices().kv_page_length),
         last_token=jnp.zeros((S,), jnp.int32), live=jnp.zeros((S,), jnp.bool_),
         remaining=jnp.zeros((S,), jnp.int32), generated=jnp.zeros((S,), jnp.int32),
         seen=jnp.zeros((S, config.vocab_size), jnp.bool_), settings=Settings.empty(S, max_stop_tokens),
+        history=jnp.zeros((S, cache_length), jnp.int32) if history else None,
     )
 
 
@@ -358,10 +371,16 @@ class _Choice:
 
 def _choose_next(weights: Weights, x_RD: jax.Array, live_R: jax.Array, remaining_R: jax.Array,
                  seen_RV: jax.Array, settings: Settings, generated_R: jax.Array) -> _Choice:
-    """The LM head, a choice per row, and the bookkeeping of what it ends: a stop token ends a row
-    without being emitted; a row that emits its last allowed token ends after it."""
+    """The LM head, a choice per row, and the bookkeeping of what it ends (`_account`)."""
     logits_RV = lm_head(weights, x_RD[:, None])[:, 0]
     token_R = choose(logits_RV, seen_RV, settings.params, _keys(settings, generated_R))
+    return _account(token_R, logits_RV, live_R, remaining_R, seen_RV, settings)
+
+
+def _account(token_R: jax.Array, logits_RV: jax.Array, live_R: jax.Array, remaining_R: jax.Array,
+             seen_RV: jax.Array, settings: Settings) -> _Choice:
+    """What choosing token_R (from logits_RV) does to the live rows: a stop token ends a row without
+    being emitted; a row that emits its last allowed token ends after it."""
     logprob_R, top_ids_RJ, top_logprobs_RJ = token_scores(logits_RV, token_R, jnp.any(settings.top_logprobs & live_R))
     R = token_R.shape[0]
     is_stop_R = jnp.any(token_R[:, None] == settings.stop_tokens, axis=-1)
@@ -393,14 +412,20 @@ def place(slots: Slots, cache: KVCache, admission: Admission, c: _Choice) -> tup
     b = admission.slots.shape[0]
     at = admission.slots
     put = lambda mine, theirs: mine.at[at].set(theirs.astype(mine.dtype), mode="drop")  # noqa: E731
+    history = None
+    if slots.history is not None:  # the prompt, then its first token at the cache's length
+        prompt_bC = admission.prompt.at[jnp.arange(b), cache.lengths].set(c.token, mode="drop")
+        history = put(slots.history, prompt_bC)
     slots = Slots(
         cache=slots.cache.insert(cache, at, cache.lengths),
         last_token=put(slots.last_token, jnp.maximum(c.token, 0)), live=put(slots.live, c.live),
         remaining=put(slots.remaining, c.remaining), generated=put(slots.generated, jnp.ones((b,), jnp.int32)),
         seen=put(slots.seen, c.seen), settings=jax.tree.map(put, slots.settings, admission.settings),
+        history=history,
     )
     emitted = Emitted(token=c.token[None], stopped=c.stopped[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
-                      top_logprobs=c.top_logprobs[None], live=c.live, steps=jnp.int32(1))
+                      top_logprobs=c.top_logprobs[None], live=c.live, steps=jnp.int32(1), drafted=jnp.int32(0),
+                      accepted=jnp.int32(0))
     return slots, emitted
 
 
@@ -477,7 +502,7 @@ def load_prefix(config: GPTConfig, pool: PrefixPool, ids_M: jax.Array, tokens_C:
 
 
 def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Array, stop_at_finish: jax.Array,
-           max_steps: int, rows_R: jax.Array | None = None) -> tuple[Slots, Emitted]:
+           max_steps: int, rows_R: jax.Array | None = None, draft_tokens: int = 0) -> tuple[Slots, Emitted]:
     """Up to `num_steps` (<= max_steps, static) decode steps for every live slot, in one while_loop.
 
     The loop ends early when no slot is live, or, with `stop_at_finish`, once any slot finishes (so that
@@ -490,61 +515,149 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Arr
     rows_R: int32 [R], distinct slots that hold every live one: the steps run over those R rows alone
     (on a CPU, a step over 8 rows costs about twice one over 1; `gpt.inference.engine` picks R from the live
     count). None runs all S slots. Either way the result is [M, S].
+
+    draft_tokens: K > 0 (static; slots with a `history`) verifies up to K drafted tokens a row a step
+    (`_verify_step`), which so emits up to K + 1 tokens a row; M is then `emitted_entries(max_steps, K, C)`.
     """
     if rows_R is None:
-        return _decode_rows(config, weights, slots, num_steps, stop_at_finish, max_steps)
-    view, out_R = _decode_rows(config, weights, slots.select(rows_R), num_steps, stop_at_finish, max_steps)
+        return _decode_rows(config, weights, slots, num_steps, stop_at_finish, max_steps, draft_tokens)
+    view, out_R = _decode_rows(config, weights, slots.select(rows_R), num_steps, stop_at_finish, max_steps,
+                               draft_tokens)
     slots = slots.merge(rows_R, view)
     # The view's [M, R, ...] outputs into [M, S, ...]; the other slots emitted nothing.
-    per_row = lambda out: dataclasses.replace(out, live=None, steps=None)  # noqa: E731
+    per_row = lambda out: dataclasses.replace(out, live=None, steps=None, drafted=None, accepted=None)  # noqa: E731
     widen = lambda full, narrow: full.at[:, rows_R].set(narrow, unique_indices=True)  # noqa: E731
-    out = jax.tree.map(widen, per_row(Emitted.empty(max_steps, slots.live)), per_row(out_R))
-    return slots, dataclasses.replace(out, live=slots.live, steps=out_R.steps)
+    out = jax.tree.map(widen, per_row(Emitted.empty(out_R.token.shape[0], slots.live)), per_row(out_R))
+    return slots, dataclasses.replace(out, live=slots.live, steps=out_R.steps, drafted=out_R.drafted,
+                                      accepted=out_R.accepted)
+
+
+def emitted_entries(max_steps: int, draft_tokens: int, cache_length: int) -> int:
+    """M, the entries a row of a decode's Emitted holds: a step's each, or with a draft up to K + 1 a step,
+    but never more than a slot's length (no request emits as many tokens in its life)."""
+    return max_steps if draft_tokens == 0 else min(max_steps * (draft_tokens + 1), cache_length)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Progress:
+    """A decode call's loop state: the slots, what they emitted, how many steps ran, and where each row's
+    next entry goes (int32 [R])."""
+
+    slots: Slots
+    out: Emitted
+    steps: jax.Array
+    written: jax.Array
 
 
 def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Array, stop_at_finish: jax.Array,
-                 max_steps: int) -> tuple[Slots, Emitted]:
+                 max_steps: int, draft_tokens: int) -> tuple[Slots, Emitted]:
     """`decode`'s loop over every row of `slots` (all of them, or a selection's)."""
-    out = Emitted.empty(max_steps, slots.live)
+    entries = emitted_entries(max_steps, draft_tokens, slots.cache.length)
     live_at_start = slots.live
+    step = (functools.partial(_step, config, weights) if draft_tokens == 0
+            else functools.partial(_verify_step, config, weights, draft_tokens))
 
-    def keep_going(carry):
-        slots, out = carry
-        finished = jnp.any(live_at_start & ~slots.live)
-        return (out.steps < num_steps) & jnp.any(slots.live) & ~(stop_at_finish & finished)
-
-    def step(carry):
-        slots, out = carry
-        cache = slots.cache
-        # Free slots run too (one shape for every step), at position 0: a long-finished request's length
-        # would make attention read as far as it had got.
-        positions_S1 = jnp.where(slots.live, cache.lengths, 0)[:, None]
-        x_S1D, new_cache = forward(config, weights, slots.last_token[:, None], positions_S1, cache)
-        # Free slots run too (one shape for every step) but their lengths stay put.
-        new_cache = dataclasses.replace(new_cache, lengths=jnp.where(slots.live, new_cache.lengths, cache.lengths))
-        c = _choose_next(weights, x_S1D[:, 0], slots.live, slots.remaining, slots.seen, slots.settings,
-                         slots.generated)
-        slots = dataclasses.replace(
-            slots, cache=new_cache, last_token=jnp.where(c.live, c.token, slots.last_token),
-            live=c.live, remaining=c.remaining, generated=slots.generated + slots.live, seen=c.seen)
-        i = out.steps
-        out = Emitted(token=out.token.at[i].set(c.token), stopped=out.stopped.at[i].set(c.stopped),
-                      logprob=out.logprob.at[i].set(c.logprob),
-                      top_ids=out.top_ids.at[i].set(c.top_ids), top_logprobs=out.top_logprobs.at[i].set(c.top_logprobs),
-                      live=c.live, steps=i + 1)
-        return slots, out
+    def keep_going(p: _Progress):
+        finished = jnp.any(live_at_start & ~p.slots.live)
+        return (p.steps < num_steps) & jnp.any(p.slots.live) & ~(stop_at_finish & finished)
 
     chunk = decode_chunk_length(max_steps)
 
-    def steps(carry):
+    def steps(p: _Progress) -> _Progress:
         for _ in range(chunk):
-            carry = step(carry)
-        return carry
+            p = step(p)
+        return p
 
-    if chunk == max_steps:  # one chunk is the whole call: no loop, nothing to read back between steps
-        return steps((slots, out))
-    slots, out = jax.lax.while_loop(keep_going, steps, (slots, out))
-    return slots, out
+    start = _Progress(slots, Emitted.empty(entries, slots.live), jnp.int32(0), jnp.zeros_like(slots.last_token))
+    # One chunk is the whole call: no loop, nothing to read back between steps.
+    p = steps(start) if chunk == max_steps else jax.lax.while_loop(keep_going, steps, start)
+    return p.slots, dataclasses.replace(p.out, steps=jnp.max(p.written))
+
+
+def _record(out: Emitted, entry: jax.Array, c: _Choice) -> Emitted:
+    """`out` with choice c written at entry `entry`: int32, one for every row, or [R], each row's own (past
+    the end: nowhere)."""
+    if entry.ndim == 0:
+        put = lambda full, new: full.at[entry].set(new)  # noqa: E731
+    else:
+        rows_R = jnp.arange(entry.shape[0])
+        put = lambda full, new: full.at[entry, rows_R].set(new, mode="drop", unique_indices=True)  # noqa: E731
+    return dataclasses.replace(out, token=put(out.token, c.token), stopped=put(out.stopped, c.stopped),
+                               logprob=put(out.logprob, c.logprob), top_ids=put(out.top_ids, c.top_ids),
+                               top_logprobs=put(out.top_logprobs, c.top_logprobs), live=c.live)
+
+
+def _remember(history_RC: jax.Array | None, positions_R: jax.Array, c: _Choice, turn_R: jax.Array) -> jax.Array | None:
+    """The history with each row's emitted token (where `turn_R` and not a stop) at positions_R."""
+    if history_RC is None:
+        return None
+    at_R = jnp.where(turn_R & ~c.stopped, positions_R, history_RC.shape[1])  # past the end: dropped
+    return history_RC.at[jnp.arange(at_R.shape[0]), at_R].set(c.token, mode="drop")
+
+
+def _step(config: GPTConfig, weights: Weights, p: _Progress) -> _Progress:
+    """One plain decode step: every row's last token through the model, and a choice per live row."""
+    slots, cache = p.slots, p.slots.cache
+    # Free slots run too (one shape for every step), at position 0: a long-finished request's length
+    # would make attention read as far as it had got.
+    positions_S1 = jnp.where(slots.live, cache.lengths, 0)[:, None]
+    x_S1D, new_cache = forward(config, weights, slots.last_token[:, None], positions_S1, cache)
+    # Free slots run too (one shape for every step) but their lengths stay put.
+    new_cache = dataclasses.replace(new_cache, lengths=jnp.where(slots.live, new_cache.lengths, cache.lengths))
+    c = _choose_next(weights, x_S1D[:, 0], slots.live, slots.remaining, slots.seen, slots.settings, slots.generated)
+    slots = dataclasses.replace(
+        slots, cache=new_cache, last_token=jnp.where(c.live, c.token, slots.last_token),
+        live=c.live, remaining=c.remaining, generated=slots.generated + slots.live, seen=c.seen,
+        history=_remember(slots.history, cache.lengths + 1, c, slots.live))
+    return _Progress(slots, _record(p.out, p.steps, c), p.steps + 1, p.written + 1)
+
+
+def _verify_step(config: GPTConfig, weights: Weights, K: int, p: _Progress) -> _Progress:
+    """One decode step with a draft: each row's last token and up to K drafted tokens after it
+    (`ngram_drafts`) through the model at once, the target's own choice at each of those K + 1 positions
+    (as a plain step would make it there, its PRNG position included), and the row advanced past the
+    drafts that stand (`stands`) and the target's token after them. The keys and values of drafts that
+    did not stand lie past the row's new length, where the next step writes before any query can see them.
+    """
+    slots, cache = p.slots, p.slots.cache
+    R = slots.last_token.shape[0]
+    last_R = cache.lengths  # the last token's position
+    drafts_RK, count_R = ngram_drafts(slots.history, last_R, K)
+    # No draft past what the request may still emit: each position's output is then inside the cache.
+    count_R = jnp.where(slots.live, jnp.minimum(count_R, slots.remaining - 1), 0)
+    tokens_RT = jnp.concatenate([slots.last_token[:, None], drafts_RK], axis=1)
+    positions_RT = jnp.where(slots.live, last_R, 0)[:, None] + jnp.arange(K + 1, dtype=jnp.int32)
+    x_RTD, new_cache = forward(config, weights, tokens_RT, positions_RT, cache)
+    logits_RTV = lm_head(weights, x_RTD)
+    targets, seen_RV = [], slots.seen
+    for i in range(K + 1):  # position i sees the drafts before it as the row's own tokens
+        if i:
+            seen_RV = seen_RV.at[jnp.arange(R), drafts_RK[:, i - 1]].set(True)
+        keys = _keys(slots.settings, slots.generated + i)
+        targets.append(choose(logits_RTV[:, i], seen_RV, slots.settings.params, keys))
+    target_RT = jnp.stack(targets, axis=1)
+    stood_R = stands(target_RT[:, :K], drafts_RK, count_R)
+
+    live_R, remaining_R, seen_RV, last_token_R, history = (slots.live, slots.remaining, slots.seen,
+                                                           slots.last_token, slots.history)
+    out, turns_R = p.out, jnp.zeros((R,), jnp.int32)
+    for i in range(K + 1):  # the drafts that stood, then the target's token: each as a plain step takes it
+        turn_R = live_R & (i <= stood_R)
+        token_R = target_RT[:, i] if i == K else jnp.where(i < stood_R, drafts_RK[:, i], target_RT[:, i])
+        c = _account(token_R, logits_RTV[:, i], turn_R, remaining_R, seen_RV, slots.settings)
+        out = _record(out, jnp.where(turn_R, p.written + i, out.token.shape[0]), c)
+        history = _remember(history, last_R + 1 + i, c, turn_R)
+        last_token_R = jnp.where(turn_R & ~c.stopped, c.token, last_token_R)
+        live_R, remaining_R, seen_RV = jnp.where(turn_R, c.live, live_R), c.remaining, c.seen
+        turns_R += turn_R
+    lengths_R = jnp.where(slots.live, last_R + turns_R, cache.lengths)
+    slots = dataclasses.replace(
+        slots, cache=dataclasses.replace(new_cache, lengths=lengths_R), last_token=last_token_R, live=live_R,
+        remaining=remaining_R, generated=slots.generated + turns_R, seen=seen_RV, history=history)
+    out = dataclasses.replace(out, live=live_R, drafted=out.drafted + jnp.sum(count_R),
+                              accepted=out.accepted + jnp.sum(stood_R))
+    return _Progress(slots, out, p.steps + 1, p.written + turns_R)
 
 
 def decode_chunk_length(max_steps: int) -> int:
@@ -557,10 +670,10 @@ def decode_chunk_length(max_steps: int) -> int:
 compiled_prefill = jax.jit(prefill, static_argnames="config", donate_argnames="prefix")
 compiled_choose_first = jax.jit(choose_first)
 compiled_place = jax.jit(place, donate_argnames="slots")
-compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps"), donate_argnames="slots")
+compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps", "draft_tokens"), donate_argnames="slots")
 compiled_free = jax.jit(free, donate_argnames="slots")
 compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
-compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3))
+compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3, 4))
 compiled_init_pool = jax.jit(init_pool, static_argnums=(0, 1))
 compiled_save_blocks = jax.jit(save_blocks, donate_argnames="pool")
 compiled_load_prefix = jax.jit(load_prefix, static_argnames="config")

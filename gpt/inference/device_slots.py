@@ -44,7 +44,8 @@ PADDING = Request([0], 1, temperature=0.0)
 
 class DeviceSlots:
     """`num_slots` slots of `cache_length` positions over `decoder`'s weights (and mesh, if any), decoded
-`max_steps` steps a call at most (one compiled decode loop).
+`max_steps` steps a call at most (one compiled decode loop); with `draft_tokens` K > 0, each slot keeps
+its tokens' history, and a decode may verify up to K drafted tokens a step (`gpt.inference.speculation`).
 
     Attributes:
       num_slots: the slots, `num_slots` rounded up to a multiple of rows_per_prefill.
@@ -52,13 +53,16 @@ class DeviceSlots:
       slots: the device state (`gpt.inference.decoding.Slots`), replaced by each verb that changes it.
     """
 
-    def __init__(self, decoder: Decoder, num_slots: int, cache_length: int, max_stop_tokens: int, max_steps: int):
+    def __init__(self, decoder: Decoder, num_slots: int, cache_length: int, max_stop_tokens: int, max_steps: int,
+                 draft_tokens: int = 0):
         self.config, self.weights, self.mesh = decoder.config, decoder.weights, decoder.mesh
         self.rows_per_prefill = data_parallel_size(self.mesh) if self.mesh is not None else 1
         self.num_slots = -(-num_slots // self.rows_per_prefill) * self.rows_per_prefill
-        self.max_stop_tokens, self.max_steps = max_stop_tokens, max_steps
+        self.max_stop_tokens, self.max_steps, self.draft_tokens = max_stop_tokens, max_steps, draft_tokens
+        self.cache_length = cache_length
         with self.on_mesh():
-            self.slots = compiled_init_slots(self.config, self.num_slots, cache_length, max_stop_tokens)
+            self.slots = compiled_init_slots(self.config, self.num_slots, cache_length, max_stop_tokens,
+                                             draft_tokens > 0)
 
     def on_mesh(self):
         """A context in which the verbs run over the mesh (none without one)."""
@@ -100,23 +104,29 @@ class DeviceSlots:
         past_the_end = self.num_slots  # dropped
         targets = [past_the_end if slot is None else slot for slot in slots] + [past_the_end] * padding
         settings = list(settings) + [self.settings(PADDING, ())] * padding
+        rows = self._rows(requests)
+        prompt = None
+        if self.draft_tokens:  # the slots' history begins with the prompt
+            prompt = _piece(rows, 0, self.cache_length)[0]
         admission = Admission(slots=np.asarray(targets, np.int32),
-                              max_tokens=np.asarray([r.max_tokens for r in self._rows(requests)], np.int32),
-                              settings=jax.tree.map(lambda *rows: np.stack(rows), *settings))
+                              max_tokens=np.asarray([r.max_tokens for r in rows], np.int32),
+                              settings=jax.tree.map(lambda *rows: np.stack(rows), *settings), prompt=prompt)
         with self.on_mesh():
             self.slots, emitted = insert(self.weights, self.slots, prefix, admission)
         return emitted
 
-    def decode(self, num_steps: int, stop_at_finish: bool, width: int, decoding: Sequence[int]) -> Emitted:
+    def decode(self, num_steps: int, stop_at_finish: bool, width: int, decoding: Sequence[int],
+               draft: bool = False) -> Emitted:
         """Up to `num_steps` (<= max_steps) decode steps over `width` rows that hold the `decoding` slots
-        (the slots' own order past them: distinct rows)."""
+        (the slots' own order past them: distinct rows), each verifying a draft when `draft`."""
         rows_R = None
         if width < self.num_slots:
             rest = [s for s in range(self.num_slots) if s not in decoding]
             rows_R = np.asarray((list(decoding) + rest)[:width], np.int32)
         with self.on_mesh():
             self.slots, emitted = compiled_decode(self.config, self.weights, self.slots, np.int32(num_steps),
-                                                  np.bool_(stop_at_finish), max_steps=self.max_steps, rows_R=rows_R)
+                                                  np.bool_(stop_at_finish), max_steps=self.max_steps, rows_R=rows_R,
+                                                  draft_tokens=self.draft_tokens if draft else 0)
         return emitted
 
     def free(self, free_S: np.ndarray) -> None:

@@ -10,7 +10,9 @@ Each round (`step`), on the thread that owns the engine, through the device's fo
      between its chunks; with a prefix pool (`prefix_cache_tokens`), a scored prompt takes that path
      too, starting after what the pool holds of its beginning;
   3. one `decode` runs up to `steps_per_call` steps for every live slot (over the fewest compiled rows
-     that hold them: `decode_widths`);
+     that hold them: `decode_widths`); with a draft, each step verifies up to `draft_tokens` drafted
+     tokens a slot and emits up to that many + 1 (`gpt.inference.speculation`), when that has been the
+     faster way at this width (`gpt.inference.draft_policy`);
   4. new tokens go to their requests; finished slots become free.
 Requests come and go between rounds, so a short request never waits for a long one to end (continuous
 batching). Every sampling knob is a per-slot array, so no request's settings compile anything; `warmup`
@@ -42,6 +44,7 @@ from gpt.errors import ConfigError
 from gpt.inference.completion import Completion, deliver_prompt_scores
 from gpt.inference.decoding import PREFIX_BLOCK, Decoder, Prefix, Settings, compiled_programs
 from gpt.inference.device_slots import DeviceSlots
+from gpt.inference.draft_policy import DraftPolicy
 from gpt.inference.prefix_store import PrefixStore
 from gpt.inference.request import Request, check_request, is_int
 from gpt.inference.scheduler import Chunked, Scheduler
@@ -53,6 +56,7 @@ from gpt.inference.shapes import (
     pooled_prefix_length,
     prompt_buckets,
 )
+from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, check_draft
 from gpt.model.transformer import GPT
 from gpt.tokenizer import get_tokenizer
 
@@ -94,19 +98,26 @@ class Engine:
       quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
         (`gpt.inference.decoding.decoding_weights`); a Decoder's own.
       mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`); a Decoder's own.
+      draft: "ngram" guesses each slot's next tokens from its own prompt and output and verifies them
+        (`gpt.inference.speculation`): the same tokens, sooner where the text repeats itself; None (or
+        "none") decodes without one.
+      draft_tokens: the most drafted tokens a step verifies (K).
     """
 
     def __init__(self, model: GPT | Decoder, *, slots: int = 8, cache_length: int | None = None,
                  max_queue: int = 64, steps_per_call: int = 1, max_stop_tokens: int = 8,
                  prefill_chunk: int = 256, prefix_cache_tokens: int = 0, quantize: str | None = None,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, draft: str | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS):
         config = model.config
         slots, cache_length, max_queue, steps_per_call, max_stop_tokens, prefill_chunk, prefix_cache_tokens = \
             _checked_arguments(config.block_size, slots=slots, cache_length=cache_length, max_queue=max_queue,
                                steps_per_call=steps_per_call, max_stop_tokens=max_stop_tokens,
                                prefill_chunk=prefill_chunk, prefix_cache_tokens=prefix_cache_tokens)
+        draft_tokens = check_draft(draft, draft_tokens)
         self.device = DeviceSlots(Decoder.of(model, quantize, mesh), slots, cache_length, max_stop_tokens,
-                                  steps_per_call)
+                                  steps_per_call, draft_tokens)
+        self._policy = DraftPolicy() if draft_tokens else None
+        self.tokens_drafted = self.drafts_accepted = 0  # running totals: drafted tokens, and those that stood
         self.config, self.num_slots, self.cache_length = config, self.device.num_slots, cache_length
         self.max_queue, self.steps_per_call, self.max_stop_tokens = max_queue, steps_per_call, max_stop_tokens
         self.prefill_chunk = min(prefill_chunk, cache_length)
@@ -165,8 +176,14 @@ class Engine:
             return admitted or advanced
         stop_at_finish = bool(self._scheduler.queue)  # someone waits for a slot: come back as soon as one frees
         width = next(w for w in self.decode_widths if w >= len(decoding))
-        emitted = self.device.decode(self.steps_per_call, stop_at_finish, width, decoding)
+        draft = self._policy is not None and self._policy.use_draft(width)
+        start, tokens_before = time.perf_counter(), self._scheduler.tokens_emitted
+        emitted = self.device.decode(self.steps_per_call, stop_at_finish, width, decoding, draft)
         self._scheduler.deliver(list(range(self.num_slots)), emitted)
+        if self._policy is not None:
+            self._policy.record(width, draft, time.perf_counter() - start, self._scheduler.tokens_emitted - tokens_before)
+            self.tokens_drafted += int(emitted.drafted)
+            self.drafts_accepted += int(emitted.accepted)
         return True
 
     def run(self, completions: Sequence[Completion]) -> None:
@@ -199,7 +216,9 @@ class Engine:
     def _warmup_programs(self) -> list[tuple[str, str, Callable[[], None]]]:
         """What `warmup` runs: (kind, what, a function that runs it once)."""
         buckets, chunk, length = self.prompt_buckets, self.prefill_chunk, self.cache_length
-        steps = max(1, min(len(self.decode_widths) + 1, length - 1))  # a step at each width, within the cache
+        # A decode at each width (and each way: a step with a draft may emit K + 1 tokens), within the cache.
+        ways, per_step = (2, self.device.draft_tokens + 1) if self._policy is not None else (1, 1)
+        steps = max(1, min(ways * len(self.decode_widths) * per_step + 1, length - 1))
         request = Request([0], steps, temperature=0.0, logprobs=1, prompt_logprobs=True)
         entries = [(0, Completion(request, settings=self.check(request)))]
 
@@ -213,8 +232,9 @@ class Engine:
                      for n, b in pieces_after_prefixes(buckets, chunk, length, pooled)]
         programs += [("prefix pool", f"loading and keeping {n} positions", functools.partial(self._store.warm, n))
                      for n in pooled]
-        programs += [("decode", f"{width} of {self.num_slots} slots",
-                      functools.partial(self.device.decode, 1, False, width, [0]))
+        programs += [("decode", f"{width} of {self.num_slots} slots{' with a draft' * draft}",
+                      functools.partial(self.device.decode, 1, False, width, [0], draft))
+                     for draft in ((False, True) if self._policy is not None else (False,))
                      for width in self.decode_widths]
         programs += [("free", "slot 0", functools.partial(self.device.free, np.arange(self.num_slots) == 0))]
         return programs

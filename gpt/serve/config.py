@@ -8,6 +8,7 @@ from typing import Literal
 
 from gpt.errors import ConfigError
 from gpt.inference.shapes import MIN_PROMPT_BUCKET
+from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft
 from gpt.model.config import DType
 
 __all__ = ["ServeConfig"]
@@ -65,6 +66,11 @@ class ServeConfig:
     """An idle keep-alive connection is closed after this long."""
     no_playground: bool = False
     """Serve no playground page at / (the API alone)."""
+    draft: Draft = "none"
+    """ngram: guess each request's next tokens from its prompt and output and verify them a few at once
+    (the same tokens, sooner where the text repeats itself), at the widths where that has measured faster."""
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    """The most guessed tokens one step verifies."""
 
     def check(self) -> None:
         """ConfigError naming the first setting out of its bound (before anything loads)."""
@@ -84,5 +90,6 @@ class ServeConfig:
                 raise ConfigError(f"--{name} must be positive and finite, got {getattr(self, name)}")
         if not 0 < self.max_request_mb < math.inf:
             raise ConfigError(f"--max_request_mb must be positive and finite, got {self.max_request_mb}")
+        check_draft(self.draft, self.draft_tokens)
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api_key is empty: give a key, or leave it out to serve without one")

@@ -37,6 +37,10 @@ class Metrics:
                                                   "client left before its reply)", ["status"], registry=registry)
         prometheus_client.Gauge("gpt_prompt_tokens_reused", "Prompt positions loaded from the prefix cache, not run",
                                 registry=registry).set_function(lambda: engine.prompt_tokens_reused)
+        prometheus_client.Gauge("gpt_draft_tokens", "Drafted tokens verified (--draft)", registry=registry
+                                ).set_function(lambda: engine.tokens_drafted)
+        prometheus_client.Gauge("gpt_draft_tokens_accepted", "Drafted tokens that stood (--draft)", registry=registry
+                                ).set_function(lambda: engine.drafts_accepted)
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
 

@@ -238,7 +238,8 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
     model = load(config.init_from, config.dtype)
     engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
                     steps_per_call=config.steps_per_call, prefill_chunk=config.prefill_chunk,
-                    prefix_cache_tokens=config.prefix_cache_tokens, quantize=config.quantize, mesh=mesh)
+                    prefix_cache_tokens=config.prefix_cache_tokens, quantize=config.quantize, mesh=mesh,
+                    draft=config.draft, draft_tokens=config.draft_tokens)
     engine.warmup(log)
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,

@@ -1,0 +1,259 @@
+"""Speculative decoding with a prompt-lookup draft: the drafts it finds, the tokens it gives (those of
+decoding without a draft, greedy or sampled, under continuous batching), the distribution it samples,
+and when the engine uses it."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gpt import GPT, GPTConfig
+from gpt.errors import ConfigError
+from gpt.generate import generate
+from gpt.inference import decoding, speculation
+from gpt.inference.draft_policy import DraftPolicy
+from gpt.inference.engine import Engine
+from gpt.inference.request import Request
+from gpt.inference.speculation import ngram_drafts, stands
+from gpt.model.kv_cache import KVCache
+
+from serving import decisive_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return decisive_model(vocab_size=256)
+
+
+def drafts_of(history, draft_tokens=4):
+    drafts, count = ngram_drafts(jnp.asarray([history + [0] * (32 - len(history))], jnp.int32),
+                                 jnp.asarray([len(history) - 1], jnp.int32), draft_tokens)
+    return [int(t) for t in drafts[0, : int(count[0])]]
+
+
+@pytest.mark.parametrize("history, want", [
+    ([5, 6, 7, 8, 9, 5, 6], [7, 8, 9, 5]),  # the tokens after the earlier "5 6", up to K
+    ([1, 2, 3, 1, 2, 4, 9, 2], [4, 9, 2]),  # the latest earlier "2" (no 3- or 2-gram recurs); up to the last token
+    ([7, 2, 3, 9, 5, 2, 3, 8, 1, 7, 2, 3], [9, 5, 2, 3]),  # "7 2 3" found, not the later "2 3"
+    ([4, 5, 6, 7], []),  # nothing recurs
+    ([3], []),
+    ([3, 3], [3]),
+])
+def test_the_draft_is_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix(history, want):
+    assert drafts_of(history) == want
+
+
+def test_rows_draft_apart_and_the_draft_is_at_most_k():
+    history = jnp.asarray([[1, 2, 1, 2, 1, 2, 0, 0], [9, 8, 7, 9, 8, 0, 0, 0]], jnp.int32)
+    drafts, count = ngram_drafts(history, jnp.asarray([5, 4], jnp.int32), 2)
+    assert count.tolist() == [2, 2] and drafts.tolist() == [[1, 2], [7, 9]]
+
+
+def test_stands_counts_the_leading_agreement_within_the_draft():
+    target = jnp.asarray([[1, 2, 3], [1, 9, 3], [4, 2, 3], [1, 2, 3]])
+    drafts = jnp.asarray([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    assert stands(target, drafts, jnp.asarray([3, 3, 3, 2])).tolist() == [3, 1, 0, 2]
+
+
+def test_several_positions_a_row_over_a_paged_cache_and_a_view_equal_one_at_a_time():
+    """The verification's forward (K + 1 positions a row, reading the pages or a view of some rows) gives
+    the logits and the cache that K + 1 single-position steps give."""
+    model = GPT(GPTConfig.preset("tiny", vocab_size=256, block_size=64), rngs=nnx.Rngs(3))
+    config, weights = model.config, decoding.Decoder.of(model).weights
+    forward = jax.jit(decoding.forward, static_argnames="config")
+    tokens = jnp.asarray([[(5 * i + 11 * row) % 256 for i in range(40)] for row in range(3)], jnp.int32)
+    cache = KVCache.init(config, 3, 64, page_length=16)
+    _, cache = forward(config, weights, tokens[:, :20], jnp.broadcast_to(jnp.arange(20), (3, 20)), cache)
+    cache = jax.tree.map(lambda x: x, cache)
+    rows = jnp.asarray([2, 0], jnp.int32)
+    for view in (None, rows):
+        start = cache if view is None else cache.select(view)
+        batch = tokens if view is None else tokens[view]
+        lengths = start.lengths  # 20 each: the next 5 cross into page 1
+        together, _ = forward(config, weights, batch[:, 20:25], lengths[:, None] + jnp.arange(5), start)
+        one, step = [], start
+        for t in range(5):
+            x, step = forward(config, weights, batch[:, 20 + t: 21 + t], (lengths + t)[:, None], step)
+            one.append(x)
+        assert jnp.allclose(together, jnp.concatenate(one, axis=1), atol=2e-5)
+
+
+PROMPTS = [  # ragged: a pattern the model may copy, text that does not repeat, a short loop
+    [7, 3, 9, 1, 4, 7, 3, 9, 1, 4, 7, 3], list(range(30, 61)), [5, 6, 5, 6, 5], [200],
+]
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(temperature=0.0),
+    dict(temperature=0.0, repetition_penalty=1.3),
+    dict(temperature=1.0, seed=11),
+    dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.05, seed=5),
+])
+@pytest.mark.parametrize("draft_tokens", [1, 4])
+def test_a_draft_gives_the_tokens_of_decoding_without_one(model, knobs, draft_tokens):
+    """Greedy or sampled, the same tokens token for token, on ragged rows with max tokens landing inside
+    a draft; drafts were verified, and greedy ones stood (random weights' samples seldom repeat: the
+    trained model's test below has sampled drafts stand)."""
+    want = generate(model, PROMPTS, 37, **knobs)
+    engine_drafts = []
+    original = Engine.__init__
+
+    def keep(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        engine_drafts.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "__init__", keep)
+        got = generate(model, PROMPTS, 37, draft="ngram", draft_tokens=draft_tokens, **knobs)
+    assert got == want
+    (engine,) = engine_drafts
+    assert engine.tokens_drafted >= engine.drafts_accepted and engine.tokens_drafted > 0
+    assert engine.drafts_accepted > 0 or knobs["temperature"] > 0
+
+
+def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model):
+    """Five requests through two slots (admitted as others end), stop tokens, stop strings and max tokens
+    that land mid-draft, one step or several a call: each request's tokens and finish reason are those
+    without a draft, and nothing compiles after the warm-up."""
+    from gpt.tokenizer import get_tokenizer
+
+    loop = [7, 3, 9, 1, 4] * 3
+    greedy = generate(model, [loop, loop[:7]], 40, temperature=0.0)  # stops chosen from the paths taken
+    stop_string = get_tokenizer().decode([greedy[1][12]])
+    requests = [(loop, 40, dict(temperature=0.0)), (loop, 30, dict(temperature=0.0, stop_tokens=(greedy[0][11],))),
+                (list(range(2, 19)), 23, dict(temperature=0.9, seed=3)),
+                (loop[:7], 30, dict(temperature=0.0, stop_strings=(stop_string,))), ([1, 2, 1, 2], 3, dict(temperature=0.0))]
+
+    def run(draft, steps_per_call):
+        engine = Engine(model, slots=2, cache_length=64, steps_per_call=steps_per_call, prefill_chunk=16,
+                        draft=draft, draft_tokens=3)
+        engine.warmup(log=lambda line: None)
+        compiled = engine.compiled_shapes()
+        submitted = [engine.submit(Request(p, m, **k)) for p, m, k in requests]
+        engine.run(submitted)
+        assert engine.compiled_shapes() == compiled, "compiled after the warm-up"
+        return [(c.tokens, c.finish_reason) for c in submitted]
+
+    want = run(None, 1)
+    assert [reason for _, reason in want] == ["length", "stop", "length", "stop", "length"]
+    for steps_per_call in (1, 4):
+        assert run("ngram", steps_per_call) == want
+
+
+def test_trained_weights_give_the_same_tokens_and_accept_drafts(trained_run, corpus_text):
+    """On the weights of a short training run, continuing source text it saw part of: greedy and sampled
+    tokens equal decoding's without a draft, and the drafts often stand."""
+    from gpt.tokenizer import get_tokenizer
+    from gpt.train.checkpoint import load_model
+
+    trained = load_model(trained_run)
+    text = corpus_text[300_000:301_200]
+    prompts = [get_tokenizer().encode(text[i: i + 400])[:96] for i in (0, 500)]
+    for knobs in (dict(temperature=0.0), dict(temperature=0.7, seed=2)):
+        want = generate(trained, prompts, 24, **knobs)
+        engine = Engine(trained, slots=2, cache_length=128, steps_per_call=128, draft="ngram")
+        completions = [engine.submit(Request(p, 24, stream=i, **knobs)) for i, p in enumerate(prompts)]
+        engine.run(completions)
+        assert [c.tokens for c in completions] == want
+        assert engine.drafts_accepted > 0
+
+
+def sampled_pairs(model, prompt, draws, **knobs):
+    """The first two tokens of `draws` seeded samples of `prompt`, with a draft (three asked for: a draft
+    is never longer than the tokens a row may still emit, less the one the target adds)."""
+    rows = generate(model, [prompt] * draws, 3, draft="ngram", draft_tokens=3, seed=0, max_batch=256, **knobs)
+    return np.asarray([row[:2] for row in rows])
+
+
+def chi_square_p_value(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson's test of counts against probabilities (cells expected fewer than 5 times pooled), its
+    p-value by Wilson and Hilferty's normal approximation of the chi-square distribution."""
+    expected = expected / expected.sum() * observed.sum()
+    small = expected < 5
+    observed = np.append(observed[~small], observed[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    statistic = float(np.sum((observed - expected) ** 2 / np.maximum(expected, 1e-12)))
+    k = len(observed) - 1
+    z = ((statistic / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampling_with_a_draft_draws_from_the_models_distribution(monkeypatch):
+    """Over a vocabulary of 8 whose every token is in the prompt (so the second token is always drafted),
+    the joint distribution of the first two sampled tokens over 4000 seeds matches the model's own, and
+    the same test fails when a draft is always accepted."""
+    model = GPT(GPTConfig.preset("tiny", vocab_size=8, block_size=32), rngs=nnx.Rngs(5))
+    nnx.update(model, jax.tree.map(lambda p: p * 3.0 if p.ndim >= 2 else p, nnx.state(model, nnx.Param)))
+    prompt = [0, 1, 2, 3, 4, 5, 6, 7, 3, 1]
+    first = jax.nn.softmax(model(jnp.asarray([prompt]))[0, -1])
+    then = jax.nn.softmax(model(jnp.asarray([prompt + [t] for t in range(8)]))[:, -1], axis=-1)
+    expected = np.asarray(first[:, None] * then).reshape(-1)
+
+    def p_value():
+        pairs = sampled_pairs(model, prompt, 4000, temperature=1.0)
+        return chi_square_p_value(np.bincount(pairs[:, 0] * 8 + pairs[:, 1], minlength=64).astype(float), expected)
+
+    assert p_value() > 1e-3
+    monkeypatch.setattr(decoding, "stands", lambda target, drafts, count: count)  # every draft accepted
+    jax.clear_caches()
+    try:
+        assert p_value() < 1e-6
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+
+
+@pytest.mark.parametrize("draft, draft_tokens, message", [
+    ("int4", 4, "draft must be one of none, ngram; got 'int4'"),
+    ("ngram", 0, "draft_tokens must be an integer in [1, 32], got 0"),
+    ("ngram", 33, "draft_tokens must be an integer in [1, 32], got 33"),
+    ("ngram", 2.5, "draft_tokens must be an integer in [1, 32], got 2.5"),
+])
+def test_bad_draft_settings_are_refused_in_one_line(model, draft, draft_tokens, message):
+    with pytest.raises(ConfigError) as e:
+        generate(model, [[1, 2]], 4, draft=draft, draft_tokens=draft_tokens)
+    assert str(e.value) == message
+    assert speculation.check_draft(None, 0) == 0 and speculation.check_draft("none", 99) == 0
+
+
+def test_the_policy_runs_the_cheaper_way_and_probes_the_other():
+    policy = DraftPolicy(probe_every=4, smoothing=1.0)
+    assert policy.use_draft(8)  # nothing measured: the draft, as asked
+    for seconds in (9.0, 1.0):  # the first call of a way compiles and is not counted
+        policy.record(8, True, seconds, tokens=10)
+    assert policy.seconds_per_token(8, True) == pytest.approx(0.1)
+    assert not policy.use_draft(8)  # the plain way is not measured yet
+    for seconds in (9.0, 0.5):
+        policy.record(8, False, seconds, tokens=10)
+    choices = [policy.use_draft(8) for _ in range(8)]
+    assert choices.count(False) == 6 and choices.count(True) == 2  # plain is cheaper; the draft every 4th call
+    policy.record(8, True, 0.1, tokens=10)  # the text began to repeat itself: the draft is now cheaper
+    assert sum(policy.use_draft(8) for _ in range(8)) == 6
+    assert policy.use_draft(1)  # another width is measured apart
+    policy.record(1, True, 1.0, tokens=0)  # a call that emitted nothing says nothing
+    policy.record(1, True, 1.0, tokens=0)
+    assert policy.seconds_per_token(1, True) is None
+
+
+def test_the_engine_falls_back_to_plain_steps_where_they_are_faster(model, monkeypatch):
+    """With the draft measured slower at a width, the engine's calls there go plain (the draft only to
+    probe), and the tokens stay the same."""
+    engine = Engine(model, slots=2, cache_length=96, draft="ngram", draft_tokens=2)
+    ways = []
+    original = engine.device.decode
+
+    def decode(*args):
+        ways.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(engine.device, "decode", decode)
+    for width in engine.decode_widths:
+        for draft, seconds in ((True, 1.0), (True, 1.0), (False, 1.0), (False, 1.0)):
+            engine._policy.record(width, draft, seconds / (10 if not draft else 1), tokens=10)
+    completion = engine.submit(Request([7, 3, 9, 1, 4] * 3, 40, temperature=0.0))
+    engine.run([completion])
+    assert completion.tokens == generate(model, [[7, 3, 9, 1, 4] * 3], 40, temperature=0.0)[0]
+    assert ways.count(False) > ways.count(True) >= 1
