@@ -303,6 +303,7 @@ USER_ERRORS = [
     ("sample.py", ["--num_samples", "20000000000"], "SampleConfig.num_samples=20000000000 needs about"),
     ("train.py", ["--sample_tokens", "-5"], "TrainConfig.sample_tokens must be >= 0, got -5"),
     ("sample.py", ["--temperature", "-1"], "temperature must be >= 0 (0 is greedy) and finite, got -1.0"),
+    ("sample.py", ["--draft", "ngram", "--draft_tokens", "64"], "draft_tokens must be an integer in [1, 32], got 64"),
     ("sample.py", ["--init_from", "/no/such/run"], "--init_from '/no/such/run' is not a training out_dir"),
 ]
 

@@ -191,6 +191,7 @@ def test_json_infinities_are_bounded_and_huge_knobs_run(server, model):
     (dict(max_connections=10**7), "--max_connections 10000000 is more than this process's [0-9]+ file descriptors"),
     (dict(header_timeout_s=0), "--header_timeout_s must be positive and finite, got 0"),
     (dict(api_key=" "), "--api_key is empty"),
+    (dict(draft="ngram", draft_tokens=0), r"draft_tokens must be an integer in \[1, 32\], got 0"),
 ])
 def test_bad_server_settings_fail_before_loading(tmp_path, setting, message):
     from gpt.errors import ConfigError

@@ -36,13 +36,14 @@ def drafts_of(history, draft_tokens=4):
 
 @pytest.mark.parametrize("history, want", [
     ([5, 6, 7, 8, 9, 5, 6], [7, 8, 9, 5]),  # the tokens after the earlier "5 6", up to K
-    ([1, 2, 3, 1, 2, 4, 9, 2], [4, 9, 2]),  # the latest earlier "2" (no 3- or 2-gram recurs); up to the last token
+    ([1, 2, 3, 1, 2, 4, 9, 2], [4, 9, 2, 4]),  # after the latest earlier "2" (no 3- or 2-gram recurs), looped
     ([7, 2, 3, 9, 5, 2, 3, 8, 1, 7, 2, 3], [9, 5, 2, 3]),  # "7 2 3" found, not the later "2 3"
     ([4, 5, 6, 7], []),  # nothing recurs
     ([3], []),
-    ([3, 3], [3]),
+    ([3, 3], [3, 3, 3, 3]),  # a loop of period 1
+    ([1, 2, 3, 1, 2], [3, 1, 2, 3]),  # "a b c a b" drafts "c a b c"
 ])
-def test_the_draft_is_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix(history, want):
+def test_the_draft_follows_the_latest_earlier_occurrence_of_the_longest_suffix_and_loops(history, want):
     assert drafts_of(history) == want
 
 
@@ -257,3 +258,31 @@ def test_the_engine_falls_back_to_plain_steps_where_they_are_faster(model, monke
     engine.run([completion])
     assert completion.tokens == generate(model, [[7, 3, 9, 1, 4] * 3], 40, temperature=0.0)[0]
     assert ways.count(False) > ways.count(True) >= 1
+
+
+def test_a_server_with_a_draft_answers_as_one_without_and_counts_its_drafts(model):
+    """serve.py's engine with --draft ngram: completions (greedy and seeded) equal those of a server
+    without one, and /metrics counts the drafted tokens and those that stood."""
+    import httpx
+
+    from serving import Server
+
+    prompt = PROMPTS[2]  # one whose greedy path (on these weights) drafts tokens that stand
+    replies = []
+    for draft in (None, "ngram"):
+        server = Server(model, warmup=False, slots=2, cache_length=64, draft=draft)
+        if draft is not None:  # every call with the draft (when the engine drafts is the policy's test)
+            server.engine._policy.use_draft = lambda width: True
+        try:
+            texts = [server.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, seed=4,
+                                                      **knobs).choices[0].text
+                     for knobs in (dict(temperature=0), dict(temperature=0.9, top_p=0.95))]
+            metrics = dict(line.split() for line in httpx.get(server.url + "/metrics").text.splitlines()
+                           if line.startswith("gpt_draft_tokens"))
+        finally:
+            server.stop()
+        replies.append((texts, metrics))
+    assert replies[1][0] == replies[0][0]
+    assert replies[0][1] == {"gpt_draft_tokens": "0.0", "gpt_draft_tokens_accepted": "0.0"}
+    drafted, accepted = (float(replies[1][1][name]) for name in ("gpt_draft_tokens", "gpt_draft_tokens_accepted"))
+    assert drafted >= accepted > 0

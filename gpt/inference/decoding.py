@@ -374,14 +374,16 @@ def _choose_next(weights: Weights, x_RD: jax.Array, live_R: jax.Array, remaining
     """The LM head, a choice per row, and the bookkeeping of what it ends (`_account`)."""
     logits_RV = lm_head(weights, x_RD[:, None])[:, 0]
     token_R = choose(logits_RV, seen_RV, settings.params, _keys(settings, generated_R))
-    return _account(token_R, logits_RV, live_R, remaining_R, seen_RV, settings)
+    scores = token_scores(logits_RV, token_R, jnp.any(settings.top_logprobs & live_R))
+    return _account(token_R, scores, live_R, remaining_R, seen_RV, settings)
 
 
-def _account(token_R: jax.Array, logits_RV: jax.Array, live_R: jax.Array, remaining_R: jax.Array,
-             seen_RV: jax.Array, settings: Settings) -> _Choice:
-    """What choosing token_R (from logits_RV) does to the live rows: a stop token ends a row without
-    being emitted; a row that emits its last allowed token ends after it."""
-    logprob_R, top_ids_RJ, top_logprobs_RJ = token_scores(logits_RV, token_R, jnp.any(settings.top_logprobs & live_R))
+def _account(token_R: jax.Array, scores: tuple[jax.Array, jax.Array, jax.Array], live_R: jax.Array,
+             remaining_R: jax.Array, seen_RV: jax.Array, settings: Settings) -> _Choice:
+    """What choosing token_R (scored `scores`: `token_scores`' logprob [R] and top J [R, J] twice) does to
+    the live rows: a stop token ends a row without being emitted; a row that emits its last allowed token
+    ends after it."""
+    logprob_R, top_ids_RJ, top_logprobs_RJ = scores
     R = token_R.shape[0]
     is_stop_R = jnp.any(token_R[:, None] == settings.stop_tokens, axis=-1)
     emitted_R = live_R & ~is_stop_R
@@ -610,7 +612,33 @@ def _step(config: GPTConfig, weights: Weights, p: _Progress) -> _Progress:
         slots, cache=new_cache, last_token=jnp.where(c.live, c.token, slots.last_token),
         live=c.live, remaining=c.remaining, generated=slots.generated + slots.live, seen=c.seen,
         history=_remember(slots.history, cache.lengths + 1, c, slots.live))
-    return _Progress(slots, _record(p.out, p.steps, c), p.steps + 1, p.written + 1)
+    # Every row's entry is the step's, except beside drafted steps, whose rows advance apart.
+    live_R = p.slots.live
+    entry = p.steps if slots.history is None else jnp.where(live_R, p.written, p.out.token.shape[0])
+    return _Progress(slots, _record(p.out, entry, c), p.steps + 1, p.written + (1 if slots.history is None else live_R))
+
+
+def _verify_choices(logits_RTV: jax.Array, drafts_RK: jax.Array, count_R: jax.Array, slots: Slots):
+    """The target's choice at each of a verification's T = K + 1 positions, as a plain step would make it
+    there (the drafts before it seen as the row's own tokens, its PRNG position), all positions at once.
+    Returns how many drafted tokens stand (int32 [R], `stands`), the token each position emits if it is
+    reached (its draft where the drafts up to it stand, else the target's: int32 [R, T]), and that
+    token's scores (`token_scores`' three, [R, T] and [R, T, J])."""
+    R, T, V = logits_RTV.shape
+    drafted_RTV = jax.nn.one_hot(drafts_RK, V, dtype=jnp.bool_)
+    seen_RTV = slots.seen[:, None, :] | jnp.concatenate(
+        [jnp.zeros((R, 1, V), jnp.bool_), jnp.cumsum(drafted_RTV, axis=1, dtype=jnp.int32) > 0], axis=1)
+    per_position = lambda a: jnp.repeat(a, T, axis=0)  # noqa: E731  a row's value at each of its positions
+    settings = jax.tree.map(per_position, slots.settings)
+    generated_M = (slots.generated[:, None] + jnp.arange(T, dtype=jnp.int32)).reshape(R * T)
+    logits_MV = logits_RTV.reshape(R * T, V)
+    target_RT = choose(logits_MV, seen_RTV.reshape(R * T, V), settings.params, _keys(settings, generated_M)).reshape(R, T)
+    stood_R = stands(target_RT[:, :-1], drafts_RK, count_R)
+    at_T = jnp.arange(T)[None, :]
+    drafts_RT = jnp.concatenate([drafts_RK, drafts_RK[:, :1]], axis=1)  # the last position has no draft
+    token_RT = jnp.where(at_T < stood_R[:, None], drafts_RT, target_RT)
+    scores = token_scores(logits_MV, token_RT.reshape(R * T), jnp.any(slots.settings.top_logprobs & slots.live))
+    return stood_R, token_RT, jax.tree.map(lambda a: a.reshape(R, T, *a.shape[1:]), scores)
 
 
 def _verify_step(config: GPTConfig, weights: Weights, K: int, p: _Progress) -> _Progress:
@@ -620,32 +648,31 @@ def _verify_step(config: GPTConfig, weights: Weights, K: int, p: _Progress) -> _
     drafts that stand (`stands`) and the target's token after them. The keys and values of drafts that
     did not stand lie past the row's new length, where the next step writes before any query can see them.
     """
-    slots, cache = p.slots, p.slots.cache
-    R = slots.last_token.shape[0]
-    last_R = cache.lengths  # the last token's position
-    drafts_RK, count_R = ngram_drafts(slots.history, last_R, K)
+    slots = p.slots
+    drafts_RK, count_R = ngram_drafts(slots.history, slots.cache.lengths, K)
     # No draft past what the request may still emit: each position's output is then inside the cache.
     count_R = jnp.where(slots.live, jnp.minimum(count_R, slots.remaining - 1), 0)
+    # A step in which no row has a draft is a plain one (the same choices), at a plain step's cost.
+    return jax.lax.cond(jnp.any(count_R > 0), functools.partial(_verify, config, weights, drafts_RK, count_R),
+                        functools.partial(_step, config, weights), p)
+
+
+def _verify(config: GPTConfig, weights: Weights, drafts_RK: jax.Array, count_R: jax.Array, p: _Progress) -> _Progress:
+    """`_verify_step` where some row has a draft: drafts_RK int32 [R, K], the first count_R of each row's."""
+    slots, cache = p.slots, p.slots.cache
+    (R, K), last_R = drafts_RK.shape, cache.lengths  # the last token's position
     tokens_RT = jnp.concatenate([slots.last_token[:, None], drafts_RK], axis=1)
     positions_RT = jnp.where(slots.live, last_R, 0)[:, None] + jnp.arange(K + 1, dtype=jnp.int32)
     x_RTD, new_cache = forward(config, weights, tokens_RT, positions_RT, cache)
-    logits_RTV = lm_head(weights, x_RTD)
-    targets, seen_RV = [], slots.seen
-    for i in range(K + 1):  # position i sees the drafts before it as the row's own tokens
-        if i:
-            seen_RV = seen_RV.at[jnp.arange(R), drafts_RK[:, i - 1]].set(True)
-        keys = _keys(slots.settings, slots.generated + i)
-        targets.append(choose(logits_RTV[:, i], seen_RV, slots.settings.params, keys))
-    target_RT = jnp.stack(targets, axis=1)
-    stood_R = stands(target_RT[:, :K], drafts_RK, count_R)
+    stood_R, token_RT, scores = _verify_choices(lm_head(weights, x_RTD), drafts_RK, count_R, slots)
 
     live_R, remaining_R, seen_RV, last_token_R, history = (slots.live, slots.remaining, slots.seen,
                                                            slots.last_token, slots.history)
     out, turns_R = p.out, jnp.zeros((R,), jnp.int32)
     for i in range(K + 1):  # the drafts that stood, then the target's token: each as a plain step takes it
         turn_R = live_R & (i <= stood_R)
-        token_R = target_RT[:, i] if i == K else jnp.where(i < stood_R, drafts_RK[:, i], target_RT[:, i])
-        c = _account(token_R, logits_RTV[:, i], turn_R, remaining_R, seen_RV, slots.settings)
+        c = _account(token_RT[:, i], jax.tree.map(lambda a: a[:, i], scores), turn_R, remaining_R, seen_RV,
+                     slots.settings)
         out = _record(out, jnp.where(turn_R, p.written + i, out.token.shape[0]), c)
         history = _remember(history, last_R + 1 + i, c, turn_R)
         last_token_R = jnp.where(turn_R & ~c.stopped, c.token, last_token_R)

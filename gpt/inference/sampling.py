@@ -153,17 +153,18 @@ def _bisect(holds, rows: int) -> jax.Array:
 def first_argmax(logits_BV: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (the first index of the largest value, or of the first NaN), int32 [B].
 
-    As a max and then a min over the indices that hold it: XLA's CPU runs argmax as one reduce over
-    (value, index) pairs that it does not vectorize. Over 8 rows of GPT-2's 50,257 logits, a jitted call
-    takes ~1 ms that way and ~0.35 ms this way; over 1 row 0.29 against 0.18 ms (bench/RESULTS.md, "The
-    greedy choice, and an int8 product in one kernel tried")."""
+    As a max and then one min over the indices that hold it (and the NaNs'): XLA's CPU runs argmax as one
+    reduce over (value, index) pairs that it does not vectorize, about 3x slower over GPT-2's 50,257 logits
+    (bench/RESULTS.md, "The greedy choice, and an int8 product in one kernel tried"; "Speculative
+    decoding")."""
     V = logits_BV.shape[-1]
     index_V = jnp.arange(V, dtype=jnp.int32)
     largest_B1 = logits_BV.max(axis=-1, keepdims=True)
-    first_largest_B = jnp.min(jnp.where(logits_BV == largest_B1, index_V, V), axis=-1)
-    # A NaN wins, as in jnp.argmax. Found apart: XLA's CPU max skips NaNs at some shapes, propagates at others.
-    first_nan_B = jnp.min(jnp.where(jnp.isnan(logits_BV), index_V, V), axis=-1)
-    return jnp.where(first_nan_B < V, first_nan_B, first_largest_B)
+    # A NaN wins, as in jnp.argmax (XLA's CPU max skips NaNs at some shapes, propagates at others): in one
+    # reduction, a NaN's index below V, the largest's index + V, anything else 2V.
+    key_BV = jnp.where(jnp.isnan(logits_BV), index_V, jnp.where(logits_BV == largest_B1, index_V + V, 2 * V))
+    first_B = jnp.min(key_BV, axis=-1)
+    return jnp.where(first_B < V, first_B, first_B - V)
 
 
 def choose(logits_BV: jax.Array, seen_BV: jax.Array, params: SamplingParams, keys_B: jax.Array) -> jax.Array:

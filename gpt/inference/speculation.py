@@ -38,10 +38,11 @@ def ngram_drafts(history_RC: jax.Array, last_R: jax.Array, draft_tokens: int) ->
     history_RC: int32 [R, C], each row's tokens so far at their positions (prompt, then output); last_R:
     int32 [R], the position of each row's latest token. For n = MAX_NGRAM down to 1, the row's last n
     tokens are looked for earlier in its history; at the latest earlier place they occur (the first n
-    that has one), the tokens after them, up to the latest, are the draft.
+    that has one), the tokens after them are the draft, repeated from there when they reach the latest
+    token (a loop of that period).
 
     Returns (drafts int32 [R, K], count int32 [R]): the draft's tokens (past `count`, anything) and how
-    many there are (0 when no suffix recurs).
+    many there are (K, or 0 when no suffix recurs).
     """
     R, C = history_RC.shape
     start_C = jnp.arange(C, dtype=jnp.int32)
@@ -59,10 +60,12 @@ def ngram_drafts(history_RC: jax.Array, last_R: jax.Array, draft_tokens: int) ->
         take_R = ~found_R & (latest_R >= 0)
         after_R = jnp.where(take_R, latest_R + n, after_R)
         found_R |= take_R
-    positions_RK = after_R[:, None] + jnp.arange(draft_tokens, dtype=jnp.int32)[None, :]
+    # Where the tokens after the match run out (they reach the latest token), the text is taken to repeat
+    # with that period: "a b c a b" drafts "c a b c ...".
+    period_R = jnp.maximum(last_R - after_R + 1, 1)
+    positions_RK = after_R[:, None] + jnp.arange(draft_tokens, dtype=jnp.int32)[None, :] % period_R[:, None]
     drafts_RK = jnp.take_along_axis(history_RC, jnp.minimum(positions_RK, C - 1), axis=1)
-    count_R = jnp.where(found_R, jnp.clip(last_R - after_R + 1, 0, draft_tokens), 0)
-    return drafts_RK, count_R
+    return drafts_RK, jnp.where(found_R, draft_tokens, 0)
 
 
 def stands(target_RK: jax.Array, drafts_RK: jax.Array, count_R: jax.Array) -> jax.Array:
