@@ -1,0 +1,170 @@
+"""Speculative decoding's speed: gpt.generate with a prompt-lookup draft against the same call without one,
+beside transformers' assisted generation (`prompt_lookup_num_tokens`) and llama.cpp's `llama-lookup` on the
+same weights, all at batch 1, greedy, in one run.
+
+    python train.py                                  # the model this bench reads by default (out/)
+    python bench/spec_bench.py                       # ours: no draft, then ngram drafts of K = 2, 4, 8
+    python bench/spec_bench.py --transformers --llama-cpp
+
+The text: held-out source files (the standard library's subpackage modules, which `python train.py`'s
+default corpus, the top-level modules, does not hold), each shown its first --prompt tokens and continued
+by --new_tokens more. For each way, tokens/s over all the files (each file timed on its own after a
+warm-up run of it; the best of --repeats), its speed-up over the same engine without a draft, the share of
+drafted tokens that stood, and whether its tokens equal ours without a draft. Prints a Markdown table
+for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+from gpt.generate import generate
+from gpt.inference.decoding import Decoder
+from gpt.inference.engine import Engine
+from gpt.inference.request import Request
+from gpt.loading import load
+from gpt.tokenizer import get_tokenizer
+
+from machine import cpu_name
+
+
+def held_out_prompts(count: int, prompt_tokens: int, new_tokens: int) -> list[list[int]]:
+    """The first `prompt_tokens` tokens of `count` standard-library subpackage modules (spread over the
+    sorted list) long enough to be continued by `new_tokens` of their own."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.glob("*/*.py") if "test" not in p.parts[-2] and "site-packages" not in p.parts)
+    tokenizer, prompts = get_tokenizer(), []
+    for path in files[:: max(1, len(files) // (count * 4))]:
+        tokens = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+        if len(tokens) >= prompt_tokens + new_tokens:
+            prompts.append(tokens[:prompt_tokens])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def timed(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens):
+    """(tokens/s, acceptance, tokens): each prompt alone, greedy."""
+    knobs = dict(temperature=0.0, draft=draft, draft_tokens=draft_tokens)
+    outputs, seconds = [], 0.0
+    for prompt in prompts:
+        run = lambda: generate(decoder, [prompt], new_tokens, **knobs)  # noqa: E731
+        outputs.append(run()[0])  # compiles
+        seconds += timed(run, repeats)
+    drafted = accepted = 0
+    if draft != "none":  # the same calls through an engine of generate's making, for its counts
+        for prompt in prompts:
+            engine = Engine(decoder, slots=1, cache_length=len(prompt) + new_tokens, steps_per_call=new_tokens,
+                            draft=draft, draft_tokens=draft_tokens)
+            engine.run([engine.submit(Request(prompt, new_tokens, temperature=0.0))])
+            drafted, accepted = drafted + engine.tokens_drafted, accepted + engine.drafts_accepted
+    return len(prompts) * new_tokens / seconds, accepted / drafted if drafted else None, outputs
+
+
+def bench_transformers(hf_dir, prompts, new_tokens, repeats, lookup):
+    """transformers' generate, greedy, float32 on the CPU; with `lookup` K, prompt lookup of K tokens."""
+    import torch
+    import transformers
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    extra = dict(prompt_lookup_num_tokens=lookup) if lookup else {}
+    outputs, seconds = [], 0.0
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+
+            def run():
+                return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=50256, **extra)
+            outputs.append(run()[0, len(prompt):].tolist())
+            seconds += timed(run, repeats)
+    return len(prompts) * new_tokens / seconds, None, outputs
+
+
+def bench_llama_lookup(hf_dir, prompts, new_tokens, draft_tokens):
+    """llama.cpp's llama-lookup (prompt lookup) on its f32 GGUF of the same weights: (tokens/s as it reports
+    its decode, acceptance). Its prompts go as text (its GPT-2 tokenizer makes the same tokens)."""
+    from llama_peer import build, convert
+
+    binary = build()[0] / "bin" / "llama-lookup"
+    gguf = convert(Path(hf_dir), "f32")
+    tokenizer, tokens, seconds, drafted, accepted = get_tokenizer(), 0, 0.0, 0, 0
+    for prompt in prompts:
+        out = subprocess.run([str(binary), "-m", str(gguf), "-p", tokenizer.decode(prompt), "-n", str(new_tokens),
+                              "--draft-max", str(draft_tokens), "--temp", "0", "-t", "2", "-c", "512",
+                              "--ignore-eos", "--no-warmup"], capture_output=True, text=True, check=True)
+        log = out.stdout + out.stderr
+        decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+        tokens, seconds = tokens + int(decoded.group(1)), seconds + float(decoded.group(2))
+        drafted += int(re.search(r"n_drafted\s*=\s*(\d+)", log).group(1))
+        accepted += int(re.search(r"n_accept\s*=\s*(\d+)", log).group(1))
+    return tokens / seconds, accepted / drafted if drafted else None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--init_from", default="out", help="the model: a training out_dir or an HF directory")
+    parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=128, help="tokens of each file shown")
+    parser.add_argument("--new_tokens", type=int, default=96)
+    parser.add_argument("--draft_tokens", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transformers", action="store_true", help="also transformers' prompt lookup")
+    parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp's llama-lookup")
+    args = parser.parse_args()
+
+    model = load(args.init_from, "float32")
+    decoder = Decoder.of(model)
+    prompts = held_out_prompts(args.files, args.prompt, args.new_tokens)
+    print(f"## {cpu_name()}: {len(prompts)} held-out files, {args.prompt} tokens shown, {args.new_tokens} new, "
+          f"batch 1, greedy ({time.strftime('%Y-%m-%d')})\n")
+    rows = [("gpt, no draft", *bench_ours(decoder, prompts, args.new_tokens, args.repeats, "none", 1))]
+    for k in args.draft_tokens:
+        rows.append((f"gpt, ngram draft K={k}", *bench_ours(decoder, prompts, args.new_tokens, args.repeats, "ngram", k)))
+    hf_dir = None
+    if args.transformers or args.llama_cpp:
+        from gpt.model import gpt2
+
+        hf_dir = tempfile.mkdtemp(prefix="spec-bench-hf-")
+        gpt2.save(model, hf_dir)
+    peer_rows = []
+    if args.transformers:
+        peer_rows.append(("transformers, no draft", *bench_transformers(hf_dir, prompts, args.new_tokens,
+                                                                       args.repeats, None)))
+        for k in args.draft_tokens:
+            peer_rows.append((f"transformers, prompt_lookup_num_tokens={k}",
+                              *bench_transformers(hf_dir, prompts, args.new_tokens, args.repeats, k)))
+    if args.llama_cpp:
+        from sample_bench import write_gpt2_vocab
+
+        write_gpt2_vocab(Path(hf_dir))
+        for k in args.draft_tokens:
+            peer_rows.append((f"llama.cpp f32, llama-lookup --draft-max {k}",
+                              *bench_llama_lookup(hf_dir, prompts, args.new_tokens, k), None))
+
+    plain, reference = rows[0][1], rows[0][3]
+    print("| way | tokens/s | vs gpt without a draft | drafted tokens that stood | tokens equal ours |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, speed, acceptance, outputs in rows + peer_rows:
+        same = "—" if outputs is None else f"{sum(a == b for a, b in zip(outputs, reference))}/{len(reference)}"
+        stood = "—" if acceptance is None else f"{acceptance:.0%}"
+        print(f"| {name} | {speed:,.0f} | {speed / plain:.2f}x | {stood} | {same} |")
+
+
+if __name__ == "__main__":
+    main()
