@@ -82,13 +82,13 @@ def gaps_of(times: list[float], counts: list[int]) -> list[float]:
     return gaps
 
 
-def make_engine(directory, load, dtype, slots, steps_per_call, quantize, prefill_chunk) -> Engine:
+def make_engine(directory, load, dtype, slots, steps_per_call, quantize, prefill_chunk, draft="none") -> Engine:
     """Our engine as serve.py builds it, with a queue that holds the whole load."""
     return Engine(gpt2.load(directory, dtype=dtype), slots=slots, steps_per_call=steps_per_call,
-                  max_queue=len(load), quantize=quantize, prefill_chunk=prefill_chunk)
+                  max_queue=len(load), quantize=quantize, prefill_chunk=prefill_chunk, draft=draft)
 
 
-def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantize, prefill_chunk):
+def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantize, prefill_chunk, draft="none"):
     """serve.py in a process of its own, as a user runs it, and the same plain streaming client as
     llama-server's (httpx, one JSON parse an event): sharing this process, the server had shared its
     interpreter lock with the clients' threads, and the openai client builds objects for every event."""
@@ -98,7 +98,7 @@ def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantiz
 
     process, url = start_serve(directory, "--slots", str(slots), "--steps_per_call", str(steps_per_call),
                                "--prefill_chunk", str(prefill_chunk), "--max_queue", str(len(load)),
-                               "--dtype", dtype, "--quantize", quantize, "--model_name", "gpt2")
+                               "--dtype", dtype, "--quantize", quantize, "--model_name", "gpt2", "--draft", draft)
 
     def send(prompt, max_tokens):
         body = {"model": "gpt2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -119,8 +119,8 @@ def bench_server(directory, load, clients, dtype, slots, steps_per_call, quantiz
         process.wait()
 
 
-def bench_engine(directory, load, clients, dtype, slots, steps_per_call, quantize, prefill_chunk):
-    engine = make_engine(directory, load, dtype, slots, steps_per_call, quantize, prefill_chunk)
+def bench_engine(directory, load, clients, dtype, slots, steps_per_call, quantize, prefill_chunk, draft="none"):
+    engine = make_engine(directory, load, dtype, slots, steps_per_call, quantize, prefill_chunk, draft)
     engine.warmup(log=lambda line: None)
     engine.start()
 
@@ -211,6 +211,8 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "bf16"],
                         help="our server's weights (the peers stay float32)")
+    parser.add_argument("--draft", nargs="+", default=["none"], choices=["none", "ngram"],
+                        help="ours without a draft and/or with prompt lookup (serve.py --draft)")
     parser.add_argument("--engine-only", action="store_true",
                         help="ours without HTTP (the engine in process), then the peer; not serve.py or generate")
     parser.add_argument("--skip-torch", action="store_true")
@@ -241,12 +243,13 @@ def main():
         del reference
         for quantize in args.quantize:
             for steps in args.steps_per_call:
-                for chunk in args.prefill_chunk:
+                for chunk, draft in [(c, d) for c in args.prefill_chunk for d in args.draft]:
                     weights = "" if quantize == "none" else f", {quantize} weights"
                     chunked = f", prefill chunk {chunk}" if len(args.prefill_chunk) > 1 else ""
+                    drafted = "" if draft == "none" else f", {draft} draft"
                     how, bench = ("engine in process", bench_engine) if args.engine_only else ("serve.py", bench_server)
-                    row(f"ours, {how} ({args.slots} slots, {steps} step/call, {args.dtype}{weights}{chunked})",
-                        bench(tmp, load, args.clients, args.dtype, args.slots, steps, quantize, chunk))
+                    row(f"ours, {how} ({args.slots} slots, {steps} step/call, {args.dtype}{weights}{chunked}{drafted})",
+                        bench(tmp, load, args.clients, args.dtype, args.slots, steps, quantize, chunk, draft))
         if not (args.skip_generate or args.engine_only):
             row(f"ours, generate per request ({args.dtype})", bench_generate(tmp, load, args.clients, args.dtype))
         if not args.skip_torch:

@@ -97,8 +97,9 @@ def bench_transformers(hf_dir, prompts, new_tokens, repeats, lookup):
 
 
 def bench_llama_lookup(hf_dir, prompts, new_tokens, draft_tokens):
-    """llama.cpp's llama-lookup (prompt lookup) on its f32 GGUF of the same weights: (tokens/s as it reports
-    its decode, acceptance). Its prompts go as text (its GPT-2 tokenizer makes the same tokens)."""
+    """llama.cpp's llama-lookup (prompt lookup) on its f32 GGUF of the same weights: (tokens/s over its
+    prompt's and its decode's times as it reports them, acceptance). Its prompts go as text (its GPT-2
+    tokenizer makes the same tokens)."""
     from llama_peer import build, convert
 
     binary = build()[0] / "bin" / "llama-lookup"
@@ -106,14 +107,24 @@ def bench_llama_lookup(hf_dir, prompts, new_tokens, draft_tokens):
     tokenizer, tokens, seconds, drafted, accepted = get_tokenizer(), 0, 0.0, 0, 0
     for prompt in prompts:
         out = subprocess.run([str(binary), "-m", str(gguf), "-p", tokenizer.decode(prompt), "-n", str(new_tokens),
-                              "--draft-max", str(draft_tokens), "--temp", "0", "-t", "2", "-c", "512",
-                              "--ignore-eos", "--no-warmup"], capture_output=True, text=True, check=True)
+                              "--spec-draft-n-max", str(draft_tokens), "--temp", "0", "-t", "2", "-c", "512",
+                              "--ignore-eos"], capture_output=True, text=True, check=True)
         log = out.stdout + out.stderr
+        encoded = re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
         decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
-        tokens, seconds = tokens + int(decoded.group(1)), seconds + float(decoded.group(2))
+        tokens += int(decoded.group(1))
+        seconds += float(encoded.group(1)) + float(decoded.group(2))
         drafted += int(re.search(r"n_drafted\s*=\s*(\d+)", log).group(1))
         accepted += int(re.search(r"n_accept\s*=\s*(\d+)", log).group(1))
     return tokens / seconds, accepted / drafted if drafted else None
+
+
+def bench_llama_plain(hf_dir, prompt_tokens, new_tokens):
+    """llama.cpp without a draft: llama-batched-bench at batch 1 on the same GGUF and lengths (tokens/s
+    over its prefill and decode together)."""
+    from llama_peer import batched_bench, convert
+
+    return batched_bench(convert(Path(hf_dir), "f32"), prompt_tokens, new_tokens, [1], threads=2)[1][1]
 
 
 def main():
@@ -153,8 +164,10 @@ def main():
         from sample_bench import write_gpt2_vocab
 
         write_gpt2_vocab(Path(hf_dir))
+        peer_rows.append(("llama.cpp f32, no draft (llama-batched-bench)",
+                          bench_llama_plain(hf_dir, args.prompt, args.new_tokens), None, None))
         for k in args.draft_tokens:
-            peer_rows.append((f"llama.cpp f32, llama-lookup --draft-max {k}",
+            peer_rows.append((f"llama.cpp f32, llama-lookup --spec-draft-n-max {k}",
                               *bench_llama_lookup(hf_dir, prompts, args.new_tokens, k), None))
 
     plain, reference = rows[0][1], rows[0][3]
