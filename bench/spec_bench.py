@@ -3,15 +3,17 @@ beside transformers' assisted generation (`prompt_lookup_num_tokens`) and llama.
 same weights, all at batch 1, greedy, in one run.
 
     python train.py                                  # the model this bench reads by default (out/)
-    python bench/spec_bench.py                       # ours: no draft, then ngram drafts of K = 2, 4, 8
+    python bench/spec_bench.py                       # ours: no draft, then ngram and int8 drafts of K = 2, 4, 8
     python bench/spec_bench.py --transformers --llama-cpp
+    python bench/spec_bench.py --init_from random-gpt2 --drafts int8 --draft_tokens 4   # GPT-2 124M shapes
 
 The text: held-out source files (the standard library's subpackage modules, which `python train.py`'s
 default corpus, the top-level modules, does not hold), each shown its first --prompt tokens and continued
 by --new_tokens more. For each way, tokens/s over all the files (each file timed on its own after a
 warm-up run of it; the best of --repeats), its speed-up over the same engine without a draft, the share of
 drafted tokens that stood, and whether its tokens equal ours without a draft. Prints a Markdown table
-for bench/RESULTS.md.
+for bench/RESULTS.md. With `--init_from random-gpt2`, random weights of GPT-2 124M's shapes: their logits
+are near flat, so an int8 draft's acceptance there is a floor, not a target.
 """
 
 from __future__ import annotations
@@ -127,26 +129,42 @@ def bench_llama_plain(hf_dir, prompt_tokens, new_tokens):
     return batched_bench(convert(Path(hf_dir), "f32"), prompt_tokens, new_tokens, [1], threads=2)[1][1]
 
 
+def random_gpt2():
+    """A GPT of GPT-2 124M's shapes with transformers' random initialization (seed 0)."""
+    import torch
+    import transformers
+
+    from gpt.model import gpt2
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as directory:
+        transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(directory)
+        return gpt2.load(directory, dtype="float32")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--init_from", default="out", help="the model: a training out_dir or an HF directory")
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=128, help="tokens of each file shown")
     parser.add_argument("--new_tokens", type=int, default=96)
+    parser.add_argument("--drafts", nargs="+", default=["ngram", "int8"], choices=["ngram", "int8"])
     parser.add_argument("--draft_tokens", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--transformers", action="store_true", help="also transformers' prompt lookup")
     parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp's llama-lookup")
     args = parser.parse_args()
 
-    model = load(args.init_from, "float32")
+    model = random_gpt2() if args.init_from == "random-gpt2" else load(args.init_from, "float32")
     decoder = Decoder.of(model)
     prompts = held_out_prompts(args.files, args.prompt, args.new_tokens)
     print(f"## {cpu_name()}: {len(prompts)} held-out files, {args.prompt} tokens shown, {args.new_tokens} new, "
           f"batch 1, greedy ({time.strftime('%Y-%m-%d')})\n")
     rows = [("gpt, no draft", *bench_ours(decoder, prompts, args.new_tokens, args.repeats, "none", 1))]
-    for k in args.draft_tokens:
-        rows.append((f"gpt, ngram draft K={k}", *bench_ours(decoder, prompts, args.new_tokens, args.repeats, "ngram", k)))
+    for draft in args.drafts:
+        for k in args.draft_tokens:
+            rows.append((f"gpt, {draft} draft K={k}",
+                         *bench_ours(decoder, prompts, args.new_tokens, args.repeats, draft, k)))
     hf_dir = None
     if args.transformers or args.llama_cpp:
         from gpt.model import gpt2

@@ -91,9 +91,10 @@ def generate(
         Decoder's own.
       max_batch: the most prompts decoded at once (the engine's slots); the rest wait and enter as rows
         finish. The results do not depend on it: a row gives what it gives alone.
-      draft: "ngram" drafts each row's next tokens from its own prompt and output (prompt lookup) and
-        verifies up to `draft_tokens` of them a step (`gpt.inference.speculation`): the same tokens as
-        without a draft, sooner where the text repeats itself. None (or "none") decodes without one.
+      draft: what drafts each row's next tokens, up to `draft_tokens` of them verified a step
+        (`gpt.inference.speculation`): "ngram", the row's own prompt and output (prompt lookup); "int8",
+        the model's weights in int8. The same tokens as without a draft, sooner where the draft guesses
+        well. None (or "none") decodes without one.
       draft_tokens: the most drafted tokens a step verifies.
     Returns:
       One list of new token ids per prompt.

@@ -56,8 +56,8 @@ class SampleConfig:
     """Sample sharded over a device mesh, e.g. 'tensor=4' (heads and MLP split over 4 devices) or
     'data=2,tensor=4'; empty runs on one device."""
     draft: Draft = "none"
-    """ngram: guess the next tokens from the prompt and output so far and verify them a few at once: the
-    same samples, sooner where the text repeats itself."""
+    """Guess the next tokens and verify them a few at once, the same samples sooner where the guesses stand:
+    ngram from the prompt and output so far, int8 by the model's own weights in int8."""
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     """The most guessed tokens one step verifies."""
 

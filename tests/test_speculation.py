@@ -1,6 +1,6 @@
-"""Speculative decoding with a prompt-lookup draft: the drafts it finds, the tokens it gives (those of
-decoding without a draft, greedy or sampled, under continuous batching), the distribution it samples,
-and when the engine uses it."""
+"""Speculative decoding with a prompt-lookup draft and an int8 self-draft: the drafts prompt lookup finds,
+the tokens either gives (those of decoding without a draft, greedy or sampled, under continuous batching),
+the distribution it samples, and when the engine uses it."""
 
 import math
 
@@ -93,8 +93,8 @@ PROMPTS = [  # ragged: a pattern the model may copy, text that does not repeat, 
     dict(temperature=1.0, seed=11),
     dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.05, seed=5),
 ])
-@pytest.mark.parametrize("draft_tokens", [1, 4])
-def test_a_draft_gives_the_tokens_of_decoding_without_one(model, knobs, draft_tokens):
+@pytest.mark.parametrize("draft, draft_tokens", [("ngram", 1), ("ngram", 4), ("int8", 3)])
+def test_a_draft_gives_the_tokens_of_decoding_without_one(model, knobs, draft, draft_tokens):
     """Greedy or sampled, the same tokens token for token, on ragged rows with max tokens landing inside
     a draft; drafts were verified, and greedy ones stood (random weights' samples seldom repeat: the
     trained model's test below has sampled drafts stand)."""
@@ -108,14 +108,15 @@ def test_a_draft_gives_the_tokens_of_decoding_without_one(model, knobs, draft_to
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Engine, "__init__", keep)
-        got = generate(model, PROMPTS, 37, draft="ngram", draft_tokens=draft_tokens, **knobs)
+        got = generate(model, PROMPTS, 37, draft=draft, draft_tokens=draft_tokens, **knobs)
     assert got == want
     (engine,) = engine_drafts
     assert engine.tokens_drafted >= engine.drafts_accepted and engine.tokens_drafted > 0
     assert engine.drafts_accepted > 0 or knobs["temperature"] > 0
 
 
-def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model):
+@pytest.mark.parametrize("draft", ["ngram", "int8"])
+def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model, draft):
     """Five requests through two slots (admitted as others end), stop tokens, stop strings and max tokens
     that land mid-draft, one step or several a call: each request's tokens and finish reason are those
     without a draft, and nothing compiles after the warm-up."""
@@ -141,12 +142,12 @@ def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model):
     want = run(None, 1)
     assert [reason for _, reason in want] == ["length", "stop", "length", "stop", "length"]
     for steps_per_call in (1, 4):
-        assert run("ngram", steps_per_call) == want
+        assert run(draft, steps_per_call) == want
 
 
 def test_trained_weights_give_the_same_tokens_and_accept_drafts(trained_run, corpus_text):
     """On the weights of a short training run, continuing source text it saw part of: greedy and sampled
-    tokens equal decoding's without a draft, and the drafts often stand."""
+    tokens equal decoding's without a draft, with either draft, and drafts stand."""
     from gpt.tokenizer import get_tokenizer
     from gpt.train.checkpoint import load_model
 
@@ -155,11 +156,12 @@ def test_trained_weights_give_the_same_tokens_and_accept_drafts(trained_run, cor
     prompts = [get_tokenizer().encode(text[i: i + 400])[:96] for i in (0, 500)]
     for knobs in (dict(temperature=0.0), dict(temperature=0.7, seed=2)):
         want = generate(trained, prompts, 24, **knobs)
-        engine = Engine(trained, slots=2, cache_length=128, steps_per_call=128, draft="ngram")
-        completions = [engine.submit(Request(p, 24, stream=i, **knobs)) for i, p in enumerate(prompts)]
-        engine.run(completions)
-        assert [c.tokens for c in completions] == want
-        assert engine.drafts_accepted > 0
+        for draft in ("ngram", "int8"):
+            engine = Engine(trained, slots=2, cache_length=128, steps_per_call=128, draft=draft)
+            completions = [engine.submit(Request(p, 24, stream=i, **knobs)) for i, p in enumerate(prompts)]
+            engine.run(completions)
+            assert [c.tokens for c in completions] == want
+            assert engine.drafts_accepted > 0
 
 
 def sampled_pairs(model, prompt, draws, **knobs):
@@ -208,7 +210,7 @@ def test_sampling_with_a_draft_draws_from_the_models_distribution(monkeypatch):
 
 
 @pytest.mark.parametrize("draft, draft_tokens, message", [
-    ("int4", 4, "draft must be one of none, ngram; got 'int4'"),
+    ("int4", 4, "draft must be one of none, ngram, int8; got 'int4'"),
     ("ngram", 0, "draft_tokens must be an integer in [1, 32], got 0"),
     ("ngram", 33, "draft_tokens must be an integer in [1, 32], got 33"),
     ("ngram", 2.5, "draft_tokens must be an integer in [1, 32], got 2.5"),
@@ -286,3 +288,8 @@ def test_a_server_with_a_draft_answers_as_one_without_and_counts_its_drafts(mode
     assert replies[0][1] == {"gpt_draft_tokens": "0.0", "gpt_draft_tokens_accepted": "0.0"}
     drafted, accepted = (float(replies[1][1][name]) for name in ("gpt_draft_tokens", "gpt_draft_tokens_accepted"))
     assert drafted >= accepted > 0
+
+
+def test_an_int8_draft_needs_float_weights(model):
+    with pytest.raises(ConfigError, match="draft int8 needs the target's weights in float"):
+        generate(model, [[1, 2]], 4, draft="int8", quantize="int8")

@@ -31,6 +31,7 @@ from gpt.inference.decoding import (
     compiled_init_slots,
     compiled_prefill,
     insert,
+    int8_draft_weights,
 )
 from gpt.inference.request import Request
 from gpt.inference.sampling import SamplingParams
@@ -44,8 +45,9 @@ PADDING = Request([0], 1, temperature=0.0)
 
 class DeviceSlots:
     """`num_slots` slots of `cache_length` positions over `decoder`'s weights (and mesh, if any), decoded
-`max_steps` steps a call at most (one compiled decode loop); with `draft_tokens` K > 0, each slot keeps
-its tokens' history, and a decode may verify up to K drafted tokens a step (`gpt.inference.speculation`).
+`max_steps` steps a call at most (one compiled decode loop); with a `draft` ("ngram": each slot keeps its
+tokens' history; "int8": the weights in int8 draft) a decode may verify up to `draft_tokens` drafted tokens
+a step (`gpt.inference.speculation`).
 
     Attributes:
       num_slots: the slots, `num_slots` rounded up to a multiple of rows_per_prefill.
@@ -54,15 +56,16 @@ its tokens' history, and a decode may verify up to K drafted tokens a step (`gpt
     """
 
     def __init__(self, decoder: Decoder, num_slots: int, cache_length: int, max_stop_tokens: int, max_steps: int,
-                 draft_tokens: int = 0):
+                 draft: str = "none", draft_tokens: int = 0):
         self.config, self.weights, self.mesh = decoder.config, decoder.weights, decoder.mesh
         self.rows_per_prefill = data_parallel_size(self.mesh) if self.mesh is not None else 1
         self.num_slots = -(-num_slots // self.rows_per_prefill) * self.rows_per_prefill
         self.max_stop_tokens, self.max_steps, self.draft_tokens = max_stop_tokens, max_steps, draft_tokens
-        self.cache_length = cache_length
+        self.cache_length, self.history = cache_length, draft == "ngram"
         with self.on_mesh():
+            self.draft_weights = int8_draft_weights(decoder) if draft == "int8" else None
             self.slots = compiled_init_slots(self.config, self.num_slots, cache_length, max_stop_tokens,
-                                             draft_tokens > 0)
+                                             self.history)
 
     def on_mesh(self):
         """A context in which the verbs run over the mesh (none without one)."""
@@ -106,7 +109,7 @@ its tokens' history, and a decode may verify up to K drafted tokens a step (`gpt
         settings = list(settings) + [self.settings(PADDING, ())] * padding
         rows = self._rows(requests)
         prompt = None
-        if self.draft_tokens:  # the slots' history begins with the prompt
+        if self.history:  # the slots' history begins with the prompt
             prompt = _piece(rows, 0, self.cache_length)[0]
         admission = Admission(slots=np.asarray(targets, np.int32),
                               max_tokens=np.asarray([r.max_tokens for r in rows], np.int32),
@@ -126,7 +129,8 @@ its tokens' history, and a decode may verify up to K drafted tokens a step (`gpt
         with self.on_mesh():
             self.slots, emitted = compiled_decode(self.config, self.weights, self.slots, np.int32(num_steps),
                                                   np.bool_(stop_at_finish), max_steps=self.max_steps, rows_R=rows_R,
-                                                  draft_tokens=self.draft_tokens if draft else 0)
+                                                  draft_tokens=self.draft_tokens if draft else 0,
+                                                  draft_weights=self.draft_weights if draft else None)
         return emitted
 
     def free(self, free_S: np.ndarray) -> None:

@@ -98,9 +98,10 @@ class Engine:
       quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
         (`gpt.inference.decoding.decoding_weights`); a Decoder's own.
       mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`); a Decoder's own.
-      draft: "ngram" guesses each slot's next tokens from its own prompt and output and verifies them
-        (`gpt.inference.speculation`): the same tokens, sooner where the text repeats itself; None (or
-        "none") decodes without one.
+      draft: what guesses each slot's next tokens, verified a few at once (`gpt.inference.speculation`):
+        "ngram", its own prompt and output (sooner where the text repeats itself); "int8", the model's own
+        weights in int8 (a few times faster a token, mostly the same tokens). The tokens are those
+        without a draft either way. None (or "none") decodes without one.
       draft_tokens: the most drafted tokens a step verifies (K).
     """
 
@@ -115,7 +116,7 @@ class Engine:
                                prefill_chunk=prefill_chunk, prefix_cache_tokens=prefix_cache_tokens)
         draft_tokens = check_draft(draft, draft_tokens)
         self.device = DeviceSlots(Decoder.of(model, quantize, mesh), slots, cache_length, max_stop_tokens,
-                                  steps_per_call, draft_tokens)
+                                  steps_per_call, draft if draft_tokens else "none", draft_tokens)
         self._policy = DraftPolicy() if draft_tokens else None
         self.tokens_drafted = self.drafts_accepted = 0  # running totals: drafted tokens, and those that stood
         self.config, self.num_slots, self.cache_length = config, self.device.num_slots, cache_length

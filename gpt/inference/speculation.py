@@ -77,7 +77,7 @@ def stands(target_RK: jax.Array, drafts_RK: jax.Array, count_R: jax.Array) -> ja
     return jnp.sum(jnp.cumprod(agree_RK.astype(jnp.int32), axis=1), axis=1)
 
 
-Draft = Literal["none", "ngram"]  # the kinds of draft, as the scripts' flags offer them
+Draft = Literal["none", "ngram", "int8"]  # the kinds of draft, as the scripts' flags offer them
 DRAFTS = get_args(Draft)[1:]  # "none" (or None) decodes without one
 MAX_DRAFT_TOKENS = 32  # the most drafted tokens one step verifies
 

@@ -67,8 +67,9 @@ class ServeConfig:
     no_playground: bool = False
     """Serve no playground page at / (the API alone)."""
     draft: Draft = "none"
-    """ngram: guess each request's next tokens from its prompt and output and verify them a few at once
-    (the same tokens, sooner where the text repeats itself), at the widths where that has measured faster."""
+    """Guess each request's next tokens and verify them a few at once (the same tokens, sooner where the
+    guesses stand), at the widths where that has measured faster: ngram from its prompt and output, int8
+    by the model's own weights in int8."""
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     """The most guessed tokens one step verifies."""
 
