@@ -576,7 +576,7 @@ def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: j
     """`decode`'s loop over every row of `slots` (all of them, or a selection's)."""
     entries = emitted_entries(max_steps, draft_tokens, slots.cache.length)
     live_at_start = slots.live
-    step = (functools.partial(_step, config, weights, False) if draft_tokens == 0
+    step = (functools.partial(_step, config, weights) if draft_tokens == 0
             else functools.partial(_verify_step, config, weights, draft_tokens, draft_weights))
 
     def keep_going(p: _Progress):
@@ -617,10 +617,8 @@ def _remember(history_RC: jax.Array | None, positions_R: jax.Array, c: _Choice, 
     return history_RC.at[jnp.arange(at_R.shape[0]), at_R].set(c.token, mode="drop")
 
 
-def _step(config: GPTConfig, weights: Weights, apart: bool, p: _Progress) -> _Progress:
-    """One plain decode step: every row's last token through the model, and a choice per live row; each
-    live row's entry at its own place in `out` when `apart` (static: steps with drafts run in the call,
-    after which rows stand at different entries), else all at the step's."""
+def _step(config: GPTConfig, weights: Weights, p: _Progress) -> _Progress:
+    """One plain decode step: every row's last token through the model, and a choice per live row."""
     slots, cache = p.slots, p.slots.cache
     # Free slots run too (one shape for every step), at position 0: a long-finished request's length
     # would make attention read as far as it had got.
@@ -633,9 +631,7 @@ def _step(config: GPTConfig, weights: Weights, apart: bool, p: _Progress) -> _Pr
         slots, cache=new_cache, last_token=jnp.where(c.live, c.token, slots.last_token),
         live=c.live, remaining=c.remaining, generated=slots.generated + slots.live, seen=c.seen,
         history=_remember(slots.history, cache.lengths + 1, c, slots.live))
-    live_R = p.slots.live
-    entry = jnp.where(live_R, p.written, p.out.token.shape[0]) if apart else p.steps
-    return _Progress(slots, _record(p.out, entry, c), p.steps + 1, p.written + (live_R if apart else 1))
+    return _Progress(slots, _record(p.out, p.steps, c), p.steps + 1, p.written + 1)
 
 
 def _verify_choices(logits_RTV: jax.Array, drafts_RK: jax.Array, count_R: jax.Array, slots: Slots):
@@ -677,11 +673,11 @@ def _verify_step(config: GPTConfig, weights: Weights, K: int, draft_weights: Wei
         drafts_RK, cache = _model_drafts(config, draft_weights, slots, K)
         count_R, drafted = jnp.full_like(slots.last_token, K), dataclasses.replace(
             p, slots=dataclasses.replace(slots, cache=cache))
-    # No draft past what the request may still emit: each position's output is then inside the cache.
+    # No draft past what the request may still emit: each position's output is then inside the cache. (A
+    # step where no row has a draft runs all the same: a lax.cond between it and a plain step had XLA's CPU
+    # copy the slots' cache each step, 10x a GPT-2 124M step.)
     count_R = jnp.where(slots.live, jnp.minimum(count_R, slots.remaining - 1), 0)
-    # A step in which no row has a draft is a plain one (the same choices), at a plain step's cost.
-    return jax.lax.cond(jnp.any(count_R > 0), functools.partial(_verify, config, weights, drafts_RK, count_R),
-                        lambda _: _step(config, weights, True, p), drafted)
+    return _verify(config, weights, drafts_RK, count_R, drafted)
 
 
 def _model_drafts(config: GPTConfig, draft_weights: Weights, slots: Slots, K: int) -> tuple[jax.Array, KVCache]:
@@ -699,7 +695,7 @@ def _model_drafts(config: GPTConfig, draft_weights: Weights, slots: Slots, K: in
 
 
 def _verify(config: GPTConfig, weights: Weights, drafts_RK: jax.Array, count_R: jax.Array, p: _Progress) -> _Progress:
-    """`_verify_step` where some row has a draft: drafts_RK int32 [R, K], the first count_R of each row's."""
+    """`_verify_step` once drafted: drafts_RK int32 [R, K], the first count_R of each row's."""
     slots, cache = p.slots, p.slots.cache
     (R, K), last_R = drafts_RK.shape, cache.lengths  # the last token's position
     tokens_RT = jnp.concatenate([slots.last_token[:, None], drafts_RK], axis=1)
