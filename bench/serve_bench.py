@@ -42,6 +42,7 @@ import numpy as np
 from gpt.generate import generate
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
+from gpt.inference.speculation import DRAFTS
 from gpt.model import gpt2
 
 from machine import cpu_name
@@ -211,8 +212,8 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "bf16"],
                         help="our server's weights (the peers stay float32)")
-    parser.add_argument("--draft", nargs="+", default=["none"], choices=["none", "ngram"],
-                        help="ours without a draft and/or with prompt lookup (serve.py --draft)")
+    parser.add_argument("--draft", nargs="+", default=["none"], choices=["none", *DRAFTS],
+                        help="ours without a draft and/or with one (serve.py --draft)")
     parser.add_argument("--engine-only", action="store_true",
                         help="ours without HTTP (the engine in process), then the peer; not serve.py or generate")
     parser.add_argument("--skip-torch", action="store_true")
