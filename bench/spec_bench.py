@@ -1,6 +1,6 @@
 """Speculative decoding's speed: gpt.generate with a prompt-lookup draft against the same call without one,
-beside transformers' assisted generation (`prompt_lookup_num_tokens`) and llama.cpp's `llama-lookup` on the
-same weights, all at batch 1, greedy, in one run.
+beside transformers' assisted generation (`prompt_lookup_num_tokens`) and llama.cpp's `llama-lookup` and
+`llama-speculative` (a q8_0 draft) on the same weights, all at batch 1, greedy, in one run.
 
     python train.py                                  # the model this bench reads by default (out/)
     python bench/spec_bench.py                       # ours: no draft, then ngram and int8 drafts of K = 2, 4, 8
@@ -98,19 +98,22 @@ def bench_transformers(hf_dir, prompts, new_tokens, repeats, lookup):
     return len(prompts) * new_tokens / seconds, None, outputs
 
 
-def bench_llama_lookup(hf_dir, prompts, new_tokens, draft_tokens):
-    """llama.cpp's llama-lookup (prompt lookup) on its f32 GGUF of the same weights: (tokens/s over its
+def bench_llama_speculation(hf_dir, prompts, new_tokens, draft, draft_tokens):
+    """llama.cpp's own speculation on its f32 GGUF of the same weights: `llama-lookup` (prompt lookup) for
+    draft "ngram", `llama-speculative` with its q8_0 GGUF as the draft for "int8". (tokens/s over its
     prompt's and its decode's times as it reports them, acceptance). Its prompts go as text (its GPT-2
     tokenizer makes the same tokens)."""
     from llama_peer import build, convert
 
-    binary = build()[0] / "bin" / "llama-lookup"
     gguf = convert(Path(hf_dir), "f32")
+    binary, extra = build()[0] / "bin" / "llama-lookup", []
+    if draft == "int8":
+        binary, extra = build()[0] / "bin" / "llama-speculative", ["-md", str(convert(Path(hf_dir), "q8_0"))]
     tokenizer, tokens, seconds, drafted, accepted = get_tokenizer(), 0, 0.0, 0, 0
     for prompt in prompts:
-        out = subprocess.run([str(binary), "-m", str(gguf), "-p", tokenizer.decode(prompt), "-n", str(new_tokens),
-                              "--spec-draft-n-max", str(draft_tokens), "--temp", "0", "-t", "2", "-c", "512",
-                              "--ignore-eos"], capture_output=True, text=True, check=True)
+        out = subprocess.run([str(binary), "-m", str(gguf), *extra, "-p", tokenizer.decode(prompt),
+                              "-n", str(new_tokens), "--spec-draft-n-max", str(draft_tokens), "--temp", "0", "-t", "2",
+                              "-c", "512", "--ignore-eos"], capture_output=True, text=True, check=True)
         log = out.stdout + out.stderr
         encoded = re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
         decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
@@ -184,9 +187,15 @@ def main():
         write_gpt2_vocab(Path(hf_dir))
         peer_rows.append(("llama.cpp f32, no draft (llama-batched-bench)",
                           bench_llama_plain(hf_dir, args.prompt, args.new_tokens), None, None))
-        for k in args.draft_tokens:
-            peer_rows.append((f"llama.cpp f32, llama-lookup --spec-draft-n-max {k}",
-                              *bench_llama_lookup(hf_dir, prompts, args.new_tokens, k), None))
+        for draft in args.drafts:
+            how = "llama-lookup" if draft == "ngram" else "llama-speculative, q8_0 draft"
+            for k in args.draft_tokens:
+                try:
+                    measured = bench_llama_speculation(hf_dir, prompts, args.new_tokens, draft, k)
+                except subprocess.CalledProcessError as e:  # reported in the table, not hidden
+                    print(f"llama.cpp {how} failed: exit status {e.returncode}")
+                    measured = (float("nan"), None)
+                peer_rows.append((f"llama.cpp f32, {how}, --spec-draft-n-max {k}", *measured, None))
 
     plain, reference = rows[0][1], rows[0][3]
     print("| way | tokens/s | vs gpt without a draft | drafted tokens that stood | tokens equal ours |")
