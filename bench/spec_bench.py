@@ -74,7 +74,7 @@ def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens):
             engine = Engine(decoder, slots=1, cache_length=len(prompt) + new_tokens, steps_per_call=new_tokens,
                             draft=draft, draft_tokens=draft_tokens)
             engine.run([engine.submit(Request(prompt, new_tokens, temperature=0.0))])
-            drafted, accepted = drafted + engine.tokens_drafted, accepted + engine.drafts_accepted
+            drafted, accepted = drafted + engine.drafts.tokens_drafted, accepted + engine.drafts.drafts_accepted
     return len(prompts) * new_tokens / seconds, accepted / drafted if drafted else None, outputs
 
 

@@ -107,15 +107,8 @@ def generate(
     if not is_int(max_batch) or max_batch < 1:
         raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
 
-    longest = max(len(p) for p in prompts)
-    prompt_bucket = next(b for b in prompt_buckets(config.block_size) if b >= longest)
-    cache_length = min(prompt_bucket + _bucket(max_new_tokens, _MIN_NEW_BUCKET), config.block_size)
-    # Streaming hands each token out as it is made (a device call per step, ~5% of the speed); otherwise one
-    # call runs the whole decode.
-    engine = Engine(model, slots=min(_bucket(len(prompts), 1), int(max_batch)), cache_length=cache_length,
-                    max_queue=len(prompts), steps_per_call=1 if on_token is not None else cache_length,
-                    max_stop_tokens=_bucket(len(stop_tokens) + 1, 4), quantize=quantize, mesh=mesh, draft=draft,
-                    draft_tokens=draft_tokens)
+    engine = _engine_for(model, prompts, max_new_tokens, len(stop_tokens), on_token is not None, max_batch,
+                         quantize=quantize, mesh=mesh, draft=draft, draft_tokens=draft_tokens)
     knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  repetition_penalty=repetition_penalty, seed=seed, stop_tokens=tuple(stop_tokens),
                  stop_strings=stop_strings)
@@ -132,6 +125,21 @@ def generate(
                    for row, prompt in enumerate(prompts)]
     engine.run(completions)
     return [c.tokens for c in completions]
+
+
+def _engine_for(model: GPT | Decoder, prompts: list[list[int]], max_new_tokens: int, stop_tokens: int,
+                streaming: bool, max_batch: int, **settings) -> Engine:
+    """An engine sized for one `generate` call (see the module docstring); `settings`: the Engine's
+    quantize, mesh, draft and draft_tokens."""
+    config = model.config
+    longest = max(len(p) for p in prompts)
+    prompt_bucket = next(b for b in prompt_buckets(config.block_size) if b >= longest)
+    cache_length = min(prompt_bucket + _bucket(max_new_tokens, _MIN_NEW_BUCKET), config.block_size)
+    # Streaming hands each token out as it is made (a device call per step, ~5% of the speed); otherwise one
+    # call runs the whole decode.
+    return Engine(model, slots=min(_bucket(len(prompts), 1), int(max_batch)), cache_length=cache_length,
+                  max_queue=len(prompts), steps_per_call=1 if streaming else cache_length,
+                  max_stop_tokens=_bucket(stop_tokens + 1, 4), **settings)
 
 
 def generate_text(

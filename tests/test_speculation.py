@@ -111,8 +111,8 @@ def test_a_draft_gives_the_tokens_of_decoding_without_one(model, knobs, draft, d
         got = generate(model, PROMPTS, 37, draft=draft, draft_tokens=draft_tokens, **knobs)
     assert got == want
     (engine,) = engine_drafts
-    assert engine.tokens_drafted >= engine.drafts_accepted and engine.tokens_drafted > 0
-    assert engine.drafts_accepted > 0 or knobs["temperature"] > 0
+    assert engine.drafts.tokens_drafted >= engine.drafts.drafts_accepted and engine.drafts.tokens_drafted > 0
+    assert engine.drafts.drafts_accepted > 0 or knobs["temperature"] > 0
 
 
 @pytest.mark.parametrize("draft", ["ngram", "int8"])
@@ -161,7 +161,7 @@ def test_trained_weights_give_the_same_tokens_and_accept_drafts(trained_run, cor
             completions = [engine.submit(Request(p, 24, stream=i, **knobs)) for i, p in enumerate(prompts)]
             engine.run(completions)
             assert [c.tokens for c in completions] == want
-            assert engine.drafts_accepted > 0
+            assert engine.drafts.drafts_accepted > 0
 
 
 def sampled_pairs(model, prompt, draws, **knobs):
@@ -255,7 +255,7 @@ def test_the_engine_falls_back_to_plain_steps_where_they_are_faster(model, monke
     monkeypatch.setattr(engine.device, "decode", decode)
     for width in engine.decode_widths:
         for draft, seconds in ((True, 1.0), (True, 1.0), (False, 1.0), (False, 1.0)):
-            engine._policy.record(width, draft, seconds / (10 if not draft else 1), tokens=10)
+            engine.drafts.record(width, draft, seconds / (10 if not draft else 1), tokens=10)
     completion = engine.submit(Request([7, 3, 9, 1, 4] * 3, 40, temperature=0.0))
     engine.run([completion])
     assert completion.tokens == generate(model, [[7, 3, 9, 1, 4] * 3], 40, temperature=0.0)[0]
@@ -274,7 +274,7 @@ def test_a_server_with_a_draft_answers_as_one_without_and_counts_its_drafts(mode
     for draft in (None, "ngram"):
         server = Server(model, warmup=False, slots=2, cache_length=64, draft=draft)
         if draft is not None:  # every call with the draft (when the engine drafts is the policy's test)
-            server.engine._policy.use_draft = lambda width: True
+            server.engine.drafts.use_draft = lambda width: True
         try:
             texts = [server.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, seed=4,
                                                       **knobs).choices[0].text

@@ -27,7 +27,8 @@ class _Cost:
 
 
 class DraftPolicy:
-    """Chooses, per decode call, whether it verifies a draft (`use_draft`), from the costs `record`ed.
+    """Chooses, per decode call, whether it verifies a draft (`use_draft`), from the costs `record`ed;
+    counts the drafted tokens (`tokens_drafted`) and those that stood (`drafts_accepted`), running totals.
 
     Args:
       probe_every: run the way that costs more once every this many calls at a width (>= 2).
@@ -40,6 +41,7 @@ class DraftPolicy:
         self.probe_every, self.smoothing = probe_every, smoothing
         self._costs: dict[tuple[int, bool], _Cost] = {}
         self._calls: dict[int, int] = {}
+        self.tokens_drafted = self.drafts_accepted = 0
 
     def use_draft(self, width: int) -> bool:
         """Whether the next decode call over `width` rows verifies a draft: the draft until both ways are
@@ -54,10 +56,11 @@ class DraftPolicy:
         cheaper = draft <= plain
         return cheaper if calls % self.probe_every else not cheaper
 
-    def record(self, width: int, draft: bool, seconds: float, tokens: int) -> None:
-        """A call over `width` rows (verifying a draft or not) took `seconds` and emitted `tokens` tokens.
-        Each way's first call at a width is not counted: it compiles. A call that emitted nothing is not
-        counted either (it says nothing about a token's cost)."""
+    def record(self, width: int, draft: bool, seconds: float, tokens: int, drafted: int = 0, accepted: int = 0) -> None:
+        """A call over `width` rows (verifying a draft or not) took `seconds`, emitted `tokens` tokens and
+        verified `drafted` drafted tokens, `accepted` of which stood. Each way's first call at a width is
+        not timed: it compiles. Nor is a call that emitted nothing (it says nothing about a token's cost)."""
+        self.tokens_drafted, self.drafts_accepted = self.tokens_drafted + drafted, self.drafts_accepted + accepted
         cost = self._costs.setdefault((width, draft), _Cost())
         cost.calls += 1
         if cost.calls == 1 or tokens <= 0:

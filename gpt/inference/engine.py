@@ -98,11 +98,9 @@ class Engine:
       quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
         (`gpt.inference.decoding.decoding_weights`); a Decoder's own.
       mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`); a Decoder's own.
-      draft: what guesses each slot's next tokens, verified a few at once (`gpt.inference.speculation`):
-        "ngram", its own prompt and output (sooner where the text repeats itself); "int8", the model's own
-        weights in int8 (a few times faster a token, mostly the same tokens). The tokens are those
-        without a draft either way. None (or "none") decodes without one.
-      draft_tokens: the most drafted tokens a step verifies (K).
+      draft: what guesses each slot's next tokens, up to `draft_tokens` of them verified a step, the
+        tokens those without a draft (`gpt.inference.speculation`): "ngram", its own prompt and output;
+        "int8", the model's own weights in int8; None (or "none"), no draft.
     """
 
     def __init__(self, model: GPT | Decoder, *, slots: int = 8, cache_length: int | None = None,
@@ -117,8 +115,7 @@ class Engine:
         draft_tokens = check_draft(draft, draft_tokens)
         self.device = DeviceSlots(Decoder.of(model, quantize, mesh), slots, cache_length, max_stop_tokens,
                                   steps_per_call, draft if draft_tokens else "none", draft_tokens)
-        self._policy = DraftPolicy() if draft_tokens else None
-        self.tokens_drafted = self.drafts_accepted = 0  # running totals: drafted tokens, and those that stood
+        self.drafts = DraftPolicy() if draft_tokens else None  # when to draft, and the drafts' counts
         self.config, self.num_slots, self.cache_length = config, self.device.num_slots, cache_length
         self.max_queue, self.steps_per_call, self.max_stop_tokens = max_queue, steps_per_call, max_stop_tokens
         self.prefill_chunk = min(prefill_chunk, cache_length)
@@ -177,14 +174,13 @@ class Engine:
             return admitted or advanced
         stop_at_finish = bool(self._scheduler.queue)  # someone waits for a slot: come back as soon as one frees
         width = next(w for w in self.decode_widths if w >= len(decoding))
-        draft = self._policy is not None and self._policy.use_draft(width)
+        draft = self.drafts is not None and self.drafts.use_draft(width)
         start, tokens_before = time.perf_counter(), self._scheduler.tokens_emitted
         emitted = self.device.decode(self.steps_per_call, stop_at_finish, width, decoding, draft)
         self._scheduler.deliver(list(range(self.num_slots)), emitted)
-        if self._policy is not None:
-            self._policy.record(width, draft, time.perf_counter() - start, self._scheduler.tokens_emitted - tokens_before)
-            self.tokens_drafted += int(emitted.drafted)
-            self.drafts_accepted += int(emitted.accepted)
+        if self.drafts is not None:  # what the call cost, and what became of its drafts
+            self.drafts.record(width, draft, time.perf_counter() - start, self._scheduler.tokens_emitted - tokens_before,
+                               int(emitted.drafted), int(emitted.accepted))
         return True
 
     def run(self, completions: Sequence[Completion]) -> None:
@@ -206,39 +202,13 @@ class Engine:
         """
         if self._thread is not None or self._scheduler.live_slots:
             raise RuntimeError("warmup runs before the engine serves: its placeholder borrows slot 0")
-        programs = self._warmup_programs()
+        programs = _warmup_programs(self)
         start = time.perf_counter()
         for i, (kind, what, run) in enumerate(programs):
             log(f"warm-up: compiling {kind} {i + 1}/{len(programs)} ({what})")
             run()
         jax.block_until_ready(self.device.slots)  # the time below includes the last program's run
         log(f"warm-up: done in {time.perf_counter() - start:.1f} s")
-
-    def _warmup_programs(self) -> list[tuple[str, str, Callable[[], None]]]:
-        """What `warmup` runs: (kind, what, a function that runs it once)."""
-        buckets, chunk, length = self.prompt_buckets, self.prefill_chunk, self.cache_length
-        # A decode at each width (and each way: a step with a draft may emit K + 1 tokens), within the cache.
-        ways, per_step = (2, self.device.draft_tokens + 1) if self._policy is not None else (1, 1)
-        steps = max(1, min(ways * len(self.decode_widths) * per_step + 1, length - 1))
-        request = Request([0], steps, temperature=0.0, logprobs=1, prompt_logprobs=True)
-        entries = [(0, Completion(request, settings=self.check(request)))]
-
-        def enter(prefix_length: int | None, piece: int) -> None:  # the placeholder into slot 0
-            prefix = None if prefix_length is None else self.device.fresh_prefix(prefix_length)
-            self._insert(entries, self._prefill(entries, prefix, 0, piece))
-
-        pooled = sorted({pooled_prefix_length(chunk, length, n) for n in (1, length)}) if self._store else []
-        programs = [("prefill", f"prompts up to {b} tokens", functools.partial(enter, None, b)) for b in buckets]
-        programs += [("prefill", f"pieces of up to {b} tokens after {n}", functools.partial(enter, n, b))
-                     for n, b in pieces_after_prefixes(buckets, chunk, length, pooled)]
-        programs += [("prefix pool", f"loading and keeping {n} positions", functools.partial(self._store.warm, n))
-                     for n in pooled]
-        programs += [("decode", f"{width} of {self.num_slots} slots{' with a draft' * draft}",
-                      functools.partial(self.device.decode, 1, False, width, [0], draft))
-                     for draft in ((False, True) if self._policy is not None else (False,))
-                     for width in self.decode_widths]
-        programs += [("free", "slot 0", functools.partial(self.device.free, np.arange(self.num_slots) == 0))]
-        return programs
 
     def compiled_shapes(self) -> int:
         """How many programs the decoding verbs' jitted functions hold, for every engine of the process (they
@@ -342,3 +312,30 @@ class Engine:
             self._store.keep(entries[0][1], prefix)
         self._scheduler.deliver([slot for slot, _ in entries], self._insert(entries, prefix))
         return True
+
+
+def _warmup_programs(engine: Engine) -> list[tuple[str, str, Callable[[], None]]]:
+    """What `Engine.warmup` runs: (kind, what, a function that runs it once)."""
+    buckets, chunk, length = engine.prompt_buckets, engine.prefill_chunk, engine.cache_length
+    # A decode at each width (and each way: a step with a draft may emit K + 1 tokens), within the cache.
+    ways, per_step = (2, engine.device.draft_tokens + 1) if engine.drafts is not None else (1, 1)
+    steps = max(1, min(ways * len(engine.decode_widths) * per_step + 1, length - 1))
+    request = Request([0], steps, temperature=0.0, logprobs=1, prompt_logprobs=True)
+    entries = [(0, Completion(request, settings=engine.check(request)))]
+
+    def enter(prefix_length: int | None, piece: int) -> None:  # the placeholder into slot 0
+        prefix = None if prefix_length is None else engine.device.fresh_prefix(prefix_length)
+        engine._insert(entries, engine._prefill(entries, prefix, 0, piece))
+
+    pooled = sorted({pooled_prefix_length(chunk, length, n) for n in (1, length)}) if engine._store else []
+    programs = [("prefill", f"prompts up to {b} tokens", functools.partial(enter, None, b)) for b in buckets]
+    programs += [("prefill", f"pieces of up to {b} tokens after {n}", functools.partial(enter, n, b))
+                 for n, b in pieces_after_prefixes(buckets, chunk, length, pooled)]
+    programs += [("prefix pool", f"loading and keeping {n} positions", functools.partial(engine._store.warm, n))
+                 for n in pooled]
+    programs += [("decode", f"{width} of {engine.num_slots} slots{' with a draft' * draft}",
+                  functools.partial(engine.device.decode, 1, False, width, [0], draft))
+                 for draft in ((False, True) if engine.drafts is not None else (False,))
+                 for width in engine.decode_widths]
+    programs += [("free", "slot 0", functools.partial(engine.device.free, np.arange(engine.num_slots) == 0))]
+    return programs
