@@ -1,6 +1,8 @@
 """Shared test setup: 8 fake CPU devices (set before jax is imported), offline tiktoken, and text to train on."""
 
 import contextlib
+import json
+import math
 import os
 import shutil
 import sysconfig
@@ -63,14 +65,11 @@ def pytest_configure(config):
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 
-# The modules that take longest, longest first (as timed on the 2-core machine, 2026-11-26); the others follow
-# in name order. Each of the two workers takes the next module (or family, below) when it frees up (xdist's
-# loadscope, with --no-loadscope-reorder), so a long module that came last ran on alone: by test count, the
-# notebook's two tests had come near the end. The shared trained run's three modules (train, eval,
-# quantize) come far apart enough that one worker trains it while the other works.
-LONGEST_FIRST = ["test_run_integrity", "test_sharding", "test_generate", "test_train", "test_serve", "test_engine",
-                 "test_gpu_scripts", "test_train_loop", "test_notebook", "test_quantize", "test_recipe", "test_eval",
-                 "test_serve_faults", "test_gpt2_parity", "test_model", "test_serve_scoring", "test_lm_eval"]
+# Each module's seconds in the last full run that passed, which the suite records itself (`pytest_sessionfinish`):
+# the modules run longest first, so that both workers end together. Each of the two workers takes the next
+# module (or family, below) when it frees up (xdist's loadscope, with --no-loadscope-reorder), so a long module
+# that came last ran on alone. A module not recorded yet runs first, its time unknown.
+DURATIONS = Path(__file__).with_name("durations.json")
 
 # Modules that compile the same programs (the same model and engine shapes) run on one worker, back to back,
 # as one unit of work, the first module naming it: the server modules' servers warm up once between them
@@ -95,13 +94,45 @@ def pytest_xdist_make_scheduler(config, log):
     return FamilyScheduling(config, log)
 
 
+def recorded_durations() -> dict[str, float]:
+    """{module: seconds} from DURATIONS; empty when it is missing or unreadable."""
+    try:
+        durations = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+    return durations if isinstance(durations, dict) else {}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Orders the modules by LONGEST_FIRST, keeping each module's tests in their order."""
+    """Orders the families of modules longest first by their recorded seconds (unrecorded ones first), each
+    family's modules together, keeping each module's tests in their order."""
+    durations, seconds = recorded_durations(), {}
+    for name in {item.path.stem for item in items}:
+        seconds[family(name)] = seconds.get(family(name), 0.0) + durations.get(name, math.inf)
+
     def rank(item):
         name = item.path.stem
-        return (LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST), name)
+        return -seconds[family(name)], family(name), name
 
     items.sort(key=rank)  # stable: a module's own order stays
+
+
+_seconds: dict[str, float] = {}  # this run's seconds per module: every test's setup, call and teardown
+
+
+def pytest_runtest_logreport(report):
+    module = Path(report.nodeid.split("::")[0]).stem
+    _seconds[module] = _seconds.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """After a full run that passed (every module, no -k or -m), the controller records each module's
+    seconds in DURATIONS, for the next run's order."""
+    config = session.config
+    whole = (not config.option.markexpr and not config.option.keyword
+             and [Path(a).resolve() for a in config.args] == [Path(config.rootpath, "tests").resolve()])
+    if exitstatus == 0 and whole and not hasattr(config, "workerinput") and _seconds:
+        DURATIONS.write_text(json.dumps({m: round(s, 1) for m, s in sorted(_seconds.items())}, indent=1) + "\n")
 
 
 def pytest_unconfigure(config):
