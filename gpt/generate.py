@@ -22,7 +22,7 @@ from gpt.inference.decoding import Decoder
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request, check_prompts, check_stop_tokens, is_int
 from gpt.inference.sampling import SamplingParams
-from gpt.inference.shapes import prompt_buckets
+from gpt.inference.shapes import bucket, power_of_two, prompt_buckets
 from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS
 from gpt.inference.text_stream import TextStream
 from gpt.model.transformer import GPT
@@ -31,10 +31,6 @@ from gpt.tokenizer import get_tokenizer
 __all__ = ["generate", "generate_text", "new_tokens_that_fit"]
 
 _MIN_NEW_BUCKET = 16
-
-
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << (n - 1).bit_length())
 
 
 def new_tokens_that_fit(config, prompt: str, wanted: int) -> int:
@@ -133,13 +129,13 @@ def _engine_for(model: GPT | Decoder, prompts: list[list[int]], max_new_tokens: 
     quantize, mesh, draft and draft_tokens."""
     config = model.config
     longest = max(len(p) for p in prompts)
-    prompt_bucket = next(b for b in prompt_buckets(config.block_size) if b >= longest)
-    cache_length = min(prompt_bucket + _bucket(max_new_tokens, _MIN_NEW_BUCKET), config.block_size)
+    prompt_bucket = bucket(prompt_buckets(config.block_size), longest)
+    cache_length = min(prompt_bucket + power_of_two(max_new_tokens, _MIN_NEW_BUCKET), config.block_size)
     # Streaming hands each token out as it is made (a device call per step, ~5% of the speed); otherwise one
     # call runs the whole decode.
-    return Engine(model, slots=min(_bucket(len(prompts), 1), int(max_batch)), cache_length=cache_length,
+    return Engine(model, slots=min(power_of_two(len(prompts)), int(max_batch)), cache_length=cache_length,
                   max_queue=len(prompts), steps_per_call=1 if streaming else cache_length,
-                  max_stop_tokens=_bucket(stop_tokens + 1, 4), **settings)
+                  max_stop_tokens=power_of_two(stop_tokens + 1, 4), **settings)
 
 
 def generate_text(

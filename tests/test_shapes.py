@@ -3,7 +3,7 @@ these, and a round never another, is tests/test_engine.py's test_no_compile_afte
 
 import pytest
 
-from gpt.inference.shapes import bucket, pieces_after_prefixes, pooled_prefix_length, prompt_buckets
+from gpt.inference.shapes import bucket, pieces_after_prefixes, pooled_prefix_length, power_of_two, prompt_buckets
 
 
 @pytest.mark.parametrize("longest, buckets", [
@@ -33,3 +33,8 @@ def test_a_pooled_prompt_runs_any_bucket_over_either_prefix_length():
     pooled = sorted({pooled_prefix_length(32, 128, n) for n in (1, 128)})
     assert pooled == [32, 128]
     assert pieces_after_prefixes(buckets, 32, 128, pooled) == [(32, 16), (32, 32), (128, 16), (128, 32)]
+
+
+def test_power_of_two_is_the_smallest_that_holds_at_least_the_minimum():
+    assert [power_of_two(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    assert [power_of_two(n, 16) for n in (1, 16, 17)] == [16, 16, 32]

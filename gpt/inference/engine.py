@@ -173,7 +173,7 @@ class Engine:
         if not decoding:
             return admitted or advanced
         stop_at_finish = bool(self._scheduler.queue)  # someone waits for a slot: come back as soon as one frees
-        width = next(w for w in self.decode_widths if w >= len(decoding))
+        width = bucket(self.decode_widths, len(decoding))
         draft = self.drafts is not None and self.drafts.use_draft(width)
         start, tokens_before = time.perf_counter(), self._scheduler.tokens_emitted
         emitted = self.device.decode(self.steps_per_call, stop_at_finish, width, decoding, draft)

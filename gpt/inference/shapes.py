@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 from gpt.model.backend import choices
 
-__all__ = ["MIN_PROMPT_BUCKET", "prompt_buckets", "bucket", "decode_widths", "pieces_after_prefixes",
+__all__ = ["MIN_PROMPT_BUCKET", "prompt_buckets", "bucket", "power_of_two", "decode_widths", "pieces_after_prefixes",
            "pooled_prefix_length"]
 
 MIN_PROMPT_BUCKET = 16
@@ -40,6 +40,12 @@ def prompt_buckets(longest: int) -> list[int]:
 def bucket(buckets: list[int], length: int) -> int:
     """The smallest of `buckets` (ascending) that holds a piece of `length` tokens."""
     return next(b for b in buckets if b >= length)
+
+
+def power_of_two(n: int, minimum: int = 1) -> int:
+    """The smallest power of two that holds n (n >= 1), at least `minimum`: a size that many values of n
+    share, so that they share its compiled programs."""
+    return max(minimum, 1 << (n - 1).bit_length())
 
 
 def pieces_after_prefixes(buckets: list[int], chunk: int, length: int, pooled: list[int]) -> list[tuple[int, int]]:
