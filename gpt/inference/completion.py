@@ -1,5 +1,5 @@
 """A request's progress as the engine makes it: its tokens, their log-probabilities, its text and how it
-ended. Written on the engine's thread, read by anyone; no JAX."""
+ended. Written on the engine's thread, only through its own methods, and read by anyone; no JAX."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class Completion:
         self.done = threading.Event()
         self.cancel_requested = False
         self.cancel_reason = "cancelled"  # the finish_reason a cancel ends it with
-        self._withdraw: Callable[[Completion], None] | None = None  # set by the queue it waits in
+        self._withdraw: Callable[[Completion], None] | None = None  # the queue it waits in (`waits_in`)
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Ask the engine to stop this request, ending it with `reason`: waiting, it leaves the queue now;
@@ -55,7 +55,11 @@ class Completion:
         if self._withdraw is not None:
             self._withdraw(self)
 
-    def _add(self, token: int, logprob: float, top: list[tuple[int, float]]) -> bool:
+    def waits_in(self, withdraw: Callable[[Completion], None] | None) -> None:
+        """Waiting in a queue that `withdraw(self)` takes it out of at a cancel; None once it has left."""
+        self._withdraw = withdraw
+
+    def add(self, token: int, logprob: float, top: list[tuple[int, float]]) -> bool:
         """Record one token; True if it completed a stop string."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
@@ -63,7 +67,17 @@ class Completion:
             self.top_logprobs.append(top[: self.request.logprobs])
         return self.text.push(token) and bool(self.request.stop_strings)
 
-    def _score_prompt(self, start: int, logprob_P: np.ndarray, top_ids_PJ: np.ndarray | None,
+    def stopped_by(self, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
+        """Record the stop token that ends it (in neither `tokens` nor `text`)."""
+        self.stop_token = (token, logprob, top[: self.request.logprobs])
+
+    def add_prompt_scores(self, scores: Sequence[tuple[float, list[tuple[int, float]]]]) -> None:
+        """Record the next prompt tokens' (logprob, alternatives), as a prefix pool held them."""
+        for logprob, top in scores:
+            self.prompt_logprobs.append(logprob)
+            self.prompt_top_logprobs.append(top)
+
+    def score_prompt(self, start: int, logprob_P: np.ndarray, top_ids_PJ: np.ndarray | None,
                       top_logprobs_PJ: np.ndarray | None) -> None:
         """Record the scores of the prompt's tokens start+1 .. (a piece of `PromptScores`, from position
         `start` on: position p scored the token after it)."""
@@ -76,11 +90,14 @@ class Completion:
             else:
                 self.prompt_top_logprobs.append([])
 
-    def _finish(self, reason: str) -> None:
+    def end(self, reason: str) -> None:
+        """End it with `reason` and tell its listener."""
         self.finish_reason = reason
         self.done.set()
+        self.notify()
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Tell its listener (`on_update`) of new tokens or its end."""
         if self.on_update is not None:
             self.on_update(self)
 
@@ -96,5 +113,5 @@ def deliver_prompt_scores(completions: Sequence[Completion], start: int, scores)
     top = any(c.request.logprobs for _, c in asked)
     top_ids, top_lps = (np.asarray(scores.top_ids), np.asarray(scores.top_logprobs)) if top else (None, None)
     for row, c in asked:
-        c._score_prompt(start, logprob[row], top_ids[row] if top else None, top_lps[row] if top else None)
+        c.score_prompt(start, logprob[row], top_ids[row] if top else None, top_lps[row] if top else None)
 

@@ -54,9 +54,7 @@ class PrefixStore:
         if done <= 0:
             return self.device.fresh_prefix(length), 0
         self.tokens_reused += done
-        for logprob, top in [score for _, scores in held for score in scores][1: done + 1]:
-            completion.prompt_logprobs.append(logprob)
-            completion.prompt_top_logprobs.append(top)
+        completion.add_prompt_scores([score for _, scores in held for score in scores][1: done + 1])
         ids = np.zeros((_blocks(length),), np.int32)
         ids[: len(held)] = [block for block, _ in held]
         tokens = np.zeros((length,), np.int32)

@@ -75,7 +75,7 @@ class Scheduler:
             if len(self.queue) >= self.max_queue:
                 raise QueueFull(f"{len(self.queue)} requests are waiting already (max_queue={self.max_queue})")
             self.queue.append(completion)
-            completion._withdraw = self._withdraw
+            completion.waits_in(self._withdraw)
             self.lock.notify()
 
     def _withdraw(self, completion: Completion) -> None:
@@ -86,8 +86,7 @@ class Scheduler:
                 self.queue.remove(completion)
             except ValueError:  # admitted already (the engine frees its slot) or gone
                 return
-        completion._finish(completion.cancel_reason)
-        completion._notify()
+        completion.end(completion.cancel_reason)
 
     @property
     def queue_depth(self) -> int:
@@ -132,10 +131,9 @@ class Scheduler:
             entering = []
             while self.queue and len(entering) < len(free):
                 completion = self.queue.popleft()
-                completion._withdraw = None  # from here on, a cancel frees its slot
+                completion.waits_in(None)  # from here on, a cancel frees its slot
                 if completion.cancel_requested:
-                    completion._finish(completion.cancel_reason)
-                    completion._notify()
+                    completion.end(completion.cancel_reason)
                 else:
                     entering.append(completion)
         entering.sort(key=lambda c: len(c.request.prompt))
@@ -217,20 +215,19 @@ class Scheduler:
                 top = ([(int(t), float(lp)) for t, lp in zip(top_ids[i, row], top_lps[i, row])]
                        if top_ids is not None else [])
                 if stop_token[i, row]:  # it ends the request unemitted; the device's slot is free already
-                    owner.stop_token = (int(token[i, row]), float(logprob[i, row]), top[: owner.request.logprobs])
+                    owner.stopped_by(int(token[i, row]), float(logprob[i, row]), top)
                     break
-                if owner._add(int(token[i, row]), float(logprob[i, row]), top):
+                if owner.add(int(token[i, row]), float(logprob[i, row]), top):
                     stopped = True
                     break
             self.tokens_emitted += len(owner.tokens) - before
             if stopped:
                 owner.cancel()  # the device slot is still live: stop it at the next round
-                owner._finish("stop")
-                owner._notify()
+                owner.end("stop")
             elif not live[row]:
                 self.release(slot, "length" if len(owner.tokens) >= owner.request.max_tokens else "stop")
             elif len(owner.tokens) > before:
-                owner._notify()
+                owner.notify()
 
     def release(self, slot: int, reason: str) -> None:
         """Free a slot; its request ends with `reason` unless it has ended already."""
@@ -238,8 +235,7 @@ class Scheduler:
         self.owners[slot] = None
         self.free_S[slot] = True  # the device may still count it live (a stop string, a cancel)
         if not owner.done.is_set():
-            owner._finish(reason)
-            owner._notify()
+            owner.end(reason)
 
     def release_all(self, reason: str) -> None:
         """Free every slot (a round that failed)."""
@@ -258,6 +254,5 @@ class Scheduler:
             self.exit = True
             self.lock.notify()
         for completion in waiting:
-            completion._withdraw = None
-            completion._finish(reason)
-            completion._notify()
+            completion.waits_in(None)
+            completion.end(reason)
