@@ -36,6 +36,7 @@ from gpt.model.backend import choices
 from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
 from gpt.model.layouts import QUANTIZED_LAYOUTS, OutputMajor
+from gpt.model.parameters import KERNELS
 from gpt.model.sharding import shard_state
 from gpt.model.transformer import GPT, Weights, forward, lm_head
 
@@ -45,8 +46,6 @@ __all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Pre
            "int8_draft_weights"]
 
 
-# How many leading axes of each kernel (after the layer axis) are its inputs.
-_KERNEL_INPUT_AXES = {"qkv_kernel": 1, "out_kernel": 2, "fc_kernel": 1, "proj_kernel": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +109,7 @@ def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
     weights = model.weights()
     layers = []
     for layer in range(model.config.n_layer):  # each kernel sliced once, by the program that lays it out
-        layers.append({name: _kernel_layout(a, layer, quantize, _KERNEL_INPUT_AXES[name]) if name in _KERNEL_INPUT_AXES
+        layers.append({name: _kernel_layout(a, layer, quantize, KERNELS[name].inputs) if name in KERNELS
                        else None if a is None else _layer_of(a, layer) for name, a in weights.layers.items()})
     if quantize == "none":
         return dataclasses.replace(weights, layers=tuple(layers))

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 
 from gpt.errors import ConfigError
@@ -136,25 +137,15 @@ class GPTConfig:
             raise ConfigError(f"unknown GPTConfig preset {name!r}; known presets: {', '.join(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count; a tied LM head is the token embedding, counted once."""
-        d, f, layers = self.n_embd, self.mlp_dim, self.n_layer
-        bias = 1 if self.bias else 0
-        per_layer = (
-            2 * d * (1 + bias)  # two LayerNorms
-            + d * 3 * d + bias * 3 * d  # qkv
-            + d * d + bias * d  # attention output
-            + d * f + bias * f  # mlp in
-            + f * d + bias * d  # mlp out
-        )
-        count = layers * per_layer + d * (1 + bias)  # + final LayerNorm
-        if not self.tied_head:
-            count += self.vocab_size * d
-        if include_embedding:
-            count += self.vocab_size * d
-            if self.position == "learned":
-                count += self.block_size * d
-        return count
+    def num_params(self) -> int:
+        """Parameter count, of the parameters a GPT of this config makes (shapes only: nothing is allocated);
+        a tied LM head is the token embedding, counted once."""
+        from flax import nnx
+
+        from gpt.model.transformer import GPT  # the model's own parameters, not a restatement of them
+
+        abstract = nnx.eval_shape(lambda: GPT(self, rngs=nnx.Rngs(0)))
+        return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
 PRESETS: dict[str, GPTConfig] = {

@@ -27,6 +27,7 @@ from safetensors.numpy import load_file, save_file
 
 from gpt.errors import ConfigError, MissingInput, RunFailed
 from gpt.model.config import GPTConfig
+from gpt.model.parameters import BLOCK_WEIGHTS
 from gpt.model.transformer import GPT
 from gpt.tokenizer import hf_tokenizer_files
 
@@ -34,24 +35,14 @@ __all__ = ["load", "save", "config_from_hf", "resolve"]
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
-# (our parameter path, Hugging Face name with {} for the layer, is it per layer)
+# (our parameter path, Hugging Face name with {} for the layer, is it per layer): the model's own weights,
+# then each block weight's as `gpt.model.parameters` declares it.
 _TABLE = (
     ("wte", "wte.weight", False),
     ("wpe", "wpe.weight", False),
     ("lnf_scale", "ln_f.weight", False),
     ("lnf_bias", "ln_f.bias", False),
-    ("blocks.ln1_scale", "h.{}.ln_1.weight", True),
-    ("blocks.ln1_bias", "h.{}.ln_1.bias", True),
-    ("blocks.qkv_kernel", "h.{}.attn.c_attn.weight", True),
-    ("blocks.qkv_bias", "h.{}.attn.c_attn.bias", True),
-    ("blocks.out_kernel", "h.{}.attn.c_proj.weight", True),
-    ("blocks.out_bias", "h.{}.attn.c_proj.bias", True),
-    ("blocks.ln2_scale", "h.{}.ln_2.weight", True),
-    ("blocks.ln2_bias", "h.{}.ln_2.bias", True),
-    ("blocks.fc_kernel", "h.{}.mlp.c_fc.weight", True),
-    ("blocks.fc_bias", "h.{}.mlp.c_fc.bias", True),
-    ("blocks.proj_kernel", "h.{}.mlp.c_proj.weight", True),
-    ("blocks.proj_bias", "h.{}.mlp.c_proj.bias", True),
+    *((f"blocks.{w.name}", w.hf, True) for w in BLOCK_WEIGHTS),
 )
 # Buffers that older checkpoints carry (the causal mask) and the tied LM head: not parameters of ours.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")

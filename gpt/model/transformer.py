@@ -28,6 +28,7 @@ from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
 from gpt.model.layouts import Fp8Kernel, OutputMajor, dense
 from gpt.model.loss import lm_head_cross_entropy
+from gpt.model.parameters import BLOCK_WEIGHTS
 from gpt.model.sharding import constrain
 
 __all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_normalize"]
@@ -84,27 +85,20 @@ class Blocks(nnx.Module):
     weight, which one `lax.scan` can run (`GPTConfig.scan_layers`) and the optimizer updates as a whole."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        L, D, N, H, F = config.n_layer, config.n_embd, config.n_head, config.head_dim, config.mlp_dim
-        dtype, std = config.storage_dtype, 0.02
-        # GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2L).
-        residual_std = std / (2 * L) ** 0.5
-        bias = config.bias
+        L, dtype, std = config.n_layer, config.storage_dtype, 0.02
         self.config = config
-        self.ln1_scale = _constant(1.0, (L, D), ("layers", "embed"), dtype)
-        self.ln1_bias = _constant(0.0, (L, D), ("layers", "embed"), dtype) if bias else None
-        self.qkv_kernel = _normal(rngs, (L, D, 3, N, H), ("layers", "embed", None, "heads", "head_dim"), dtype, std)
-        self.qkv_bias = _constant(0.0, (L, 3, N, H), ("layers", None, "heads", "head_dim"), dtype) if bias else None
-        self.out_kernel = _normal(rngs, (L, N, H, D), ("layers", "heads", "head_dim", "embed"), dtype, residual_std)
-        self.out_bias = _constant(0.0, (L, D), ("layers", "embed"), dtype) if bias else None
-        self.ln2_scale = _constant(1.0, (L, D), ("layers", "embed"), dtype)
-        self.ln2_bias = _constant(0.0, (L, D), ("layers", "embed"), dtype) if bias else None
-        self.fc_kernel = _normal(rngs, (L, D, F), ("layers", "embed", "mlp"), dtype, std)
-        self.fc_bias = _constant(0.0, (L, F), ("layers", "mlp"), dtype) if bias else None
-        self.proj_kernel = _normal(rngs, (L, F, D), ("layers", "mlp", "embed"), dtype, residual_std)
-        self.proj_bias = _constant(0.0, (L, D), ("layers", "embed"), dtype) if bias else None
+        for w in BLOCK_WEIGHTS:  # each as `gpt.model.parameters` declares it, in its order
+            shape, axes = (L, *w.dims(config)), ("layers", *w.axes)
+            if w.bias and not config.bias:
+                param = None
+            elif w.init == "normal":
+                # GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2L).
+                param = _normal(rngs, shape, axes, dtype, std / (2 * L) ** 0.5 if w.residual else std)
+            else:
+                param = _constant(1.0 if w.init == "ones" else 0.0, shape, axes, dtype)
+            setattr(self, w.name, param)
 
-    NAMES = ("ln1_scale", "ln1_bias", "qkv_kernel", "qkv_bias", "out_kernel", "out_bias",
-             "ln2_scale", "ln2_bias", "fc_kernel", "fc_bias", "proj_kernel", "proj_bias")
+    NAMES = tuple(w.name for w in BLOCK_WEIGHTS)
 
     def stacked(self) -> dict[str, jax.Array | None]:
         """The raw parameter arrays, each with its leading layer axis."""

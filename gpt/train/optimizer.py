@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gpt.model.parameters import KERNELS
+
 __all__ = ["OptimizerConfig", "make_optimizer", "make_schedule", "learning_rates", "muon_axes", "muon_or_adamw"]
 
 
@@ -62,12 +64,16 @@ def make_schedule(config: OptimizerConfig, peak: float) -> optax.Schedule:
 
 # Muon's matrices, by parameter name: which axes a matrix's inputs are (reduction) and which its outputs;
 # every other axis is a batch of matrices orthogonalized one by one (the layers; q, k and v apart).
-_MUON_AXES = {
-    "qkv_kernel": optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=(3, 4)),  # [L, D, 3, N, H]
-    "out_kernel": optax.contrib.MuonDimensionNumbers(reduction_axis=(1, 2), output_axis=3),  # [L, N, H, D]
-    "fc_kernel": optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2),  # [L, D, F]
-    "proj_kernel": optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2),  # [L, F, D]
-}
+def _muon_dimensions(w) -> optax.contrib.MuonDimensionNumbers:
+    """A block matrix's Muon axes (after the layer axis, which like `separate` ones holds separate matrices):
+    its inputs reduced over, its outputs the rest."""
+    one_or_all = lambda axes: axes[0] if len(axes) == 1 else axes  # noqa: E731
+    first_output = 1 + w.inputs + w.separate
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=one_or_all(tuple(range(1, 1 + w.inputs))),
+                                              output_axis=one_or_all(tuple(range(first_output, 1 + len(w.shape)))))
+
+
+_MUON_AXES = {name: _muon_dimensions(w) for name, w in KERNELS.items()}
 
 
 def _leaf_name(path) -> str:

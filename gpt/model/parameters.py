@@ -1,0 +1,74 @@
+"""Every weight of a decoder block, declared once: its shape, logical axes, init, the axes its matmul reduces
+over, and its name in a Hugging Face GPT-2 checkpoint. `Blocks` builds its parameters from this table, and
+GPT-2's import and export, Muon's matrix axes, decoding's kernel layout and the tests read it; nothing else
+restates a block weight's facts.
+
+Shapes are without the leading `layers` axis that `Blocks` stacks them on. Letters: D model width, N heads,
+H head dim, F MLP width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from gpt.model.config import GPTConfig
+
+__all__ = ["BlockWeight", "BLOCK_WEIGHTS", "KERNELS", "block_weights"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWeight:
+    """One kind of block weight.
+
+    name: the `Blocks` attribute (and the parameter path's last part).
+    shape: its letters, e.g. "D3NH" ("3" a literal 3: q, k and v).
+    axes: its logical axis names (`gpt.model.sharding.RULES`), one per letter (None: not sharded).
+    init: "normal" (std 0.02, or 0.02 / sqrt(2L) for a projection that writes into the residual stream:
+      `residual`), "ones" or "zeros".
+    bias: it exists only when `GPTConfig.bias`.
+    inputs: for a matrix, how many leading axes a matmul reduces over (the rest are its outputs); 0 else.
+    separate: for a matrix, leading output axes that hold separate matrices (q, k and v), which Muon
+      orthogonalizes apart.
+    hf: its name in a Hugging Face GPT-2 checkpoint, {} for the layer.
+    """
+
+    name: str
+    shape: str
+    axes: tuple[str | None, ...]
+    init: Literal["normal", "ones", "zeros"]
+    hf: str
+    bias: bool = False
+    residual: bool = False
+    inputs: int = 0
+    separate: int = 0
+
+    def dims(self, config: GPTConfig) -> tuple[int, ...]:
+        """Its shape in `config`, without the layer axis."""
+        size = {"D": config.n_embd, "N": config.n_head, "H": config.head_dim, "F": config.mlp_dim, "3": 3}
+        return tuple(size[letter] for letter in self.shape)
+
+
+BLOCK_WEIGHTS = (  # in the order `Blocks` makes them (the order its random init draws in)
+    BlockWeight("ln1_scale", "D", ("embed",), "ones", "h.{}.ln_1.weight"),
+    BlockWeight("ln1_bias", "D", ("embed",), "zeros", "h.{}.ln_1.bias", bias=True),
+    BlockWeight("qkv_kernel", "D3NH", ("embed", None, "heads", "head_dim"), "normal", "h.{}.attn.c_attn.weight",
+                inputs=1, separate=1),
+    BlockWeight("qkv_bias", "3NH", (None, "heads", "head_dim"), "zeros", "h.{}.attn.c_attn.bias", bias=True),
+    BlockWeight("out_kernel", "NHD", ("heads", "head_dim", "embed"), "normal", "h.{}.attn.c_proj.weight",
+                residual=True, inputs=2),
+    BlockWeight("out_bias", "D", ("embed",), "zeros", "h.{}.attn.c_proj.bias", bias=True),
+    BlockWeight("ln2_scale", "D", ("embed",), "ones", "h.{}.ln_2.weight"),
+    BlockWeight("ln2_bias", "D", ("embed",), "zeros", "h.{}.ln_2.bias", bias=True),
+    BlockWeight("fc_kernel", "DF", ("embed", "mlp"), "normal", "h.{}.mlp.c_fc.weight", inputs=1),
+    BlockWeight("fc_bias", "F", ("mlp",), "zeros", "h.{}.mlp.c_fc.bias", bias=True),
+    BlockWeight("proj_kernel", "FD", ("mlp", "embed"), "normal", "h.{}.mlp.c_proj.weight", residual=True, inputs=1),
+    BlockWeight("proj_bias", "D", ("embed",), "zeros", "h.{}.mlp.c_proj.bias", bias=True),
+)
+
+KERNELS = {w.name: w for w in BLOCK_WEIGHTS if w.inputs}  # the matrices, by name
+
+
+def block_weights(config: GPTConfig) -> tuple[BlockWeight, ...]:
+    """The block weights a model of `config` has (biases only with `config.bias`)."""
+    return tuple(w for w in BLOCK_WEIGHTS if config.bias or not w.bias)

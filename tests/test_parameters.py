@@ -1,0 +1,68 @@
+"""Each block weight declared once (`gpt.model.parameters`): every preset and recipe builds exactly the table's
+weights, and every consumer (GPT-2's names, Muon's axes, decoding's layout, the parameter count) agrees
+with it."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from gpt import GPT, GPTConfig
+from gpt.inference.decoding import decoding_weights
+from gpt.model import gpt2
+from gpt.model.config import PRESETS
+from gpt.model.parameters import BLOCK_WEIGHTS, KERNELS, block_weights
+from gpt.train.optimizer import muon_axes
+from gpt.train.recipes import RECIPES
+
+
+def configs():
+    return [pytest.param(GPTConfig.preset(preset, **RECIPES[recipe].model), id=f"{preset}-{recipe}")
+            for preset in PRESETS for recipe in RECIPES]
+
+
+def as_tuple(axes):
+    return (axes,) if isinstance(axes, int) else tuple(axes)
+
+
+@pytest.mark.parametrize("config", configs())
+def test_every_preset_builds_the_tables_weights_and_every_consumer_agrees(config):
+    abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    blocks = nnx.state(abstract.blocks, nnx.Param)
+    built = {name: param for name, param in blocks.items() if param is not None}
+    declared = block_weights(config)
+    assert set(built) == {w.name for w in declared}
+    for w in declared:
+        param = built[w.name]
+        assert param.shape == (config.n_layer, *w.dims(config)) and len(w.axes) == len(w.shape)
+        assert param.get_metadata()["axes"] == ("layers", *w.axes)
+    # GPT-2's checkpoint names: one per block weight, each once.
+    hf_names = [hf for path, hf, per_layer in gpt2._TABLE if per_layer]
+    assert hf_names == [w.hf for w in BLOCK_WEIGHTS] and len(set(hf_names)) == len(hf_names)
+    # Muon: the layer axis, the separate matrices, the inputs and the outputs are all of a kernel's axes, once.
+    axes = muon_axes({name: jax.ShapeDtypeStruct(param.shape, param.dtype) for name, param in built.items()})
+    for name, w in KERNELS.items():
+        reduced, outputs = as_tuple(axes[name].reduction_axis), as_tuple(axes[name].output_axis)
+        separate = tuple(range(1 + w.inputs, 1 + w.inputs + w.separate))
+        assert sorted((0, *separate, *reduced, *outputs)) == list(range(1 + len(w.shape)))
+        assert reduced == tuple(range(1, 1 + w.inputs))
+    for name in set(built) - set(KERNELS):
+        assert axes[name] is None
+    # The count: every parameter the model makes, a tied head once.
+    assert config.num_params() == sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_decodings_matrices_are_the_tables_kernels_read_as_inputs_by_outputs(recipe):
+    config = GPTConfig.preset("tiny", **RECIPES[recipe].model)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    layer = decoding_weights(model).layers[0]
+    stacked = model.weights().layers
+    for name, w in KERNELS.items():
+        dims = w.dims(config)
+        inputs, outputs = math.prod(dims[: w.inputs]), math.prod(dims[w.inputs:])
+        matrix = np.asarray(layer[name].matrix_KD)
+        assert matrix.shape == (outputs, inputs)
+        np.testing.assert_array_equal(matrix, np.asarray(stacked[name][0]).reshape(inputs, outputs).T)
