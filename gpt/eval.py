@@ -40,7 +40,7 @@ from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, cli_main
 from gpt.inference.decoding import Decoder
 from gpt.inference.scoring import scored_positions
-from gpt.loading import load
+from gpt.loading import ModelChoice, load
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.model.transformer import GPT, forward
@@ -51,11 +51,9 @@ __all__ = ["EvalConfig", "evaluate", "windows", "Score"]
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    """What `python -m gpt.eval` measures; `--help` lists these as flags."""
+class EvalConfig(ModelChoice):
+    """What `python -m gpt.eval` measures; `--help` lists these as flags (which model and how: `ModelChoice`)."""
 
-    init_from: str = "out"
-    """A training out_dir, a Hugging Face GPT-2 directory, or a GPT-2 hub name in the local cache."""
     data: tuple[str, ...] = ()
     """Files, directories or globs to score (the formats the trainer reads)."""
     text_field: str = "text"
@@ -64,14 +62,8 @@ class EvalConfig:
     """Tokens each window moves by, in [1, context]; default: the model's context (windows that do not overlap)."""
     batch_size: int = 8
     """Windows scored together."""
-    dtype: str = "float32"
-    """Compute dtype: float32, bfloat16 or float16."""
     json: bool = False
     """Print the results as JSON instead of a table."""
-    quantize: str = "none"
-    """Weights laid out as for decoding: none, int8 or bf16 (what quantization costs in perplexity)."""
-    mesh: str = ""
-    """Score sharded over a device mesh, e.g. 'tensor=4'; empty runs on one device."""
     split: str = ""
     """'val' or 'train': score a training out_dir's own prepared split (`init_from/data`, each shard one
     stream) instead of --data."""

@@ -3,15 +3,35 @@ name in the local cache (what sample.py, serve.py and gpt.eval take as --init_fr
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Literal
 
 from gpt.errors import MissingInput
 from gpt.model import gpt2
-from gpt.model.config import check_dtype
+from gpt.model.config import DType, check_dtype
 from gpt.model.transformer import GPT
 from gpt.run_dir import has_checkpoint
 
-__all__ = ["load"]
+__all__ = ["load", "ModelChoice"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelChoice:
+    """Which model a script runs and how: the settings sample.py, serve.py and gpt.eval share (their configs
+    are this one with their own fields after it), each a flag."""
+
+    init_from: str = "out"
+    """A training out_dir, a Hugging Face GPT-2 directory, or a hub name (gpt2, gpt2-medium, gpt2-large,
+    gpt2-xl) in the local Hugging Face cache."""
+    dtype: DType = "float32"
+    """Compute dtype (bfloat16 on GPUs)."""
+    quantize: Literal["none", "int8", "bf16"] = "none"
+    """Store the weights for decoding as int8 (a float scale per output channel) or bfloat16 (gpt.eval: what
+    that costs in perplexity)."""
+    mesh: str = ""
+    """Run sharded over a device mesh, e.g. 'tensor=4' (heads and MLP split over 4 devices) or
+    'data=2,tensor=4'; empty runs on one device."""
 
 
 def load(init_from: str, dtype: str = "float32") -> GPT:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Literal
 
 from gpt.errors import ConfigError, MissingInput, check_fits_in_memory
 from gpt.generate import generate_text, new_tokens_that_fit
 from gpt.inference.decoding import Decoder
 from gpt.inference.sampling import SamplingParams
 from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft
-from gpt.loading import load
-from gpt.model.config import DType
+from gpt.loading import ModelChoice, load
 from gpt.model.sharding import make_mesh, parse_mesh
 
 __all__ = ["SampleConfig", "sample"]
@@ -25,12 +23,9 @@ _BYTES_A_TOKEN = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class SampleConfig:
-    """`python sample.py --help` lists these as flags."""
+class SampleConfig(ModelChoice):
+    """`python sample.py --help` lists these as flags (which model and how: `ModelChoice`)."""
 
-    init_from: str = "out"
-    """A training out_dir, a Hugging Face GPT-2 directory, or a hub name (gpt2, gpt2-medium, gpt2-large,
-    gpt2-xl) in the local Hugging Face cache."""
     start: str = "\n"
     """The prompt, or FILE:path to read it from a file."""
     num_samples: int = 3
@@ -46,15 +41,8 @@ class SampleConfig:
     seed: int = 1337
     stream: bool = False
     """Print each sample's text as it is produced (samples are then generated one after another)."""
-    dtype: DType = "float32"
-    """Compute dtype (bfloat16 on GPUs)."""
-    quantize: Literal["none", "int8", "bf16"] = "none"
-    """Store the weights for decoding as int8 (a float scale per output channel) or bfloat16."""
     compile_cache: bool = True
     """Keep compiled programs in the user's cache directory, so that the next run skips most compiles."""
-    mesh: str = ""
-    """Sample sharded over a device mesh, e.g. 'tensor=4' (heads and MLP split over 4 devices) or
-    'data=2,tensor=4'; empty runs on one device."""
     draft: Draft = "none"
     """Guess the next tokens and verify them a few at once, the same samples sooner where the guesses stand:
     ngram from the prompt and output so far, int8 by the model's own weights in int8."""

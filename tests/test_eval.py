@@ -165,3 +165,25 @@ def test_scoring_never_holds_every_positions_logits_at_once():
     compiled = _nll_program(decoder.config).lower(decoder.weights, tokens, scored).compile()
     logits = 8 * 63 * config.vocab_size * 4
     assert compiled.memory_analysis().temp_size_in_bytes < logits / 2
+
+
+def test_the_scripts_share_one_model_choice_with_its_choices():
+    """sample.py, serve.py and gpt.eval take which model and how from one dataclass (`ModelChoice`), none
+    declaring those fields again, so gpt.eval's --help offers the same dtype and quantize choices."""
+    import dataclasses
+    import typing
+
+    import tyro
+
+    from gpt.eval import EvalConfig
+    from gpt.loading import ModelChoice
+    from gpt.sample import SampleConfig
+    from gpt.serve import ServeConfig
+
+    shared = {f.name for f in dataclasses.fields(ModelChoice)}
+    assert shared == {"init_from", "dtype", "quantize", "mesh"}
+    for config in (SampleConfig, ServeConfig, EvalConfig):
+        assert issubclass(config, ModelChoice) and not shared & set(vars(config).get("__annotations__", {}))
+    assert typing.get_args(typing.get_type_hints(EvalConfig)["quantize"]) == ("none", "int8", "bf16")
+    with pytest.raises(SystemExit):
+        tyro.cli(EvalConfig, args=["--quantize", "int4"])

@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
 
 from gpt.errors import ConfigError
 from gpt.inference.shapes import MIN_PROMPT_BUCKET
 from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft
-from gpt.model.config import DType
+from gpt.loading import ModelChoice
 
 __all__ = ["ServeConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ServeConfig:
-    """`python serve.py --help` lists these as flags."""
+class ServeConfig(ModelChoice):
+    """`python serve.py --help` lists these as flags (which model and how: `ModelChoice`)."""
 
-    init_from: str = "out"
-    """A training out_dir, a Hugging Face GPT-2 directory, or a hub name (gpt2, ...) in the local cache."""
     host: str = "127.0.0.1"
     port: int = 8000
     """0 picks a free port (the chosen one is printed)."""
@@ -40,13 +37,6 @@ class ServeConfig:
     in float32: 32768 (2.4 GB) held the contexts of bench/eval_bench.py's 200-item multiple-choice task."""
     model_name: str | None = None
     """The name clients pass as `model`; default: the last part of init_from."""
-    dtype: DType = "float32"
-    """Compute dtype (bfloat16 on GPUs)."""
-    quantize: Literal["none", "int8", "bf16"] = "none"
-    """Store the weights for decoding as int8 (a float scale per output channel) or bfloat16."""
-    mesh: str = ""
-    """Serve sharded over a device mesh, e.g. 'tensor=4' (heads and MLP split over 4 GPUs) or
-    'data=2,tensor=4' (the slots split 2 ways too); empty runs on one device."""
     max_request_mb: float = 8.0
     """A larger request body gets HTTP 413, unread (64 prompts of 1024 token ids each are ~0.5 MB)."""
     shutdown_deadline_s: float = 10.0
