@@ -10,8 +10,9 @@ import pytest
 from gpt.inference import completion as completion_module
 from gpt.inference import scheduler as scheduler_module
 from gpt.inference.completion import Completion
+from gpt.inference.decoding import NO_TOKEN
 from gpt.inference.request import Request
-from gpt.inference.scheduler import NO_TOKEN, Chunked, EngineStopped, QueueFull, Scheduler
+from gpt.inference.scheduler import Chunked, EngineStopped, QueueFull, Scheduler
 
 
 def completion(prompt_length: int, max_tokens: int = 8, **fields) -> Completion:
@@ -21,7 +22,8 @@ def completion(prompt_length: int, max_tokens: int = 8, **fields) -> Completion:
 def emitted(tokens_SR, live_R, stopped_SR=None) -> SimpleNamespace:
     """A decode's output as the device gives it: [steps, rows]."""
     token = np.asarray(tokens_SR, np.int32)
-    return SimpleNamespace(token=token, steps=token.shape[0], logprob=np.full(token.shape, -0.5, np.float32),
+    return SimpleNamespace(token=token, steps=token.shape[0], count=(token != NO_TOKEN).sum(0),
+                           logprob=np.full(token.shape, -0.5, np.float32),
                            live=np.asarray(live_R, np.bool_),
                            stopped=np.zeros(token.shape, np.bool_) if stopped_SR is None else np.asarray(stopped_SR))
 

@@ -29,7 +29,6 @@ from jax.sharding import Mesh
 
 from gpt.errors import ConfigError
 from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams, choose, first_argmax
-from gpt.inference.scheduler import NO_TOKEN  # an Emitted entry where a slot produced nothing
 from gpt.inference.scoring import scored_positions, token_scores
 from gpt.inference.speculation import ngram_drafts, stands
 from gpt.model.backend import choices
@@ -40,7 +39,9 @@ from gpt.model.parameters import KERNELS
 from gpt.model.sharding import shard_state
 from gpt.model.transformer import GPT, Weights, forward, lm_head
 
-__all__ = ["Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
+NO_TOKEN = -1  # an Emitted entry where a row produced nothing
+
+__all__ = ["NO_TOKEN", "Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
            "PrefixPool", "init_pool", "save_blocks", "load_prefix", "PREFIX_BLOCK", "init_slots",
            "init_prefix", "prefill", "insert", "choose_first", "place", "decode", "free", "compiled_programs",
            "int8_draft_weights"]
@@ -324,10 +325,10 @@ class Emitted:
     token: int32, NO_TOKEN where a row chose nothing; stopped: bool, the token is a stop token, which ends
     its row unemitted; logprob: float32, the token's log-probability under the model (before any
     sampling knob); top_ids, top_logprobs: [M, R, J], the J most likely tokens (zeros unless some row
-    asked for them); live: bool [R], whether each row is still generating after the last step; steps:
-    int32, how many of the M entries a row may hold (a step with a draft writes up to K + 1 entries a
-    row, so rows differ: each row's entries end at its first NO_TOKEN). drafted, accepted: int32, draft
-    tokens proposed and draft tokens that stood, over every row and step.
+    asked for them); live: bool [R], whether each row is still generating after the last step; count:
+    int32 [R], how many entries each row holds (its first `count`; a step with a draft writes up to K + 1
+    a row, so rows differ); steps: int32, the most any row holds. drafted, accepted: int32, draft tokens
+    proposed and draft tokens that stood, over every row and step.
     """
 
     token: jax.Array
@@ -336,6 +337,7 @@ class Emitted:
     top_ids: jax.Array
     top_logprobs: jax.Array
     live: jax.Array
+    count: jax.Array
     steps: jax.Array
     drafted: jax.Array
     accepted: jax.Array
@@ -347,7 +349,7 @@ class Emitted:
         return cls(token=jnp.full((M, R), NO_TOKEN, jnp.int32), stopped=jnp.zeros((M, R), jnp.bool_),
                    logprob=jnp.zeros((M, R)),
                    top_ids=jnp.zeros((M, R, J), jnp.int32), top_logprobs=jnp.zeros((M, R, J)), live=live_R,
-                   steps=jnp.int32(0), drafted=jnp.int32(0), accepted=jnp.int32(0))
+                   count=jnp.zeros((R,), jnp.int32), steps=jnp.int32(0), drafted=jnp.int32(0), accepted=jnp.int32(0))
 
 
 def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_tokens: int,
@@ -442,8 +444,8 @@ def place(slots: Slots, cache: KVCache, admission: Admission, c: _Choice) -> tup
         history=history,
     )
     emitted = Emitted(token=c.token[None], stopped=c.stopped[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
-                      top_logprobs=c.top_logprobs[None], live=c.live, steps=jnp.int32(1), drafted=jnp.int32(0),
-                      accepted=jnp.int32(0))
+                      top_logprobs=c.top_logprobs[None], live=c.live, count=(c.token != NO_TOKEN).astype(jnp.int32),
+                      steps=jnp.int32(1), drafted=jnp.int32(0), accepted=jnp.int32(0))
     return slots, emitted
 
 
@@ -545,10 +547,11 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Arr
                                draft_tokens, draft_weights)
     slots = slots.merge(rows_R, view)
     # The view's [M, R, ...] outputs into [M, S, ...]; the other slots emitted nothing.
-    per_row = lambda out: dataclasses.replace(out, live=None, steps=None, drafted=None, accepted=None)  # noqa: E731
+    per_row = lambda out: dataclasses.replace(out, live=None, count=None, steps=None, drafted=None, accepted=None)  # noqa: E731
     widen = lambda full, narrow: full.at[:, rows_R].set(narrow, unique_indices=True)  # noqa: E731
     out = jax.tree.map(widen, per_row(Emitted.empty(out_R.token.shape[0], slots.live)), per_row(out_R))
-    return slots, dataclasses.replace(out, live=slots.live, steps=out_R.steps, drafted=out_R.drafted,
+    count = jnp.zeros_like(slots.last_token).at[rows_R].set(out_R.count, unique_indices=True)
+    return slots, dataclasses.replace(out, live=slots.live, count=count, steps=out_R.steps, drafted=out_R.drafted,
                                       accepted=out_R.accepted)
 
 
@@ -592,7 +595,7 @@ def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: j
     start = _Progress(slots, Emitted.empty(entries, slots.live), jnp.int32(0), jnp.zeros_like(slots.last_token))
     # One chunk is the whole call: no loop, nothing to read back between steps.
     p = steps(start) if chunk == max_steps else jax.lax.while_loop(keep_going, steps, start)
-    return p.slots, dataclasses.replace(p.out, steps=jnp.max(p.written))
+    return p.slots, dataclasses.replace(p.out, count=p.written, steps=jnp.max(p.written))
 
 
 def _record(out: Emitted, entry: jax.Array, c: _Choice) -> Emitted:
@@ -630,7 +633,7 @@ def _step(config: GPTConfig, weights: Weights, p: _Progress) -> _Progress:
         slots, cache=new_cache, last_token=jnp.where(c.live, c.token, slots.last_token),
         live=c.live, remaining=c.remaining, generated=slots.generated + slots.live, seen=c.seen,
         history=_remember(slots.history, cache.lengths + 1, c, slots.live))
-    return _Progress(slots, _record(p.out, p.steps, c), p.steps + 1, p.written + 1)
+    return _Progress(slots, _record(p.out, p.steps, c), p.steps + 1, p.written + p.slots.live)
 
 
 def _verify_choices(logits_RTV: jax.Array, drafts_RK: jax.Array, count_R: jax.Array, slots: Slots):

@@ -300,11 +300,10 @@ class Engine:
         if group.prefix is None:  # pooled: loaded at its turn, so that the choices of one item, admitted
             first = group.entries[0][1]  # together, find the blocks the first of them leaves
             length = pooled_prefix_length(self.prefill_chunk, self.cache_length, len(first.request.prompt))
-            group.prefix, group.done = self._store.load(first, length)
+            group.ran(*self._store.load(first, length))
         chunk, longest = self.prefill_chunk, max(len(c.request.prompt) for _, c in group.entries)
         if group.done + chunk < longest:
-            group.prefix = self._prefill(entries, group.prefix, group.done, chunk)
-            group.done += chunk
+            group.ran(self._prefill(entries, group.prefix, group.done, chunk), chunk)
             return True
         self._scheduler.finish_chunked()
         prefix = self._prefill(entries, group.prefix, group.done, bucket(self.prompt_buckets, longest - group.done))

@@ -14,9 +14,7 @@ import numpy as np
 
 from gpt.inference.completion import Completion
 
-__all__ = ["Scheduler", "Chunked", "QueueFull", "EngineStopped", "NO_TOKEN"]
-
-NO_TOKEN = -1  # a decode's token where a row made none (the device's own marker, `gpt.inference.decoding`)
+__all__ = ["Scheduler", "Chunked", "QueueFull", "EngineStopped"]
 
 
 class QueueFull(Exception):
@@ -40,6 +38,10 @@ class Chunked:
     prefix: object | None
     done: int = 0
     pooled: bool = False
+
+    def ran(self, prefix: object, tokens: int) -> None:
+        """Its prompts ran `tokens` more tokens each (a chunk, or what the prefix pool held), into `prefix`."""
+        self.prefix, self.done = prefix, self.done + tokens
 
 
 class Scheduler:
@@ -196,9 +198,10 @@ class Scheduler:
     def deliver(self, slots: list[int | None], emitted) -> None:
         """Hand each slot's new tokens to its request (row i of `emitted` is slot slots[i], or nowhere for
         None); free the slots whose request ended. Slots whose prompts are still running their chunks are
-        left alone. `emitted`: a decoding `Emitted` (arrays [steps, rows], read here as numpy)."""
+        left alone. `emitted`: a decoding `Emitted` (arrays [entries, rows], row r's first count[r] its own;
+        read here as numpy)."""
         token, stop_token = np.asarray(emitted.token), np.asarray(emitted.stopped)
-        steps = int(emitted.steps)
+        count = np.asarray(emitted.count)
         logprob, live = np.asarray(emitted.logprob), np.asarray(emitted.live)
         prefilling = self.prefilling()
         owners = [None if slot is None or slot in prefilling else self.owners[slot] for slot in slots]
@@ -209,9 +212,7 @@ class Scheduler:
                 continue
             before = len(owner.tokens)
             stopped = False
-            for i in range(steps):
-                if token[i, row] == NO_TOKEN:
-                    break
+            for i in range(int(count[row])):
                 top = ([(int(t), float(lp)) for t, lp in zip(top_ids[i, row], top_lps[i, row])]
                        if top_ids is not None else [])
                 if stop_token[i, row]:  # it ends the request unemitted; the device's slot is free already
