@@ -4,8 +4,9 @@ A decode step that verifies K drafted tokens runs the model over K + 1 positions
 row's last token, then the drafts) and reads every weight once for all of them, where K + 1 plain steps
 read them K + 1 times; every draft token that stands is a token nearly for free.
 
-The draft here is the sequence itself (prompt lookup): the tokens that followed the latest earlier
-occurrence of the row's last n tokens (`ngram_drafts`). It is a fixed guess, a point mass q, so the
+A draft is the sequence itself (prompt lookup: the tokens that followed the latest earlier occurrence of
+the row's last n tokens, `ngram_drafts`) or the model's own weights in int8, greedily
+(`gpt.inference.decoding._model_drafts`). Either is a fixed guess, a point mass q, so the
 speculative-sampling rule (accept a draft d with probability min(1, p(d) / q(d)), else draw from the
 normalized max(0, p - q)) is: accept d with probability p(d), else draw from p without d. `stands` does
 that with the draw the step would make without a draft: the target's token t at that position, drawn
