@@ -163,12 +163,18 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
         read = functools.partial(page_partial, start)
         parts.append(read(k_MPH, v_MPH) if page == 0 else jax.lax.cond(start <= furthest, read, unseen, k_MPH, v_MPH))
         start += k_MPH.shape[1]
+    return _combine_pages(parts).astype(q_B1NH.dtype).reshape(B, N, 1, H).transpose(0, 2, 1, 3)
+
+
+def _combine_pages(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+    """The softmax-weighted values [M, H] from each page's part (its max score [M], sum of exp(score - max)
+    [M] and exp-weighted values [M, H]), as flash-decoding combines them."""
     max_PM = jnp.stack([p[0] for p in parts])
     max_M = max_PM.max(0)
     rescale_PM = jnp.exp(max_PM - max_M)  # exp(-inf) = 0 for pages no row has reached
     sum_M = (rescale_PM * jnp.stack([p[1] for p in parts])).sum(0)
     acc_MH = (rescale_PM[:, :, None] * jnp.stack([p[2] for p in parts])).sum(0)
-    return (acc_MH / sum_M[:, None]).astype(q_B1NH.dtype).reshape(B, N, 1, H).transpose(0, 2, 1, 3)
+    return acc_MH / sum_M[:, None]
 
 
 def kernel_attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
