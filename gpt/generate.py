@@ -108,19 +108,23 @@ def generate(
     knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  repetition_penalty=repetition_penalty, seed=seed, stop_tokens=tuple(stop_tokens),
                  stop_strings=stop_strings)
-    shown = [0] * len(prompts)
-
-    def streamer(row: int):
-        def on_update(completion) -> None:  # hand out the tokens this round produced, in order
-            for token in completion.tokens[shown[row]:]:
-                on_token(row, token)
-            shown[row] = len(completion.tokens)
-        return on_update if on_token is not None else None
-
-    completions = [engine.submit(Request(prompt, max_new_tokens, stream=row, **knobs), streamer(row))
+    completions = [engine.submit(Request(prompt, max_new_tokens, stream=row, **knobs),
+                                 None if on_token is None else _streamer(on_token, row))
                    for row, prompt in enumerate(prompts)]
     engine.run(completions)
     return [c.tokens for c in completions]
+
+
+def _streamer(on_token: Callable[[int, int], None], row: int) -> Callable:
+    """A Completion's on_update that hands out, in order, the tokens of row `row` each round produced."""
+    shown = 0
+
+    def on_update(completion) -> None:
+        nonlocal shown
+        for token in completion.tokens[shown:]:
+            on_token(row, token)
+        shown = len(completion.tokens)
+    return on_update
 
 
 def _engine_for(model: GPT | Decoder, prompts: list[list[int]], max_new_tokens: int, stop_tokens: int,
