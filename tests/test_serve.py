@@ -178,10 +178,11 @@ def test_json_infinities_are_bounded_and_huge_knobs_run(server, model):
 
 
 @pytest.mark.parametrize("setting, message", [
-    (dict(slots=0), "ServeConfig.slots must be >= 1, got 0"),
+    (dict(slots=0), "Engine slots must be an integer >= 1, got 0"),
     (dict(port=70000), r"--port must be in \[0, 65535\], got 70000"),
-    (dict(prefill_chunk=8), "--prefill_chunk must be >= 16, got 8"),
-    (dict(prefix_cache_tokens=-1), "--prefix_cache_tokens must be >= 0, got -1"),
+    (dict(prefill_chunk=8), "Engine prefill_chunk must be an integer >= 16, got 8"),
+    (dict(prefix_cache_tokens=-1), "Engine prefix_cache_tokens must be an integer >= 0, got -1"),
+    (dict(max_connections=0), "ServeConfig.max_connections must be >= 1, got 0"),
     (dict(shutdown_deadline_s=float("nan")), "--shutdown_deadline_s must be >= 0, got nan"),
     (dict(max_request_mb=0), "--max_request_mb must be positive and finite, got 0"),
     (dict(host="256.1.1.1"), "--host '256.1.1.1' is not an address to listen on"),

@@ -40,41 +40,25 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from gpt.errors import ConfigError
 from gpt.inference.completion import Completion, deliver_prompt_scores
 from gpt.inference.decoding import PREFIX_BLOCK, Decoder, Prefix, Settings, compiled_programs
 from gpt.inference.device_slots import DeviceSlots
 from gpt.inference.draft_policy import DraftPolicy
+from gpt.inference.engine_settings import EngineSettings
 from gpt.inference.prefix_store import PrefixStore
-from gpt.inference.request import Request, check_request, is_int
+from gpt.inference.request import Request, check_request
 from gpt.inference.scheduler import Chunked, Scheduler
 from gpt.inference.shapes import (
-    MIN_PROMPT_BUCKET,
     bucket,
     decode_widths,
     pieces_after_prefixes,
     pooled_prefix_length,
     prompt_buckets,
 )
-from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, check_draft
 from gpt.model.transformer import GPT
 from gpt.tokenizer import get_tokenizer
 
 __all__ = ["Engine"]
-
-def _checked_arguments(block_size: int, **arguments) -> list[int]:
-    """The Engine's integer arguments, in their order, as ints (cache_length None: the model's context);
-    raises ConfigError naming the first outside its bound."""
-    cache_length = block_size if arguments["cache_length"] is None else arguments["cache_length"]
-    if not is_int(cache_length) or not 1 <= cache_length <= block_size:
-        raise ConfigError(f"cache_length must be in [1, {block_size}] (the model's context), got {cache_length}")
-    arguments["cache_length"] = cache_length
-    lowest = dict(prefix_cache_tokens=0, prefill_chunk=MIN_PROMPT_BUCKET)
-    for name, value in arguments.items():
-        if not is_int(value) or value < lowest.get(name, 1):
-            raise ConfigError(f"Engine {name} must be an integer >= {lowest.get(name, 1)}, got {value!r}")
-    return [int(value) for value in arguments.values()]
-
 
 class Engine:
     """Slots over one KV cache and a bounded queue; see the module docstring.
@@ -82,48 +66,28 @@ class Engine:
     Args:
       model: the GPT to decode with (its weights are laid out for decoding here), or a `Decoder` made once
         for many engines.
-      slots: how many requests decode together (rounded up to a multiple of the mesh's data-parallel size).
-      cache_length: positions per slot, prompt + output (default and bound: the model's context).
-      max_queue: the most requests waiting for a slot; `submit` raises QueueFull beyond it.
-      steps_per_call: decode steps per device call; more amortize dispatch, fewer admit sooner.
-      prefill_chunk: the longest prompt that runs in one prefill; a longer one runs in chunks of this
-        many tokens, one per round, so that the live slots wait at most one chunk's time for it (and
-        no prefill longer than it is compiled). At least 16; the cache length or more turns it off.
-      max_stop_tokens: the most stop tokens a request may give.
-      prefix_cache_tokens: positions of scored prompts (`Request.prompt_logprobs`) kept after their
-        prefills (`gpt.inference.prefix_cache`), so that one that begins like an earlier one runs only the rest;
-        0 keeps none. Costs their keys and values (GPT-2 124M in float32: 72 KB a position), and scored
-        prompts then run after a prefix of the prefill chunk's length (or the cache's, for a longer
-        prompt). Not over a mesh's data axis.
+      settings: its slots, queue, shapes and draft (`EngineSettings`: a `ServeConfig` is one); `changes`,
+        keywords of the same names, change some (`Engine(model, slots=2)`).
       quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
         (`gpt.inference.decoding.decoding_weights`); a Decoder's own.
       mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`); a Decoder's own.
-      draft: what guesses each slot's next tokens, up to `draft_tokens` of them verified a step, the
-        tokens those without a draft (`gpt.inference.speculation`): "ngram", its own prompt and output;
-        "int8", the model's own weights in int8; None (or "none"), no draft.
     """
 
-    def __init__(self, model: GPT | Decoder, *, slots: int = 8, cache_length: int | None = None,
-                 max_queue: int = 64, steps_per_call: int = 1, max_stop_tokens: int = 8,
-                 prefill_chunk: int = 256, prefix_cache_tokens: int = 0, quantize: str | None = None,
-                 mesh: Mesh | None = None, draft: str | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+    def __init__(self, model: GPT | Decoder, settings: EngineSettings | None = None, *, quantize: str | None = None,
+                 mesh: Mesh | None = None, **changes):
         config = model.config
-        slots, cache_length, max_queue, steps_per_call, max_stop_tokens, prefill_chunk, prefix_cache_tokens = \
-            _checked_arguments(config.block_size, slots=slots, cache_length=cache_length, max_queue=max_queue,
-                               steps_per_call=steps_per_call, max_stop_tokens=max_stop_tokens,
-                               prefill_chunk=prefill_chunk, prefix_cache_tokens=prefix_cache_tokens)
-        draft_tokens = check_draft(draft, draft_tokens)
-        self.device = DeviceSlots(Decoder.of(model, quantize, mesh), slots, cache_length, max_stop_tokens,
-                                  steps_per_call, draft if draft_tokens else "none", draft_tokens)
-        self.drafts = DraftPolicy() if draft_tokens else None  # when to draft, and the drafts' counts
-        self.config, self.num_slots, self.cache_length = config, self.device.num_slots, cache_length
-        self.max_queue, self.steps_per_call, self.max_stop_tokens = max_queue, steps_per_call, max_stop_tokens
-        self.prefill_chunk = min(prefill_chunk, cache_length)
+        self.settings = s = EngineSettings.of(settings, **changes).checked(config.block_size)
+        self.device = DeviceSlots(Decoder.of(model, quantize, mesh), s.slots, s.cache_length, s.max_stop_tokens,
+                                  s.steps_per_call, s.draft, s.draft_tokens)
+        self.drafts = DraftPolicy() if s.draft_tokens else None  # when to draft, and the drafts' counts
+        self.config, self.num_slots, self.cache_length = config, self.device.num_slots, s.cache_length
+        self.max_queue, self.steps_per_call, self.max_stop_tokens = s.max_queue, s.steps_per_call, s.max_stop_tokens
+        self.prefill_chunk = min(s.prefill_chunk, s.cache_length)
         self.prompt_buckets = prompt_buckets(self.prefill_chunk)
         self.decode_widths = decode_widths(self.num_slots, self.device.mesh)
-        pooled = prefix_cache_tokens >= PREFIX_BLOCK and self.device.rows_per_prefill == 1
-        self._store = PrefixStore(self.device, prefix_cache_tokens) if pooled else None
-        self._scheduler = Scheduler(self.num_slots, max_queue, self.device.rows_per_prefill, self.prefill_chunk, pooled)
+        pooled = s.prefix_cache_tokens >= PREFIX_BLOCK and self.device.rows_per_prefill == 1
+        self._store = PrefixStore(self.device, s.prefix_cache_tokens) if pooled else None
+        self._scheduler = Scheduler(self.num_slots, s.max_queue, self.device.rows_per_prefill, self.prefill_chunk, pooled)
         self._thread: threading.Thread | None = None
         get_tokenizer()  # each Completion's text stream needs it: load it now, not on a request's clock
 

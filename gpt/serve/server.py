@@ -236,10 +236,7 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
     # Loading and warm-up run before uvicorn takes the signals (a GPT-2 warm-up takes 20-40 s on a CPU), so
     # that one stops serve.py at once (`cli_main`), not after the warm-up.
     model = load(config.init_from, config.dtype)
-    engine = Engine(model, slots=config.slots, cache_length=config.cache_length, max_queue=config.max_queue,
-                    steps_per_call=config.steps_per_call, prefill_chunk=config.prefill_chunk,
-                    prefix_cache_tokens=config.prefix_cache_tokens, quantize=config.quantize, mesh=mesh,
-                    draft=config.draft, draft_tokens=config.draft_tokens)
+    engine = Engine(model, config, quantize=config.quantize, mesh=mesh)
     engine.warmup(log)
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,

@@ -1,0 +1,75 @@
+"""How an engine runs, declared once: `Engine` takes these (as an `EngineSettings` or as keywords), and
+serve.py's `ServeConfig` is one of them with its own settings beside, each a flag."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpt.errors import ConfigError
+from gpt.inference.request import is_int
+from gpt.inference.shapes import MIN_PROMPT_BUCKET
+from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft
+
+__all__ = ["EngineSettings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """An engine's slots, queue, shapes and draft."""
+
+    slots: int = 8
+    """Requests decoded together (rounded up to a multiple of the mesh's data-parallel size)."""
+    max_queue: int = 64
+    """Requests that may wait for a slot; more are refused (`QueueFull`; serve.py answers HTTP 429)."""
+    cache_length: int | None = None
+    """Positions per slot (prompt + output); default and bound: the model's context."""
+    steps_per_call: int = 1
+    """Decode steps per device call: more amortize dispatch, fewer admit and stream sooner."""
+    prefill_chunk: int = 256
+    """A longer prompt runs in chunks of this many tokens, one per round, the other slots decoding between
+    them (so a long prompt holds up the streams at most one chunk's time, and no longer prefill is
+    compiled); >= 16; the cache length or more turns it off."""
+    prefix_cache_tokens: int = 0
+    """Positions of scored prompts (echo + logprobs) to keep after their prefills, so that one that begins
+    like an earlier one (a multiple-choice item's choices) runs only the rest; 0 keeps none. GPT-2 124M keeps
+    72 KB a position in float32: 32768 (2.4 GB) held the contexts of bench/eval_bench.py's 200-item
+    multiple-choice task. Not over a mesh's data axis."""
+    max_stop_tokens: int = 8
+    """The most stop tokens a request may give."""
+    draft: Draft = "none"
+    """Guess each request's next tokens and verify them a few at once (the same tokens, sooner where the
+    guesses stand), at the widths where that has measured faster: ngram from its prompt and output, int8
+    by the model's own weights in int8 (`gpt.inference.speculation`)."""
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    """The most guessed tokens one step verifies."""
+
+    def checked(self, block_size: int | None = None) -> EngineSettings:
+        """These settings with their integers as ints, `cache_length` filled in (None: `block_size`, the
+        model's context) and `draft_tokens` 0 without a draft; ConfigError naming the first outside its
+        bound. Without `block_size` (before a model is loaded), cache_length's upper bound is not checked."""
+        cache_length = block_size if self.cache_length is None else self.cache_length
+        if block_size is not None and (not is_int(cache_length) or not 1 <= cache_length <= block_size):
+            raise ConfigError(f"cache_length must be in [1, {block_size}] (the model's context), got {cache_length}")
+        if cache_length is not None and (not is_int(cache_length) or cache_length < 1):
+            raise ConfigError(f"Engine cache_length must be an integer >= 1, got {cache_length!r}")
+        lowest = dict(prefix_cache_tokens=0, prefill_chunk=MIN_PROMPT_BUCKET)
+        numbers = ("slots", "max_queue", "steps_per_call", "prefill_chunk", "prefix_cache_tokens", "max_stop_tokens")
+        for name in numbers:
+            value = getattr(self, name)
+            if not is_int(value) or value < lowest.get(name, 1):
+                raise ConfigError(f"Engine {name} must be an integer >= {lowest.get(name, 1)}, got {value!r}")
+        draft_tokens = check_draft(self.draft, self.draft_tokens)
+        return EngineSettings(**{name: int(getattr(self, name)) for name in numbers},
+                              cache_length=None if cache_length is None else int(cache_length),
+                              draft=self.draft if draft_tokens else "none", draft_tokens=draft_tokens)
+
+    @classmethod
+    def of(cls, settings: EngineSettings | None = None, **changes) -> EngineSettings:
+        """`settings` (or the defaults) as an EngineSettings of its own (a `ServeConfig` holds more), with
+        `changes` (field names of this class) made."""
+        settings = cls() if settings is None else settings
+        fields = {field.name: getattr(settings, field.name) for field in dataclasses.fields(cls)}
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"EngineSettings has no field {', '.join(sorted(unknown))}")
+        return cls(**{**fields, **changes})
