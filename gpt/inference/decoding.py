@@ -327,8 +327,8 @@ class Emitted:
     sampling knob); top_ids, top_logprobs: [M, R, J], the J most likely tokens (zeros unless some row
     asked for them); live: bool [R], whether each row is still generating after the last step; count:
     int32 [R], how many entries each row holds (its first `count`; a step with a draft writes up to K + 1
-    a row, so rows differ); steps: int32, the most any row holds. drafted, accepted: int32, draft tokens
-    proposed and draft tokens that stood, over every row and step.
+    a row, so rows differ). drafted, accepted: int32, draft tokens proposed and draft tokens that stood,
+    over every row and step.
     """
 
     token: jax.Array
@@ -338,9 +338,13 @@ class Emitted:
     top_logprobs: jax.Array
     live: jax.Array
     count: jax.Array
-    steps: jax.Array
     drafted: jax.Array
     accepted: jax.Array
+
+    @property
+    def steps(self) -> jax.Array:
+        """int32: the most entries any row holds."""
+        return jnp.max(self.count)
 
     @classmethod
     def empty(cls, max_steps: int, live_R: jax.Array) -> Emitted:
@@ -349,7 +353,7 @@ class Emitted:
         return cls(token=jnp.full((M, R), NO_TOKEN, jnp.int32), stopped=jnp.zeros((M, R), jnp.bool_),
                    logprob=jnp.zeros((M, R)),
                    top_ids=jnp.zeros((M, R, J), jnp.int32), top_logprobs=jnp.zeros((M, R, J)), live=live_R,
-                   count=jnp.zeros((R,), jnp.int32), steps=jnp.int32(0), drafted=jnp.int32(0), accepted=jnp.int32(0))
+                   count=jnp.zeros((R,), jnp.int32), drafted=jnp.int32(0), accepted=jnp.int32(0))
 
 
 def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_tokens: int,
@@ -445,7 +449,7 @@ def place(slots: Slots, cache: KVCache, admission: Admission, c: _Choice) -> tup
     )
     emitted = Emitted(token=c.token[None], stopped=c.stopped[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
                       top_logprobs=c.top_logprobs[None], live=c.live, count=(c.token != NO_TOKEN).astype(jnp.int32),
-                      steps=jnp.int32(1), drafted=jnp.int32(0), accepted=jnp.int32(0))
+                      drafted=jnp.int32(0), accepted=jnp.int32(0))
     return slots, emitted
 
 
@@ -547,11 +551,11 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Arr
                                draft_tokens, draft_weights)
     slots = slots.merge(rows_R, view)
     # The view's [M, R, ...] outputs into [M, S, ...]; the other slots emitted nothing.
-    per_row = lambda out: dataclasses.replace(out, live=None, count=None, steps=None, drafted=None, accepted=None)  # noqa: E731
+    per_row = lambda out: dataclasses.replace(out, live=None, count=None, drafted=None, accepted=None)  # noqa: E731
     widen = lambda full, narrow: full.at[:, rows_R].set(narrow, unique_indices=True)  # noqa: E731
     out = jax.tree.map(widen, per_row(Emitted.empty(out_R.token.shape[0], slots.live)), per_row(out_R))
     count = jnp.zeros_like(slots.last_token).at[rows_R].set(out_R.count, unique_indices=True)
-    return slots, dataclasses.replace(out, live=slots.live, count=count, steps=out_R.steps, drafted=out_R.drafted,
+    return slots, dataclasses.replace(out, live=slots.live, count=count, drafted=out_R.drafted,
                                       accepted=out_R.accepted)
 
 
@@ -595,7 +599,7 @@ def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: j
     start = _Progress(slots, Emitted.empty(entries, slots.live), jnp.int32(0), jnp.zeros_like(slots.last_token))
     # One chunk is the whole call: no loop, nothing to read back between steps.
     p = steps(start) if chunk == max_steps else jax.lax.while_loop(keep_going, steps, start)
-    return p.slots, dataclasses.replace(p.out, count=p.written, steps=jnp.max(p.written))
+    return p.slots, dataclasses.replace(p.out, count=p.written)
 
 
 def _record(out: Emitted, entry: jax.Array, c: _Choice) -> Emitted:
