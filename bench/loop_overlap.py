@@ -33,6 +33,7 @@ from gpt.data.prepare import default_corpus  # noqa: E402
 from gpt.model.config import GPTConfig  # noqa: E402
 from gpt.model.sharding import make_mesh  # noqa: E402
 from gpt.model.transformer import GPT  # noqa: E402
+from gpt.train.optimizer import OptimizerConfig  # noqa: E402
 from gpt.train.step import init_train_state, make_train_step  # noqa: E402
 from gpt.train.trainer import TrainConfig, train  # noqa: E402
 
@@ -58,8 +59,7 @@ def model_config(bench: Bench) -> GPTConfig:
 
 def bare_step_ms(bench: Bench, repeats: int = 30) -> float:
     """The jitted step alone, back to back, on placed batches: the device's time a step."""
-    train_config = TrainConfig(max_steps=10_000, warmup_steps=0)
-    optimizer = train_config.optimizer_config
+    optimizer = OptimizerConfig(max_steps=10_000, warmup_steps=0)
     mesh = make_mesh(devices=jax.devices()[:1])
     graphdef, params, opt_state, shardings = init_train_state(GPT(model_config(bench), rngs=nnx.Rngs(0)),
                                                               optimizer, mesh)
@@ -92,10 +92,11 @@ def loop_step_ms(bench: Bench, corpus: str, host_ms: float, work: Path) -> float
     loader.Batches.__getitem__ = slow
     try:
         out_dir = work / f"run-{host_ms:g}"
-        train(TrainConfig(data=(corpus,), out_dir=str(out_dir), model=model_config(bench), block_size=bench.block_size,
-                          batch_size=bench.batch_size, max_steps=bench.steps, log_interval=bench.log_interval,
-                          eval_interval=10**6, eval_iters=1, checkpoint_interval=10**6, sample_tokens=0,
-                          compile_cache=False), log=lambda *_: None)
+        train(TrainConfig.from_flags(data=(corpus,), out_dir=str(out_dir), model=model_config(bench),
+                                     block_size=bench.block_size, batch_size=bench.batch_size, max_steps=bench.steps,
+                                     log_interval=bench.log_interval, eval_interval=10**6, eval_iters=1,
+                                     checkpoint_interval=10**6, sample_tokens=0, compile_cache=False),
+              log=lambda *_: None)
     finally:
         loader.Batches.__getitem__ = original
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

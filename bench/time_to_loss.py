@@ -101,15 +101,15 @@ def train_config(name: str, seed: int, bench: BenchConfig) -> TrainConfig:
     shape = GPTConfig.preset(bench.preset, dtype=bench.dtype)
     given = {field: value for field, value in dict(lr=bench.lr, warmup_steps=bench.warmup_steps,
                                                     max_steps=bench.max_steps).items() if value is not None}
-    config = with_recipe(TrainConfig(seed=seed, model=shape, block_size=bench.block_size,
-                                     batch_size=bench.batch_size, **given), recipe)
-    return dataclasses.replace(config, model=config.model.replace(vocab_size=50257, **model_changes), **changes)
+    config = with_recipe(TrainConfig.from_flags(seed=seed, model=shape, block_size=bench.block_size,
+                                                batch_size=bench.batch_size, **given), recipe)
+    return config.replace(model=config.model.replace(vocab_size=50257, **model_changes), **changes)
 
 
 def jax_run(config: TrainConfig, data_dir: str):
     """(step(i) -> None, evaluate() -> float) for one variant, compiled, its clock not yet started."""
     mesh = make_mesh(devices=jax.devices()[:1])
-    optimizer = config.optimizer_config
+    optimizer = config.optim
     model = GPT(config.model, rngs=nnx.Rngs(config.seed))
     graphdef, params, opt_state, shardings = init_train_state(model, optimizer, mesh)
     train_step = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh, shardings=shardings,
@@ -156,10 +156,11 @@ def torch_run(config: TrainConfig, data_dir: str):
                                        attn_pdrop=0.0)).to(device).train()
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": config.weight_decay},
+    optim = config.optim
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": optim.weight_decay},
                                    {"params": vectors, "weight_decay": 0.0}],
-                                  lr=config.lr, betas=(config.beta1, config.beta2), fused=cuda)
-    schedule = make_schedule(config.optimizer_config, config.lr)
+                                  lr=optim.lr, betas=(optim.beta1, optim.beta2), fused=cuda)
+    schedule = make_schedule(optim, optim.lr)
     train_batches = Batches.of_split(data_dir, "train", config.block_size, config.batch_size, config.seed)
     val_batches = [torch.from_numpy(b.astype(np.int64)).to(device) for b in validation(config, data_dir)]
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda and m.dtype == "bfloat16"
@@ -175,7 +176,7 @@ def torch_run(config: TrainConfig, data_dir: str):
             group["lr"] = float(schedule(i))
         loss = loss_of(torch.from_numpy(train_batches[i].astype(np.int64)).to(device))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -200,10 +201,10 @@ def run(name: str, seed: int, bench: BenchConfig, data_dir: str) -> list[dict]:
     step, evaluate = (torch_run if name == "torch" else jax_run)(config, data_dir)
     tokens_per_step = config.batch_size * config.block_size
     records, seconds = [], 0.0
-    for i in range(config.max_steps):
+    for i in range(config.optim.max_steps):
         start = time.perf_counter()
         loss = step(i)
-        if (i + 1) % bench.eval_every == 0 or i + 1 == config.max_steps:
+        if (i + 1) % bench.eval_every == 0 or i + 1 == config.optim.max_steps:
             float(loss)  # wait for the step: the clock stops here
             seconds += time.perf_counter() - start
             records.append({"variant": name, "seed": seed, "step": i + 1, "tokens": (i + 1) * tokens_per_step,

@@ -1,6 +1,7 @@
 """The modern recipe end to end: a model with every piece on trains, resumes bitwise, samples, serves,
 evaluates and shards; its checkpoints record it; GPT-2's format refuses what it cannot hold."""
 
+import dataclasses
 import io
 import math
 
@@ -16,6 +17,7 @@ from gpt.model.config import GPTConfig
 from gpt.sample import SampleConfig, sample
 from gpt.train import RECIPES, TrainConfig, with_recipe
 from gpt.train.checkpoint import CheckpointManager, load_model
+from gpt.train.optimizer import OptimizerConfig
 
 from serving import Server, alone
 from training import MODEL, flat, run
@@ -33,13 +35,33 @@ def test_the_recipe_sets_every_piece_and_a_flag_changes_one():
     config = parse_train_config(["--recipe", "modern"])
     assert (config.model.position, config.model.qk_norm, config.model.activation, config.model.tied_head,
             config.model.bias) == ("rope", True, "relu2", False, False)
-    assert (config.optimizer, config.schedule) == ("muon", "wsd")
+    assert (config.optim.optimizer, config.optim.schedule) == ("muon", "wsd")
     assert config.model.n_layer == GPTConfig.preset("small").n_layer  # the shape is the preset's
     one_off = parse_train_config(["--recipe", "modern", "--model.no-qk-norm", "--optimizer=adamw"])
-    assert not one_off.model.qk_norm and one_off.optimizer == "adamw" and one_off.model.activation == "relu2"
+    assert not one_off.model.qk_norm and one_off.optim.optimizer == "adamw" and one_off.model.activation == "relu2"
     assert parse_train_config([]).model == GPTConfig.preset("small")  # the default stays GPT-2's recipe
     with pytest.raises(ConfigError, match="unknown recipe 'newest'; known recipes: gpt2, modern"):
         with_recipe(TrainConfig(), "newest")
+
+
+def test_the_optimizers_settings_are_nested_once_and_keep_their_flat_flags():
+    """OptimizerConfig is TrainConfig.optim, no field of it repeated in TrainConfig; train.py's flags, the
+    library's `from_flags` and a checkpoint's record name its fields as before (`--lr`, not `--optim.lr`)."""
+    optimizer_fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    assert not optimizer_fields & {f.name for f in dataclasses.fields(TrainConfig)}
+    flags = ["--lr", "0.01", "--max_steps", "50", "--warmup_steps", "5", "--beta2", "0.99", "--batch_size", "4"]
+    config = parse_train_config(flags)
+    assert config.optim == OptimizerConfig(lr=0.01, max_steps=50, warmup_steps=5, beta2=0.99)
+    assert config.batch_size == 4
+    assert config == TrainConfig.from_flags(lr=0.01, max_steps=50, warmup_steps=5, beta2=0.99, batch_size=4)
+    assert config.replace(lr=0.02).optim.lr == 0.02 and config.replace(lr=0.02).batch_size == 4
+    record = config.flags()
+    assert set(record) == {f.name for f in dataclasses.fields(TrainConfig)} - {"optim"} | optimizer_fields
+    assert (record["lr"], record["max_steps"], record["batch_size"]) == (0.01, 50, 4)
+    with pytest.raises(TypeError, match="momentum"):
+        TrainConfig.from_flags(momentum=0.9)  # a name neither config has
+    with pytest.raises(ConfigError, match=r"OptimizerConfig.min_lr=0.5 must be in \(0, lr=0.01\]"):
+        config.replace(min_lr=0.5)  # checked when made, whichever way
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from gpt.errors import ConfigError, RunFailed
 from gpt.model.config import GPTConfig
 from gpt.run_dir import RunLocked
 from gpt.train.checkpoint import CheckpointManager, is_finite, load_model
+from gpt.train.optimizer import OptimizerConfig
 from gpt.train.trainer import NonFiniteStep, TrainConfig
 
 from training import ROOT, TINY, cli_flags, flat, free_port, run
@@ -291,12 +292,12 @@ USER_ERRORS = [
     ("train.py", ["--mesh", "data=3"], "mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but there are 1"),
     ("train.py", ["--init_from", "/no/such/dir"], "'/no/such/dir' is neither a directory nor a GPT-2 hub name"),
     ("train.py", ["--warmup_steps", "50", "--max_steps", "10"], "warmup_steps=50 must be in [0, max_steps=10)"),
-    ("train.py", ["--lr", "inf"], "TrainConfig.lr must be positive and finite, got inf"),
+    ("train.py", ["--lr", "inf"], "OptimizerConfig.lr must be positive and finite, got inf"),
     ("train.py", ["--out_dir", "/etc/hostname"], "TrainConfig.out_dir '/etc/hostname' is a file, not a directory"),
     ("train.py", ["--out_dir", "/etc/hostname/run"], "out_dir '/etc/hostname/run' cannot be made: [Errno 20]"),
-    ("train.py", ["--beta2", "1.5"], "TrainConfig.beta2 must be in [0, 1), got 1.5"),
-    ("train.py", ["--weight_decay", "nan"], "TrainConfig.weight_decay must be >= 0 and finite, got nan"),
-    ("train.py", ["--grad_clip", "-1"], "TrainConfig.grad_clip must be >= 0 and finite, got -1.0"),
+    ("train.py", ["--beta2", "1.5"], "OptimizerConfig.beta2 must be in [0, 1), got 1.5"),
+    ("train.py", ["--weight_decay", "nan"], "OptimizerConfig.weight_decay must be >= 0 and finite, got nan"),
+    ("train.py", ["--grad_clip", "-1"], "OptimizerConfig.grad_clip must be >= 0 and finite, got -1.0"),
     ("train.py", ["--peak_flops", "nan"], "TrainConfig.peak_flops must be positive and finite, got nan"),
     ("train.py", ["--seed", "-1"], "TrainConfig.seed must be in [0, 2**63), got -1"),
     ("train.py", ["--batch_size", "100000000"], "TrainConfig.batch_size=100000000 x grad_accum=1 needs about"),
@@ -339,9 +340,9 @@ def test_user_errors_are_one_line_exit_2_and_come_before_any_compile(user_error_
 
 @pytest.mark.slow
 def test_newcomer_defaults_work(tmp_path, corpus, capsys):
-    assert TrainConfig(max_steps=10).warmup == 1 and TrainConfig().warmup == 30  # short runs clamp the warmup
+    assert OptimizerConfig(max_steps=10).warmup == 1 and OptimizerConfig().warmup == 30  # short runs clamp the warmup
     with pytest.raises(ConfigError, match=r"warmup_steps=10 must be in \[0, max_steps=10\)"):
-        TrainConfig(warmup_steps=10, max_steps=10)  # no step left for the decay (optax would fail at compile)
+        TrainConfig.from_flags(warmup_steps=10, max_steps=10)  # no step left for the decay (optax would fail at compile)
     tiny = run(tmp_path / "tiny", corpus, model=GPTConfig.preset("tiny"), max_steps=2, block_size=None, warmup_steps=None)
     assert tiny.step == 2  # the tiny preset's vocabulary is widened to the tokenizer's
     import importlib.util

@@ -20,6 +20,7 @@ from gpt.model.sharding import bytes_per_device, make_mesh, param_shardings
 from gpt.model.transformer import GPT
 from gpt.train import TrainConfig, train
 from gpt.train.checkpoint import load_model
+from gpt.train.optimizer import OptimizerConfig
 from gpt.train.step import init_train_state, make_train_step
 
 from training import free_port
@@ -37,8 +38,7 @@ def mesh_of(data, fsdp, tensor):
 
 
 LR = 1e-2
-TRAINING = TrainConfig(lr=LR, warmup_steps=0, max_steps=10)
-ADAMW = TRAINING.optimizer_config  # the training optimizer: clipping, then AdamW
+ADAMW = OptimizerConfig(lr=LR, warmup_steps=0, max_steps=10)  # the training optimizer: clipping, then AdamW
 
 
 def one_step(mesh, optimizer=ADAMW, config=CONFIG):
@@ -98,7 +98,7 @@ def test_the_modern_recipe_trains_on_a_mesh_as_on_one_device():
     # matrices) and AdamW (the rest). Newton-Schulz normalizes each matrix's momentum as a whole, so its
     # updates agree to float32 noise; the AdamW ones, as above, within lr where a gradient is ~0.
     config = CONFIG.replace(position="rope", qk_norm=True, activation="relu2", tied_head=False, bias=False)
-    muon = TrainConfig(lr=LR, warmup_steps=0, max_steps=10, optimizer="muon").optimizer_config
+    muon = OptimizerConfig(lr=LR, warmup_steps=0, max_steps=10, optimizer="muon")
     loss, _, want, _ = one_step(mesh_of(1, 1, 1), muon, config)
     sharded_loss, _, got, _ = one_step(mesh_of(2, 2, 2), muon, config)
     assert abs(sharded_loss - loss) < 1e-5
@@ -183,7 +183,7 @@ def test_two_processes_train_like_one_process_with_four_devices(tmp_path, corpus
     model = {"n_layer": 2, "n_head": 2, "n_embd": 64}
     flags = dict(data=(str(corpus),), val_fraction=0.5, block_size=32, batch_size=8, max_steps=5, warmup_steps=1, log_interval=1,
                  eval_interval=5, eval_iters=2, checkpoint_interval=5, sample_tokens=0)
-    one = train(TrainConfig(out_dir=str(tmp_path / "one"), num_devices=4, model=GPTConfig.preset("small", **model),
+    one = train(TrainConfig.from_flags(out_dir=str(tmp_path / "one"), num_devices=4, model=GPTConfig.preset("small", **model),
                             **flags), log=lambda *_: None)
 
     port, env = free_port(), {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",

@@ -19,7 +19,7 @@ L, D, N, H, F, V = 2, 8, 2, 4, 12, 10
 SHAPES = {"qkv_kernel": (L, D, 3, N, H), "out_kernel": (L, N, H, D), "fc_kernel": (L, D, F),
           "proj_kernel": (L, F, D), "ln1_scale": (L, D)}
 MUON = OptimizerConfig(optimizer="muon", lr=1e-2, muon_lr=0.05, warmup_steps=0, max_steps=10, schedule="wsd",
-                       decay_steps=2, grad_clip=0.0, weight_decay=0.1)
+                       decay_fraction=0.2, grad_clip=0.0, weight_decay=0.1)
 
 
 def as_matrices(name: str, a: np.ndarray) -> list[np.ndarray]:
@@ -75,7 +75,7 @@ def test_muon_updates_each_matrix_as_optax_muon_does_and_adamw_the_rest():
 
 
 def test_warmup_stable_decay_holds_the_peak_then_falls_linearly_to_min_lr():
-    config = OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=100, schedule="wsd", decay_steps=20)
+    config = OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=100, schedule="wsd", decay_fraction=0.2)
     schedule = make_schedule(config, config.lr)
     assert float(schedule(0)) == 0.0 and float(schedule(5)) == pytest.approx(5e-4)
     assert all(float(schedule(step)) == pytest.approx(1e-3) for step in (10, 50, 80))

@@ -137,7 +137,7 @@ def test_profile_steps_is_checked_before_anything_runs():
         with pytest.raises(ConfigError, match="profile_steps"):
             TrainConfig(profile_steps=bad)
     with pytest.raises(ConfigError, match="max_steps=8"):
-        TrainConfig(profile_steps="2:9", max_steps=8)
+        TrainConfig.from_flags(profile_steps="2:9", max_steps=8)
 
 
 @pytest.mark.slow

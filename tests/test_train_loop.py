@@ -27,6 +27,9 @@ from training import ROOT, TINY, cli_flags, flat, run
 SYNCHRONOUS_LOOP_COMMIT = "6c70bb5"
 # The last commit of the flat package (before gpt.model, gpt.data, gpt.train and gpt.inference).
 FLAT_PACKAGE_COMMIT = "0768f69"
+# The last commit before each weight's facts were declared once (gpt/model/parameters.py) and the optimizer's
+# settings nested in TrainConfig.
+SEPARATE_DECLARATIONS_COMMIT = "6be6b79"
 
 
 # ------------------------------------------------------------------------------------------ Prefetch
@@ -106,7 +109,7 @@ def test_a_step_that_turns_non_finite_while_the_loop_runs_ahead_is_named_and_not
 
 @pytest.mark.slow
 def test_the_logged_losses_are_those_of_a_synchronous_run_of_the_same_config(tmp_path, corpus):
-    config = TrainConfig(**{**TINY, "data": (corpus,), "out_dir": str(tmp_path / "run"), "max_steps": 9,
+    config = TrainConfig.from_flags(**{**TINY, "data": (corpus,), "out_dir": str(tmp_path / "run"), "max_steps": 9,
                             "log_interval": 4, "eval_interval": 100, "checkpoint_interval": 100})
     run(tmp_path, corpus, max_steps=9, log_interval=4)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -114,7 +117,7 @@ def test_the_logged_losses_are_those_of_a_synchronous_run_of_the_same_config(tmp
 
     # The same steps by hand: read every loss as soon as its step is dispatched, no thread, nothing ahead.
     reference_dir = tmp_path / "reference"
-    checked = plan(TrainConfig(**{**config.__dict__, "out_dir": str(reference_dir)}), log=lambda *_: None)
+    checked = plan(config.replace(out_dir=str(reference_dir)), log=lambda *_: None)
     checkpoints = CheckpointManager(reference_dir)
     by_hand = setup(checked, checkpoints, log=lambda *_: None)
     losses = []
@@ -139,7 +142,10 @@ def train_with_the_code_of(commit: str, tmp_path, corpus) -> None:
     old.mkdir()
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "gpt", "train.py"], capture_output=True)
     if archive.returncode != 0:
-        pytest.skip(f"commit {commit} is not in this checkout's history")
+        shallow = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
+                                 capture_output=True, text=True).stdout.strip() == "true"
+        pytest.skip(f"commit {commit} is not in this checkout's history"
+                    + (": a shallow clone (`git fetch --unshallow` brings it)" if shallow else ""))
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
     env = {**os.environ, "PYTHONPATH": str(old), "JAX_PLATFORMS": "cpu"}
     written = subprocess.run([sys.executable, str(old / "train.py"), *flags], cwd=old, env=env,
@@ -168,13 +174,14 @@ def test_a_run_directory_written_by_the_synchronous_loop_resumes_bitwise(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_run_directory_written_by_the_flat_package_resumes_samples_and_exports(tmp_path, corpus):
+@pytest.mark.parametrize("commit", [FLAT_PACKAGE_COMMIT, SEPARATE_DECLARATIONS_COMMIT])
+def test_a_run_directory_written_by_earlier_code_resumes_samples_and_exports(commit, tmp_path, corpus):
     from gpt.export import ExportConfig
     from gpt.export import main as export
     from gpt.model import gpt2
     from gpt.sample import SampleConfig, sample
 
-    train_with_the_code_of(FLAT_PACKAGE_COMMIT, tmp_path, corpus)
+    train_with_the_code_of(commit, tmp_path, corpus)
     out = tmp_path / "resumed" / "run"
     greedy = dict(init_from=str(out), start="def ", num_samples=1, max_new_tokens=8, temperature=0, compile_cache=False)
     written = sample(SampleConfig(**greedy), io.StringIO())  # its step 4, read by this code

@@ -35,7 +35,7 @@ def run(tmp_path, corpus, log=lambda *_: None, **changes) -> dict:
     """train() on TINY in tmp_path/run, 8 steps, no eval or checkpoint before the end unless changed."""
     fields = {**TINY, "data": (corpus,), "out_dir": str(tmp_path / "run"), "max_steps": 8,
               "eval_interval": 100, "checkpoint_interval": 100, **changes}
-    return train(TrainConfig(**fields), log=log)
+    return train(TrainConfig.from_flags(**fields), log=log)
 
 
 def flat(params) -> list[np.ndarray]:

@@ -23,7 +23,8 @@ __all__ = ["Recipe", "RECIPES", "with_recipe"]
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """The fields a recipe sets: `model` of GPTConfig, `training` of TrainConfig."""
+    """The fields a recipe sets: `model` of GPTConfig, `training` of TrainConfig's flags (the optimizer's
+    among them)."""
 
     model: dict
     training: dict
@@ -43,4 +44,4 @@ def with_recipe(config: TrainConfig, name: str) -> TrainConfig:
     if name not in RECIPES:
         raise ConfigError(f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)}")
     recipe = RECIPES[name]
-    return dataclasses.replace(config, model=config.model.replace(**recipe.model), **recipe.training)
+    return config.replace(model=config.model.replace(**recipe.model), **recipe.training)

@@ -28,10 +28,11 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Annotated
 
 import jax
 import numpy as np
+import tyro
 from flax import nnx
 from tqdm import tqdm
 
@@ -92,39 +93,13 @@ class TrainConfig:
     """Sequences per micro-batch (the global batch, over all devices and hosts)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    """adamw: AdamW for every parameter. muon: Muon (momentum orthogonalized by Newton-Schulz) for the
-    blocks' matrices, AdamW for the embeddings, the head, norms and biases."""
-    lr: float = 1e-3
-    """Peak learning rate (AdamW's)."""
-    min_lr: float = 1e-4
-    """Learning rate at the end of the decay (Muon's ends at the same fraction of muon_lr)."""
-    muon_lr: float = 0.02
-    """Muon's peak learning rate (--optimizer muon)."""
-    muon_momentum: float = 0.95
-    """Muon's momentum (Nesterov)."""
-    schedule: Literal["cosine", "wsd"] = "cosine"
-    """After the warmup: a cosine decay over the whole run, or wsd (warmup-stable-decay): the peak held,
-    then a linear decay over the last decay_fraction of the steps."""
-    decay_fraction: float = 0.2
-    """wsd: the share of max_steps spent decaying (at least one step)."""
+    optim: Annotated[OptimizerConfig, tyro.conf.OmitArgPrefixes] = OptimizerConfig()
+    """The optimizer and its schedule; its flags are this command's own (`--lr`, `--max_steps`)."""
     label_smoothing: float = 0.0
     """Train against targets smoothed by this much (1 - e on the next token, e spread over the vocabulary):
     a regularizer that costs perplexity; the validation loss is always the plain cross-entropy."""
-    warmup_steps: int | None = None
-    """Linear warmup steps (default: 30, or a tenth of max_steps when that is fewer)."""
-    max_steps: int = 300
-    """Optimizer steps; the schedule spans them."""
     stop_after: int | None = None
     """Stop (with a checkpoint) at this step, though the schedule spans max_steps; resume later."""
-    weight_decay: float = 0.1
-    """AdamW weight decay, applied to matrices only (not biases, LayerNorms)."""
-    beta1: float = 0.9
-    """AdamW's first-moment decay."""
-    beta2: float = 0.95
-    """AdamW's second-moment decay."""
-    grad_clip: float = 1.0
-    """Clip the gradients' global norm to this (0 disables)."""
     eval_interval: int = 100
     """Steps between validation-loss evaluations (and at the end)."""
     eval_iters: int = 10
@@ -167,34 +142,12 @@ class TrainConfig:
     TensorBoard or Perfetto; `bench/step_profile.py OUT_DIR/profile` sums it by category. Empty: none."""
 
     def __post_init__(self):
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_iters", "log_interval",
+        for name in ("batch_size", "grad_accum", "eval_iters", "log_interval",
                      "eval_interval", "checkpoint_interval", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.warmup < self.max_steps:  # the cosine decay needs at least one step after the warmup
-            raise ConfigError(f"TrainConfig.warmup_steps={self.warmup} must be in [0, max_steps={self.max_steps})")
-        if self.optimizer not in ("adamw", "muon"):
-            raise ConfigError(f"TrainConfig.optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
-        if self.schedule not in ("cosine", "wsd"):
-            raise ConfigError(f"TrainConfig.schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
-        if not 0 < self.decay_fraction <= 1:
-            raise ConfigError(f"TrainConfig.decay_fraction must be in (0, 1], got {self.decay_fraction}")
-        if self.schedule == "wsd" and self.warmup + self.decay_steps > self.max_steps:
-            raise ConfigError(f"TrainConfig.warmup_steps={self.warmup} and the decay's {self.decay_steps} steps "
-                              f"(decay_fraction={self.decay_fraction}) are more than max_steps={self.max_steps}")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"TrainConfig.label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        for name in ("lr", "muon_lr"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ConfigError(f"TrainConfig.{name} must be positive and finite, got {getattr(self, name)}")
-        if not 0 < self.min_lr <= self.lr:
-            raise ConfigError(f"TrainConfig.min_lr={self.min_lr} must be in (0, lr={self.lr}]")
-        for name in ("beta1", "beta2", "muon_momentum"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip"):
-            if not 0 <= getattr(self, name) < math.inf:
-                raise ConfigError(f"TrainConfig.{name} must be >= 0 and finite, got {getattr(self, name)}")
         if self.peak_flops is not None and not 0 < self.peak_flops < math.inf:
             raise ConfigError(f"TrainConfig.peak_flops must be positive and finite, got {self.peak_flops}")
         if not self.prepare_timeout_s > 0:
@@ -211,26 +164,28 @@ class TrainConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         traced = parse_step_range(self.profile_steps, "TrainConfig.profile_steps")
-        if traced is not None and traced[1] > self.max_steps:
-            raise ConfigError(f"TrainConfig.profile_steps={self.profile_steps!r} ends after max_steps={self.max_steps}")
+        if traced is not None and traced[1] > self.optim.max_steps:
+            raise ConfigError(f"TrainConfig.profile_steps={self.profile_steps!r} ends after "
+                              f"max_steps={self.optim.max_steps}")
 
-    @property
-    def warmup(self) -> int:
-        """warmup_steps, or its default: 30, at most a tenth of max_steps."""
-        return self.warmup_steps if self.warmup_steps is not None else min(30, self.max_steps // 10)
+    @classmethod
+    def from_flags(cls, **flags) -> TrainConfig:
+        """The default settings with `flags` changed, each named as train.py's flag names it (`lr=3e-3`,
+        `max_steps=100` set the optimizer's)."""
+        return cls().replace(**flags)
 
-    @property
-    def decay_steps(self) -> int:
-        """wsd: the steps of the final decay, decay_fraction of max_steps (at least 1)."""
-        return max(1, round(self.decay_fraction * self.max_steps))
+    def replace(self, **flags) -> TrainConfig:
+        """These settings with `flags` changed, named as in `from_flags`."""
+        optimizer_fields = {field.name for field in dataclasses.fields(OptimizerConfig)}
+        optim = {name: value for name, value in flags.items() if name in optimizer_fields}
+        rest = {name: value for name, value in flags.items() if name not in optimizer_fields}
+        return dataclasses.replace(self, optim=dataclasses.replace(self.optim, **optim), **rest)
 
-    @property
-    def optimizer_config(self) -> OptimizerConfig:
-        """The optimizer's settings among these: each of OptimizerConfig's fields by name, with the warmup
-        and the decay's steps resolved."""
-        same = {field.name: getattr(self, field.name) for field in dataclasses.fields(OptimizerConfig)
-                if field.name not in ("warmup_steps", "decay_steps")}
-        return OptimizerConfig(**same, warmup_steps=self.warmup, decay_steps=self.decay_steps)
+    def flags(self) -> dict:
+        """These settings as train.py's flags name them: one flat, JSON-ready dict, the optimizer's beside the
+        rest (what a checkpoint records, in the same shape whichever code wrote it)."""
+        mine = config_to_json(self)
+        return {**{name: value for name, value in mine.items() if name != "optim"}, **mine["optim"]}
 
 
 class NonFiniteStep(RunFailed):
@@ -315,7 +270,7 @@ def plan(config: TrainConfig, log=print) -> Plan:
                          "use a smaller --batch_size or --grad_accum")
     inputs = list(config.data) or default_corpus()
     corpus_sources = sources(inputs, exclude=[out_dir])  # the one read of the corpus; never the run's own files
-    run_identity = identity(config_to_json(model_config), {**dataclasses.asdict(config), "warmup_steps": config.warmup},
+    run_identity = identity(config_to_json(model_config), _training_identity(config),
                             corpus_identity(corpus_sources, config.val_fraction, config.text_field))
     return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity)
 
@@ -323,7 +278,12 @@ def plan(config: TrainConfig, log=print) -> Plan:
 def _default_identity() -> dict:
     """The identity record of the default settings, which stand in for fields an older record lacks."""
     default = TrainConfig()
-    return identity(config_to_json(default.model), {**dataclasses.asdict(default), "warmup_steps": default.warmup}, {})
+    return identity(config_to_json(default.model), _training_identity(default), {})
+
+
+def _training_identity(config: TrainConfig) -> dict:
+    """The flags an identity record compares, with the warmup resolved (its default depends on max_steps)."""
+    return {**config.flags(), "warmup_steps": config.optim.warmup}
 
 
 def _main_process_only(log):
@@ -441,7 +401,7 @@ class Run:
     def save(self, step: int) -> None:
         self.checkpoints.save(step, self.params, self.opt_state, {
             "step": step, "identity": self.identity, "data_identity": self.data_identity,
-            "model_config": config_to_json(self.model_config), "train_config": config_to_json(self.config)})
+            "model_config": config_to_json(self.model_config), "train_config": self.config.flags()})
 
 
 def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
@@ -470,7 +430,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
 
     # From here on, work is compiled.
-    optimizer = config.optimizer_config
+    optimizer = config.optim
     graphdef, params, opt_state, shardings = init_train_state(_build_model(config, model_config), optimizer, mesh)
     restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state},
                                                  {"params": shardings[0], "opt_state": shardings[1]}, log)
@@ -479,7 +439,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
         start, trees, _ = restored
         params, opt_state = trees["params"], trees["opt_state"]
         log(f"resumed from {checkpoints.directory / str(start)}")
-    end = min(config.max_steps, config.stop_after or config.max_steps)
+    end = min(config.optim.max_steps, config.stop_after or config.optim.max_steps)
     log(f"model: {model_config.num_params():,} parameters; data: {meta['train_tokens']:,} train / "
         f"{meta['val_tokens']:,} val tokens; mesh {dict(mesh.shape)}, params + optimizer state "
         f"{max(bytes_per_device((params, opt_state)).values()) / 2**20:.1f} MiB per device; steps {start} -> {end}")
