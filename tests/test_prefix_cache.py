@@ -1,4 +1,4 @@
-"""The prefix pool: its host index (no JAX), and scored prompts that share a beginning giving what they give
+"""The prefix cache: its host index (no JAX), and scored prompts that share a beginning giving what they give
 alone while running only the rest."""
 
 import jax
@@ -10,7 +10,7 @@ from flax import nnx
 from gpt import GPT, GPTConfig
 from gpt.errors import ConfigError
 from gpt.inference.engine import Engine
-from gpt.inference.prefix_cache import PrefixIndex
+from gpt.inference.prefix_cache_index import PrefixCacheIndex
 from gpt.inference.request import Request
 
 
@@ -19,7 +19,7 @@ def scores(n):
 
 
 def test_the_index_finds_the_longest_run_of_whole_blocks_from_the_start():
-    index = PrefixIndex(blocks=8, block=4)
+    index = PrefixCacheIndex(blocks=8, block=4)
     prompt = list(range(10))
     assert index.add(prompt, 1, scores(10)) == [(0, 0), (4, 1)]  # two whole blocks; the last two tokens are not one
     blocks, held = index.match(prompt[:9] + [99], 1)
@@ -31,7 +31,7 @@ def test_the_index_finds_the_longest_run_of_whole_blocks_from_the_start():
 
 
 def test_past_its_whole_blocks_a_prompt_takes_the_block_after_them_that_agrees_with_it_longest():
-    index = PrefixIndex(blocks=8, block=4)
+    index = PrefixCacheIndex(blocks=8, block=4)
     index.add(list(range(8)), 1, scores(8))  # block 0: [0, 1, 2, 3], block 1: [4, 5, 6, 7]
     index.add([0, 1, 2, 3, 4, 5, 9, 9], 1, scores(8))  # block 2: [4, 5, 9, 9], after the same block 0
     blocks, held = index.match([0, 1, 2, 3, 4, 5, 6, 50, 51], 1)
@@ -45,7 +45,7 @@ def test_past_its_whole_blocks_a_prompt_takes_the_block_after_them_that_agrees_w
 
 
 def test_a_full_index_lets_the_least_recently_used_blocks_go():
-    index = PrefixIndex(blocks=4, block=2)
+    index = PrefixCacheIndex(blocks=4, block=2)
     index.add([1, 2, 3, 4], 0, scores(4))  # blocks 0, 1
     index.add([5, 6, 7, 8], 0, scores(4))  # blocks 2, 3
     index.match([1, 2, 3, 4], 0)  # [1, 2, ...] is now the most recently used
@@ -65,9 +65,9 @@ def model():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("together", [False, True], ids=["one-by-one", "together"])
-@pytest.mark.parametrize("pool_tokens", [4096, 64], ids=["roomy", "evicting"])
-def test_scored_prompts_that_share_a_beginning_give_what_they_give_without_the_pool(model, pool_tokens, together):
-    """Choices after one context, in an order that mixes in other prompts, scored with and without the pool:
+@pytest.mark.parametrize("cache_tokens", [4096, 64], ids=["roomy", "evicting"])
+def test_scored_prompts_that_share_a_beginning_give_what_they_give_without_the_cache(model, cache_tokens, together):
+    """Choices after one context, in an order that mixes in other prompts, scored with and without the cache:
     the same prompt logprobs (within float rounding: the rest runs over a longer cache), alternatives and
     first tokens, the context's positions loaded rather than run, and nothing compiled after warm-up.
     Submitted together, they load at their turns, after the blocks of those before them are in."""
@@ -76,7 +76,7 @@ def test_scored_prompts_that_share_a_beginning_give_what_they_give_without_the_p
     prompts = [context + rng.integers(0, 256, n).tolist() for n in (3, 7, 20, 1)]
     prompts = [prompts[0], other, prompts[1], prompts[2], other + [5], prompts[3], context[:33], context[:31]]
     results = {}
-    for tokens in (0, pool_tokens):
+    for tokens in (0, cache_tokens):
         engine = Engine(model, slots=2, max_queue=8, cache_length=128, prefill_chunk=16, prefix_cache_tokens=tokens)
         engine.warmup(log=lambda line: None)
         compiled = engine.compiled_shapes()
@@ -88,7 +88,7 @@ def test_scored_prompts_that_share_a_beginning_give_what_they_give_without_the_p
         engine.run(completions)
         assert engine.compiled_shapes() == compiled
         results[tokens] = completions, engine.prompt_tokens_reused
-    (alone, none_reused), (pooled, reused) = results[0], results[pool_tokens]
+    (alone, none_reused), (cached, reused) = results[0], results[cache_tokens]
     assert none_reused == 0
     # Roomy: the second and third choices load the context's 3 whole blocks but their last token (47),
     # `other` + [5] its 2 (31); the fourth also the first 2 tokens of the block the third left after them
@@ -96,8 +96,8 @@ def test_scored_prompts_that_share_a_beginning_give_what_they_give_without_the_p
     # context[:31] 1 block and 15 of the next (30). Four blocks: the others' blocks push the context's out,
     # and only the third choice (47), context[:33] (32) and context[:31] (30) find theirs. Together, each
     # round's entrants run shortest first, an order of the engine's own.
-    assert reused == (47 + 47 + 31 + 49 + 32 + 30 if pool_tokens == 4096 else 47 + 32 + 30) or together and reused > 0
-    for prompt, a, b in zip(prompts, alone, pooled):
+    assert reused == (47 + 47 + 31 + 49 + 32 + 30 if cache_tokens == 4096 else 47 + 32 + 30) or together and reused > 0
+    for prompt, a, b in zip(prompts, alone, cached):
         assert len(b.prompt_logprobs) == len(prompt) and b.prompt_logprobs[0] is None
         np.testing.assert_allclose(b.prompt_logprobs[1:], a.prompt_logprobs[1:], rtol=1e-5, atol=1e-5)
         assert [[t for t, _ in top] for top in b.prompt_top_logprobs[1:]] == \
@@ -107,6 +107,6 @@ def test_scored_prompts_that_share_a_beginning_give_what_they_give_without_the_p
         np.testing.assert_allclose(b.prompt_logprobs[1:], want[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-5)
 
 
-def test_a_bad_pool_size_is_refused(model):
+def test_a_bad_cache_size_is_refused(model):
     with pytest.raises(ConfigError, match="prefix_cache_tokens must be an integer >= 0, got -1"):
         Engine(model, prefix_cache_tokens=-1)

@@ -42,16 +42,16 @@ def test_the_waiting_enter_free_slots_first_come_and_are_grouped_shortest_first(
     assert scheduler.admit() == []  # no slot is free
 
 
-def test_a_mesh_prefills_rows_together_and_scored_prompts_go_through_the_pool():
+def test_a_mesh_prefills_rows_together_and_scored_prompts_go_through_the_prefix_cache():
     scheduler = Scheduler(num_slots=4, max_queue=8, rows_per_prefill=2, prefill_chunk=16)
     for n in (4, 20, 2, 6):
         scheduler.submit(completion(n))
     assert [(way, [len(c.request.prompt) for _, c in group]) for way, group in scheduler.admit()] == [
         ("whole", [2, 4]), ("chunked", [6, 20])]
-    pooled = Scheduler(num_slots=2, max_queue=8, pooled=True)
-    pooled.submit(completion(4, prompt_logprobs=True))
-    pooled.submit(completion(3))
-    assert [way for way, _ in pooled.admit()] == ["whole", "pooled"]
+    prefix_cached = Scheduler(num_slots=2, max_queue=8, prefix_cached=True)
+    prefix_cached.submit(completion(4, prompt_logprobs=True))
+    prefix_cached.submit(completion(3))
+    assert [way for way, _ in prefix_cached.admit()] == ["whole", "prefix_cached"]
 
 
 def test_the_queue_is_bounded_a_stopping_scheduler_admits_nothing_and_a_cancelled_wait_ends_there():

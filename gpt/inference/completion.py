@@ -72,7 +72,7 @@ class Completion:
         self.stop_token = (token, logprob, top[: self.request.logprobs])
 
     def add_prompt_scores(self, scores: Sequence[tuple[float, list[tuple[int, float]]]]) -> None:
-        """Record the next prompt tokens' (logprob, alternatives), as a prefix pool held them."""
+        """Record the next prompt tokens' (logprob, alternatives), as a prefix cache held them."""
         for logprob, top in scores:
             self.prompt_logprobs.append(logprob)
             self.prompt_top_logprobs.append(top)

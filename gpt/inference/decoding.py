@@ -42,7 +42,7 @@ from gpt.model.transformer import GPT, Weights, forward, lm_head
 NO_TOKEN = -1  # an Emitted entry where a row produced nothing
 
 __all__ = ["NO_TOKEN", "Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
-           "PrefixPool", "init_pool", "save_blocks", "load_prefix", "PREFIX_BLOCK", "init_slots",
+           "PrefixCacheBlocks", "init_prefix_cache", "save_blocks", "load_prefix", "PREFIX_BLOCK", "init_slots",
            "init_prefix", "prefill", "insert", "choose_first", "place", "decode", "free", "compiled_programs",
            "int8_draft_weights"]
 
@@ -467,15 +467,15 @@ def free(slots: Slots, free_S: jax.Array) -> Slots:
     return dataclasses.replace(slots, live=slots.live & ~free_S)
 
 
-PREFIX_BLOCK = 16  # positions per block of a PrefixPool
+PREFIX_BLOCK = 16  # positions per block of the prefix cache
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PrefixPool:
+class PrefixCacheBlocks:
     """Keys and values of prompts' blocks of PREFIX_BLOCK positions, kept after their prefills so that a
     prompt that begins with the same tokens (a multiple-choice item's choices, one context each) runs
-    only the rest. Which block holds what is the host's business (`gpt.inference.prefix_cache`).
+    only the rest. Which block holds what is the host's business (`gpt.inference.prefix_cache_index`).
 
     k, v: per layer, [blocks * N, PREFIX_BLOCK, H] in the compute dtype: block i is rows i*N .. i*N+N-1.
     """
@@ -484,42 +484,42 @@ class PrefixPool:
     v: tuple[jax.Array, ...]
 
 
-def init_pool(config: GPTConfig, blocks: int) -> PrefixPool:
-    """An empty pool of `blocks` blocks."""
+def init_prefix_cache(config: GPTConfig, blocks: int) -> PrefixCacheBlocks:
+    """An empty prefix cache of `blocks` blocks."""
     def layers():
         return tuple(jnp.zeros((blocks * config.n_head, PREFIX_BLOCK, config.head_dim), config.compute_dtype)
                      for _ in range(config.n_layer))
-    return PrefixPool(k=layers(), v=layers())
+    return PrefixCacheBlocks(k=layers(), v=layers())
 
 
-def save_blocks(pool: PrefixPool, prefix: Prefix, starts_M: jax.Array, ids_M: jax.Array) -> PrefixPool:
-    """The pool with blocks of row 0 of `prefix` (a one-row Prefix of one page) copied in: the block at
-    position starts_M[m] into pool block ids_M[m] (int32 [M]; an id past the pool's end is skipped)."""
+def save_blocks(cached: PrefixCacheBlocks, prefix: Prefix, starts_M: jax.Array, ids_M: jax.Array) -> PrefixCacheBlocks:
+    """The prefix cache with blocks of row 0 of `prefix` (a one-row Prefix of one page) copied in: the block at
+    position starts_M[m] into cache block ids_M[m] (int32 [M]; an id past the cache's end is skipped)."""
     heads = prefix.cache.k[0][0].shape[0]  # one row: its N heads
     rows_MN = (ids_M[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
 
-    def put(pool_layer, page_NCH):
+    def put(cached_layer, page_NCH):
         blocks_MNBH = jax.vmap(lambda start: jax.lax.dynamic_slice_in_dim(page_NCH, start, PREFIX_BLOCK, axis=1))(starts_M)
-        return pool_layer.at[rows_MN].set(blocks_MNBH.reshape(-1, PREFIX_BLOCK, page_NCH.shape[-1]), mode="drop")
+        return cached_layer.at[rows_MN].set(blocks_MNBH.reshape(-1, PREFIX_BLOCK, page_NCH.shape[-1]), mode="drop")
 
-    return PrefixPool(k=tuple(put(p, c[0]) for p, c in zip(pool.k, prefix.cache.k)),
-                      v=tuple(put(p, c[0]) for p, c in zip(pool.v, prefix.cache.v)))
+    return PrefixCacheBlocks(k=tuple(put(p, c[0]) for p, c in zip(cached.k, prefix.cache.k)),
+                      v=tuple(put(p, c[0]) for p, c in zip(cached.v, prefix.cache.v)))
 
 
-def load_prefix(config: GPTConfig, pool: PrefixPool, ids_M: jax.Array, tokens_C: jax.Array,
+def load_prefix(config: GPTConfig, cached: PrefixCacheBlocks, ids_M: jax.Array, tokens_C: jax.Array,
                 length: jax.Array) -> Prefix:
     """A one-row Prefix of C = len(tokens_C) positions whose first `length` hold a prompt's keys and values
-    from pool blocks ids_M (int32 [ceil(C / PREFIX_BLOCK)], block m for positions 16m..16m+15; ids of
-    blocks past `length` may be anything in the pool). tokens_C: int32 [C], the prompt (its first `length`
+    from prefix cache blocks ids_M (int32 [ceil(C / PREFIX_BLOCK)], block m for positions 16m..16m+15; ids of
+    blocks past `length` may be anything in the cache). tokens_C: int32 [C], the prompt (its first `length`
     tokens are what the prefix has seen)."""
     C, heads = tokens_C.shape[0], config.n_head
     rows_MN = (ids_M[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
 
-    def page(pool_layer):
-        blocks_MNBH = pool_layer[rows_MN].reshape(ids_M.shape[0], heads, PREFIX_BLOCK, -1)
+    def page(cached_layer):
+        blocks_MNBH = cached_layer[rows_MN].reshape(ids_M.shape[0], heads, PREFIX_BLOCK, -1)
         return blocks_MNBH.transpose(1, 0, 2, 3).reshape(heads, -1, blocks_MNBH.shape[-1])[:, :C]
 
-    cache = KVCache(k=tuple((page(p),) for p in pool.k), v=tuple((page(p),) for p in pool.v),
+    cache = KVCache(k=tuple((page(p),) for p in cached.k), v=tuple((page(p),) for p in cached.v),
                     lengths=jnp.reshape(length, (1,)).astype(jnp.int32))
     seen = jnp.zeros((1, config.vocab_size), jnp.bool_).at[0, tokens_C].max(jnp.arange(C) < length)
     return Prefix(cache=cache, seen=seen, last_hidden=jnp.zeros((1, config.n_embd), config.compute_dtype))
@@ -744,8 +744,8 @@ compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps", "draft
 compiled_free = jax.jit(free, donate_argnames="slots")
 compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
 compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3, 4))
-compiled_init_pool = jax.jit(init_pool, static_argnums=(0, 1))
-compiled_save_blocks = jax.jit(save_blocks, donate_argnames="pool")
+compiled_init_prefix_cache = jax.jit(init_prefix_cache, static_argnums=(0, 1))
+compiled_save_blocks = jax.jit(save_blocks, donate_argnames="cached")
 compiled_load_prefix = jax.jit(load_prefix, static_argnames="config")
 
 

@@ -7,8 +7,8 @@ Each round (`step`), on the thread that owns the engine, through the device's fo
      (`prefill`, prompt lengths in buckets: `prompt_buckets`), then `insert` puts them in their slots,
      each with its first token; a prompt longer than `prefill_chunk` tokens takes its slot but runs one
      chunk per round instead, and is inserted after its last, so that the other slots go on decoding
-     between its chunks; with a prefix pool (`prefix_cache_tokens`), a scored prompt takes that path
-     too, starting after what the pool holds of its beginning;
+     between its chunks; with a prefix cache (`prefix_cache_tokens`), a scored prompt takes that path
+     too, starting after what the cache holds of its beginning;
   3. one `decode` runs up to `steps_per_call` steps for every live slot (over the fewest compiled rows
      that hold them: `decode_widths`); with a draft, each step verifies up to `draft_tokens` drafted
      tokens a slot and emits up to that many + 1 (`gpt.inference.speculation`), when that has been the
@@ -22,7 +22,7 @@ The decisions of steps 1, 2 and 4 (which request enters which slot, which way it
 chunk runs next, what a decode's tokens do to their requests) are `gpt.inference.scheduler`'s, with no
 JAX; the engine runs the device verbs they call for through `gpt.inference.device_slots` (which keeps
 the slots' state and turns requests into arrays), over the shapes of `gpt.inference.shapes`, with the
-prefix pool of `gpt.inference.prefix_store`.
+prefix cache of `gpt.inference.prefix_cache`.
 
 `generate` runs an engine on the caller's thread (`run`); `serve.py` runs one on a thread of its own
 (`start` / `stop`) and submits requests from the HTTP handlers.
@@ -45,14 +45,14 @@ from gpt.inference.decoding import PREFIX_BLOCK, Decoder, Prefix, Settings, comp
 from gpt.inference.device_slots import DeviceSlots
 from gpt.inference.draft_policy import DraftPolicy
 from gpt.inference.engine_settings import EngineSettings
-from gpt.inference.prefix_store import PrefixStore
+from gpt.inference.prefix_cache import PrefixCache
 from gpt.inference.request import Request, check_request
 from gpt.inference.scheduler import Chunked, Scheduler
 from gpt.inference.shapes import (
     bucket,
+    cached_prefix_length,
     decode_widths,
     pieces_after_prefixes,
-    pooled_prefix_length,
     prompt_buckets,
 )
 from gpt.model.transformer import GPT
@@ -85,9 +85,10 @@ class Engine:
         self.prefill_chunk = min(s.prefill_chunk, s.cache_length)
         self.prompt_buckets = prompt_buckets(self.prefill_chunk)
         self.decode_widths = decode_widths(self.num_slots, self.device.mesh)
-        pooled = s.prefix_cache_tokens >= PREFIX_BLOCK and self.device.rows_per_prefill == 1
-        self._store = PrefixStore(self.device, s.prefix_cache_tokens) if pooled else None
-        self._scheduler = Scheduler(self.num_slots, s.max_queue, self.device.rows_per_prefill, self.prefill_chunk, pooled)
+        prefix_cached = s.prefix_cache_tokens >= PREFIX_BLOCK and self.device.rows_per_prefill == 1
+        self._prefix_cache = PrefixCache(self.device, s.prefix_cache_tokens) if prefix_cached else None
+        self._scheduler = Scheduler(self.num_slots, s.max_queue, self.device.rows_per_prefill, self.prefill_chunk,
+                                    prefix_cached)
         self._thread: threading.Thread | None = None
         get_tokenizer()  # each Completion's text stream needs it: load it now, not on a request's clock
 
@@ -117,8 +118,8 @@ class Engine:
 
     @property
     def prompt_tokens_reused(self) -> int:
-        """Prompt positions loaded from the prefix pool instead of run (a running total)."""
-        return self._store.tokens_reused if self._store is not None else 0
+        """Prompt positions loaded from the prefix cache instead of run (a running total)."""
+        return self._prefix_cache.tokens_reused if self._prefix_cache is not None else 0
 
     @property
     def tokens_emitted(self) -> int:
@@ -155,8 +156,8 @@ class Engine:
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
         """Compile and run once every program the engine runs, through the four verbs, with a progress line:
-        each prompt bucket's prefill, a chunked prompt's and a pooled one's pieces, the inserts after
-        each prefix length, the prefix pool's loads and saves, the decode over each of `decode_widths` rows,
+        each prompt bucket's prefill, a chunked prompt's and a prefix-cached one's pieces, the inserts after
+        each prefix length, the prefix cache's loads and saves, the decode over each of `decode_widths` rows,
         and the free.
 
         Each runs for real, not only compiles: XLA's CPU runtime readies an op on its first run (~0.2 s over
@@ -220,8 +221,9 @@ class Engine:
         admitted = False
         while groups := self._scheduler.admit():
             for way, group in groups:
-                if way == "pooled":
-                    self._scheduler.add_chunked(Chunked(group, None, pooled=True))  # loaded at its turn: `_advance`
+                if way == "prefix_cached":
+                    # loaded at its turn: `_advance`
+                    self._scheduler.add_chunked(Chunked(group, None, prefix_cached=True))
                 elif way == "chunked":
                     self._scheduler.add_chunked(Chunked(group, self.device.fresh_prefix(self.cache_length)))
                 else:
@@ -261,18 +263,18 @@ class Engine:
         if waiting is None:
             return False
         group, entries = waiting
-        if group.prefix is None:  # pooled: loaded at its turn, so that the choices of one item, admitted
+        if group.prefix is None:  # prefix-cached: loaded at its turn, so that the choices of one item, admitted
             first = group.entries[0][1]  # together, find the blocks the first of them leaves
-            length = pooled_prefix_length(self.prefill_chunk, self.cache_length, len(first.request.prompt))
-            group.ran(*self._store.load(first, length))
+            length = cached_prefix_length(self.prefill_chunk, self.cache_length, len(first.request.prompt))
+            group.ran(*self._prefix_cache.load(first, length))
         chunk, longest = self.prefill_chunk, max(len(c.request.prompt) for _, c in group.entries)
         if group.done + chunk < longest:
             group.ran(self._prefill(entries, group.prefix, group.done, chunk), chunk)
             return True
         self._scheduler.finish_chunked()
         prefix = self._prefill(entries, group.prefix, group.done, bucket(self.prompt_buckets, longest - group.done))
-        if group.pooled and entries[0][0] is not None:
-            self._store.keep(entries[0][1], prefix)
+        if group.prefix_cached and entries[0][0] is not None:
+            self._prefix_cache.keep(entries[0][1], prefix)
         self._scheduler.deliver([slot for slot, _ in entries], self._insert(entries, prefix))
         return True
 
@@ -290,12 +292,13 @@ def _warmup_programs(engine: Engine) -> list[tuple[str, str, Callable[[], None]]
         prefix = None if prefix_length is None else engine.device.fresh_prefix(prefix_length)
         engine._insert(entries, engine._prefill(entries, prefix, 0, piece))
 
-    pooled = sorted({pooled_prefix_length(chunk, length, n) for n in (1, length)}) if engine._store else []
+    prefix_cached = (sorted({cached_prefix_length(chunk, length, n) for n in (1, length)}) if engine._prefix_cache
+                     else [])
     programs = [("prefill", f"prompts up to {b} tokens", functools.partial(enter, None, b)) for b in buckets]
     programs += [("prefill", f"pieces of up to {b} tokens after {n}", functools.partial(enter, n, b))
-                 for n, b in pieces_after_prefixes(buckets, chunk, length, pooled)]
-    programs += [("prefix pool", f"loading and keeping {n} positions", functools.partial(engine._store.warm, n))
-                 for n in pooled]
+                 for n, b in pieces_after_prefixes(buckets, chunk, length, prefix_cached)]
+    programs += [("prefix cache", f"loading and keeping {n} positions", functools.partial(engine._prefix_cache.warm, n))
+                 for n in prefix_cached]
     programs += [("decode", f"{width} of {engine.num_slots} slots{' with a draft' * draft}",
                   functools.partial(engine.device.decode, 1, False, width, [0], draft))
                  for draft in ((False, True) if engine.drafts is not None else (False,))

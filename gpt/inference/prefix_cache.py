@@ -1,95 +1,85 @@
-"""Which prompt prefixes a `gpt.inference.decoding.PrefixPool` holds: the host's index of its blocks, with no JAX in it.
+"""Scored prompts' keys and values kept for later prompts that begin the same: the device's
+`PrefixCacheBlocks` and the host's `PrefixCacheIndex` of it, kept in step.
 
-A scored prompt (`Request.prompt_logprobs`) leaves its whole blocks of PREFIX_BLOCK tokens in the pool,
-each keyed by every token from the prompt's start to the block's end (so a block is found only after
-the very same tokens), with the scores of its tokens. A later scored prompt that begins with the same
-blocks loads their keys and values and runs only the rest: the choices of a multiple-choice item, sent by
-lm-evaluation-harness as separate requests in an order of its own, pay for their shared context once.
-Past its whole blocks, a prompt also takes the block stored after the same beginning that agrees with it
-longest, as far as it agrees: a position's keys and values depend only on the tokens up to it, so a
-context that ends inside a block is loaded to its last token, not to the block before.
-When the pool is full the least recently used block goes.
+A scored prompt (`Request.prompt_logprobs`) leaves its whole blocks in the cache after its prefill
+(`keep`); a later one loads what the cache holds of its beginning, with those tokens' scores, and runs only
+the rest (`load`). The choices of a multiple-choice item pay for their shared context once.
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Sequence
-
 import numpy as np
 
-__all__ = ["PrefixIndex", "TokenScore"]
+from gpt.inference.completion import Completion
+from gpt.inference.decoding import (
+    PREFIX_BLOCK,
+    Prefix,
+    compiled_init_prefix_cache,
+    compiled_load_prefix,
+    compiled_save_blocks,
+)
+from gpt.inference.device_slots import DeviceSlots
+from gpt.inference.prefix_cache_index import PrefixCacheIndex
 
-# A prompt token's score: (logprob given the tokens before it, its top alternatives as (id, logprob)); the
-# prompt's first token has (None, None).
-TokenScore = tuple[float | None, list[tuple[int, float]] | None]
+__all__ = ["PrefixCache"]
 
 
-class PrefixIndex:
-    """The blocks of a pool of `blocks` blocks of `block` positions: which prompt prefix each holds.
+def _blocks(length: int) -> int:
+    """How many cache blocks cover `length` positions (a load or a save of a prefix that long)."""
+    return -(-length // PREFIX_BLOCK)
 
-    `variant` separates what differs between requests with the same tokens but not in the keys and values
-    (the number of top alternatives their scores carry).
+
+class PrefixCache:
+    """A cache of `tokens // PREFIX_BLOCK` blocks on `device`'s mesh (one row per prefill: not over a
+    data axis).
+
+    Attributes:
+      tokens_reused: prompt positions loaded from the cache instead of run (a running total).
     """
 
-    def __init__(self, blocks: int, block: int):
-        self.block, self.blocks = block, blocks
-        self._free = list(range(blocks - 1, -1, -1))
-        self._entries: collections.OrderedDict[bytes, tuple[int, list[TokenScore]]] = collections.OrderedDict()
-        self._children: dict[bytes, set[bytes]] = {}  # a key of k blocks -> the keys of k + 1 blocks after it
+    def __init__(self, device: DeviceSlots, tokens: int):
+        self.device, self.index = device, PrefixCacheIndex(tokens // PREFIX_BLOCK, PREFIX_BLOCK)
+        with device.on_mesh():
+            self.cached = compiled_init_prefix_cache(device.config, self.index.blocks)
+        self.tokens_reused = 0
 
-    def _key(self, prompt: np.ndarray, blocks: int, variant: int) -> bytes:
-        return variant.to_bytes(2, "little") + prompt[: blocks * self.block].tobytes()
+    def load(self, completion: Completion, length: int) -> tuple[Prefix, int]:
+        """A one-row prefix of `length` positions for `completion`'s prompt and how many of its tokens it
+        holds: what the cache holds of the prompt's beginning (`PrefixCacheIndex.match`), except the last token
+        held or the prompt's last (that one runs again: what follows it needs its output); those tokens'
+        scores go to the completion. (A fresh prefix and 0 when the cache holds none of it.)"""
+        request = completion.request
+        held, count = self.index.match(request.prompt, request.logprobs)
+        done = min(count - 1, len(request.prompt) - 1) if held else 0
+        if done <= 0:
+            return self.device.fresh_prefix(length), 0
+        self.tokens_reused += done
+        completion.add_prompt_scores([score for _, scores in held for score in scores][1: done + 1])
+        ids = np.zeros((_blocks(length),), np.int32)
+        ids[: len(held)] = [block for block, _ in held]
+        tokens = np.zeros((length,), np.int32)
+        tokens[: len(request.prompt)] = request.prompt
+        with self.device.on_mesh():
+            return compiled_load_prefix(self.device.config, self.cached, ids, tokens, np.int32(done)), done
 
-    def match(self, prompt: Sequence[int], variant: int) -> tuple[list[tuple[int, list[TokenScore]]], int]:
-        """The pool blocks (id, scores of its tokens) that hold the longest run of `prompt` from its start,
-        and how many of its tokens they hold: its whole blocks, then the block after them that agrees with
-        it longest (see the module's docstring). Each becomes the most recently used."""
-        prompt = np.asarray(prompt, np.int32)
-        found = []
-        for k in range(1, len(prompt) // self.block + 1):
-            key = self._key(prompt, k, variant)
-            if key not in self._entries:
-                break
-            self._entries.move_to_end(key)
-            found.append(self._entries[key])
-        held = len(found) * self.block
-        rest = prompt[held: held + self.block]
-        best, agreed = None, 0
-        for child in self._children.get(self._key(prompt, len(found), variant), ()):
-            tokens = np.frombuffer(child[-4 * self.block:], np.int32)[: len(rest)]
-            differ = np.flatnonzero(tokens != rest)
-            same = int(differ[0]) if differ.size else len(rest)
-            if same > agreed:
-                best, agreed = child, same
-        if best is not None:
-            self._entries.move_to_end(best)
-            found.append(self._entries[best])
-        return found, held + agreed
+    def keep(self, completion: Completion, prefix: Prefix) -> None:
+        """Put a scored prompt's whole blocks (row 0 of `prefix`, run to its end) in the cache."""
+        request = completion.request
+        scores = list(zip(completion.prompt_logprobs, completion.prompt_top_logprobs))
+        added = self.index.add(request.prompt, request.logprobs, scores)
+        if not added:
+            return
+        blocks = _blocks(prefix.cache.length)
+        starts, ids = np.zeros((blocks,), np.int32), np.full((blocks,), self.index.blocks, np.int32)  # past the end: skipped
+        starts[: len(added)], ids[: len(added)] = zip(*added)
+        with self.device.on_mesh():
+            self.cached = compiled_save_blocks(self.cached, prefix, starts, ids)
 
-    def add(self, prompt: Sequence[int], variant: int, scores: Sequence[TokenScore]) -> list[tuple[int, int]]:
-        """Index `prompt`'s whole blocks (its tokens' `scores` beside them), taking the least recently used
-        blocks when none is free; returns (first position, pool block) of each block to copy in. A prompt
-        with more blocks than the pool holds adds none."""
-        prompt = np.asarray(prompt, np.int32)
-        count = len(prompt) // self.block
-        if count > len(self._free) + len(self._entries):
-            return []
-        added = []
-        for k in range(1, count + 1):
-            key = self._key(prompt, k, variant)
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                continue
-            if not self._free:
-                gone, (block, _) = self._entries.popitem(last=False)
-                self._free.append(block)
-                siblings = self._children[gone[: -4 * self.block]]
-                siblings.discard(gone)
-                if not siblings:
-                    del self._children[gone[: -4 * self.block]]
-            block = self._free.pop()
-            self._entries[key] = (block, list(scores[(k - 1) * self.block: k * self.block]))
-            self._children.setdefault(key[: -4 * self.block], set()).add(key)
-            added.append(((k - 1) * self.block, block))
-        return added
+    def warm(self, length: int) -> None:
+        """Run once a load from the cache and a save to it (of no block) of a prefix of `length` positions."""
+        blocks = _blocks(length)
+        with self.device.on_mesh():
+            prefix = compiled_load_prefix(self.device.config, self.cached, np.zeros((blocks,), np.int32),
+                                          np.zeros((length,), np.int32), np.int32(1))
+            self.cached = compiled_save_blocks(self.cached, prefix, np.zeros((blocks,), np.int32),
+                                             np.full((blocks,), self.index.blocks, np.int32))  # skips them all

@@ -30,17 +30,17 @@ class Chunked:
     """Requests whose prompts run a chunk per round before they enter their slots.
 
     entries: (slot, completion) per row; prefix: their prompts' cache so far, a device object the
-    scheduler never reads (None for a pooled group until its turn); done: how many tokens of each prompt
-    have run (of a shorter one, all); pooled: one scored prompt, loaded from the prefix pool and its
+    scheduler never reads (None for a prefix-cached group until its turn); done: how many tokens of each prompt
+    have run (of a shorter one, all); prefix_cached: one scored prompt, loaded from the prefix cache and its
     blocks put there."""
 
     entries: list[tuple[int, Completion]]
     prefix: object | None
     done: int = 0
-    pooled: bool = False
+    prefix_cached: bool = False
 
     def ran(self, prefix: object, tokens: int) -> None:
-        """Its prompts ran `tokens` more tokens each (a chunk, or what the prefix pool held), into `prefix`."""
+        """Its prompts ran `tokens` more tokens each (a chunk, or what the prefix cache held), into `prefix`."""
         self.prefix, self.done = prefix, self.done + tokens
 
 
@@ -52,13 +52,13 @@ class Scheduler:
       max_queue: the most requests waiting for a slot (`submit` raises QueueFull beyond it).
       rows_per_prefill: rows of one prefill (a mesh's data-parallel size; 1 without a mesh).
       prefill_chunk: the longest prompt that runs whole; a longer one runs in chunks.
-      pooled: scored prompts go through the prefix pool (they run as chunked groups of one row).
+      prefix_cached: scored prompts go through the prefix cache (they run as chunked groups of one row).
     """
 
     def __init__(self, num_slots: int, max_queue: int, rows_per_prefill: int = 1, prefill_chunk: int = 256,
-                 pooled: bool = False):
+                 prefix_cached: bool = False):
         self.num_slots, self.max_queue, self.rows_per_prefill = num_slots, max_queue, rows_per_prefill
-        self.prefill_chunk, self.pooled = prefill_chunk, pooled
+        self.prefill_chunk, self.prefix_cached = prefill_chunk, prefix_cached
         self.owners: list[Completion | None] = [None] * num_slots
         self.queue: collections.deque[Completion] = collections.deque()
         self.chunked: collections.deque[Chunked] = collections.deque()  # the oldest runs its next chunk
@@ -125,8 +125,8 @@ class Scheduler:
     def admit(self) -> list[tuple[str, list[tuple[int, Completion]]]]:
         """Move waiting requests into free slots, first come first served (a request cancelled while it
         waited ends here), and group them for their prefills, shortest prompts first, `rows_per_prefill`
-        to a group: [(way, group)], way "whole" (one prefill), "chunked" (a chunk per round) or "pooled"
-        (through the prefix pool). The round's last first token comes when it would in any order, and
+        to a group: [(way, group)], way "whole" (one prefill), "chunked" (a chunk per round) or "prefix_cached"
+        (through the prefix cache). The round's last first token comes when it would in any order, and
         every other one sooner: a short prompt never waits behind a long one that came with it."""
         free = [slot for slot, owner in enumerate(self.owners) if owner is None]
         with self.lock:
@@ -145,8 +145,8 @@ class Scheduler:
         groups = []
         for i in range(0, len(entries), self.rows_per_prefill):
             group = entries[i: i + self.rows_per_prefill]
-            if self.pooled and group[0][1].request.prompt_logprobs:  # one row: no mesh
-                groups.append(("pooled", group))
+            if self.prefix_cached and group[0][1].request.prompt_logprobs:  # one row: no mesh
+                groups.append(("prefix_cached", group))
             elif max(len(c.request.prompt) for _, c in group) > self.prefill_chunk:
                 groups.append(("chunked", group))  # its slots wait, owned, until its last chunk
             else:

@@ -1,5 +1,5 @@
 """The shapes an engine compiles its programs for: prompt lengths in buckets, decode calls over some of the
-slots, and the pieces that run after a prefix (a chunked prompt's, a pooled one's). Plain numbers, no JAX:
+slots, and the pieces that run after a prefix (a chunked prompt's, a prefix-cached one's). Plain numbers, no JAX:
 each shape here is one compiled program, so warm-up compiles exactly these and a round never another.
 """
 
@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 from gpt.model.backend import choices
 
 __all__ = ["MIN_PROMPT_BUCKET", "prompt_buckets", "bucket", "power_of_two", "decode_widths", "pieces_after_prefixes",
-           "pooled_prefix_length"]
+           "cached_prefix_length"]
 
 MIN_PROMPT_BUCKET = 16
 
@@ -48,18 +48,19 @@ def power_of_two(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-def pieces_after_prefixes(buckets: list[int], chunk: int, length: int, pooled: list[int]) -> list[tuple[int, int]]:
+def pieces_after_prefixes(buckets: list[int], chunk: int, length: int,
+                          prefix_cached: list[int]) -> list[tuple[int, int]]:
     """The (prefix length, piece length) pairs a prefill runs over a prefix that already holds tokens, for
     prompts of up to `length` tokens (the cache) in chunks of `chunk` (`buckets`: prompt_buckets(chunk)):
-    a chunked prompt's chunks, then its last piece (at most what follows its first chunk); a pooled
-    prompt's (any bucket, over each of the prefix lengths in `pooled`). Sorted."""
+    a chunked prompt's chunks, then its last piece (at most what follows its first chunk); a prefix-cached
+    prompt's (any bucket, over each of the prefix lengths in `prefix_cached`). Sorted."""
     pieces = set()
     if length > chunk + 1:  # a prompt of chunk + 1 tokens and one more fit: prompts can be chunked
         pieces = {(length, chunk)} | {(length, b) for b in buckets if b <= bucket(buckets, min(chunk, length - chunk))}
-    return sorted(pieces | {(n, b) for n in pooled for b in buckets})
+    return sorted(pieces | {(n, b) for n in prefix_cached for b in buckets})
 
 
-def pooled_prefix_length(chunk: int, length: int, prompt_length: int) -> int:
-    """The positions of a pooled prompt's prefix: the prefill chunk for a prompt that fits one (a cache of
+def cached_prefix_length(chunk: int, length: int, prompt_length: int) -> int:
+    """The positions of a prefix-cached prompt's prefix: the prefill chunk for a prompt that fits one (a cache of
     the full `length` would cost each of them a copy of it), else the cache length."""
     return chunk if prompt_length <= chunk else length
