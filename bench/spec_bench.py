@@ -1,11 +1,13 @@
 """Speculative decoding's speed: gpt.generate with a prompt-lookup draft against the same call without one,
-beside transformers' assisted generation (`prompt_lookup_num_tokens`) and llama.cpp's `llama-lookup` and
-`llama-speculative` (a q8_0 draft) on the same weights, all at batch 1, greedy, in one run.
+beside transformers' assisted generation (`prompt_lookup_num_tokens`, `assistant_model`) and llama.cpp's
+`llama-lookup` and `llama-speculative` (a q8_0 draft) on the same weights, all at batch 1, greedy, in one run.
 
     python train.py                                  # the model this bench reads by default (out/)
     python bench/spec_bench.py                       # ours: no draft, then ngram and int8 drafts of K = 2, 4, 8
     python bench/spec_bench.py --transformers --llama-cpp
     python bench/spec_bench.py --init_from random-gpt2 --drafts int8 --draft_tokens 4   # GPT-2 124M shapes
+    python train.py --out_dir draft --model.n_layer 2 --model.n_embd 64 --model.n_head 2   # a smaller GPT
+    python bench/spec_bench.py --drafts model --draft_model draft --transformers   # it drafting for out/
 
 The text: held-out source files (the standard library's subpackage modules, which `python train.py`'s
 default corpus, the top-level modules, does not hold), each shown its first --prompt tokens and continued
@@ -78,13 +80,19 @@ def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens):
     return len(prompts) * new_tokens / seconds, accepted / drafted if drafted else None, outputs
 
 
-def bench_transformers(hf_dir, prompts, new_tokens, repeats, lookup):
-    """transformers' generate, greedy, float32 on the CPU; with `lookup` K, prompt lookup of K tokens."""
+def bench_transformers(hf_dir, prompts, new_tokens, repeats, lookup=None, assistant_dir=None):
+    """transformers' generate, greedy, float32 on the CPU; with `lookup` K, prompt lookup of K tokens; with
+    `assistant_dir` (and K), assisted generation with that model drafting K tokens a step."""
     import torch
     import transformers
 
     model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
-    extra = dict(prompt_lookup_num_tokens=lookup) if lookup else {}
+    extra = dict(prompt_lookup_num_tokens=lookup) if lookup and assistant_dir is None else {}
+    if assistant_dir is not None:
+        assistant = transformers.GPT2LMHeadModel.from_pretrained(assistant_dir).eval()
+        assistant.generation_config.num_assistant_tokens = lookup
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        extra = dict(assistant_model=assistant)
     outputs, seconds = [], 0.0
     with torch.inference_mode():
         for prompt in prompts:
@@ -151,7 +159,8 @@ def main():
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=128, help="tokens of each file shown")
     parser.add_argument("--new_tokens", type=int, default=96)
-    parser.add_argument("--drafts", nargs="+", default=["ngram", "int8"], choices=["ngram", "int8"])
+    parser.add_argument("--drafts", nargs="+", default=["ngram", "int8"], choices=["ngram", "int8", "model"])
+    parser.add_argument("--draft_model", default=None, help="--drafts model's GPT: a training out_dir or HF directory")
     parser.add_argument("--draft_tokens", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--transformers", action="store_true", help="also transformers' prompt lookup")
@@ -160,14 +169,16 @@ def main():
 
     model = random_gpt2() if args.init_from == "random-gpt2" else load(args.init_from, "float32")
     decoder = Decoder.of(model)
+    drafter_model = None if args.draft_model is None else load(args.draft_model, "float32")
+    drafter = None if drafter_model is None else Decoder.of(drafter_model)
     prompts = held_out_prompts(args.files, args.prompt, args.new_tokens)
     print(f"## {cpu_name()}: {len(prompts)} held-out files, {args.prompt} tokens shown, {args.new_tokens} new, "
           f"batch 1, greedy ({time.strftime('%Y-%m-%d')})\n")
     rows = [("gpt, no draft", *bench_ours(decoder, prompts, args.new_tokens, args.repeats, "none", 1))]
     for draft in args.drafts:
         for k in args.draft_tokens:
-            rows.append((f"gpt, {draft} draft K={k}",
-                         *bench_ours(decoder, prompts, args.new_tokens, args.repeats, draft, k)))
+            rows.append((f"gpt, {draft} draft K={k}", *bench_ours(
+                decoder, prompts, args.new_tokens, args.repeats, drafter if draft == "model" else draft, k)))
     hf_dir = None
     if args.transformers or args.llama_cpp:
         from gpt.model import gpt2
@@ -178,16 +189,22 @@ def main():
     if args.transformers:
         peer_rows.append(("transformers, no draft", *bench_transformers(hf_dir, prompts, args.new_tokens,
                                                                        args.repeats, None)))
-        for k in args.draft_tokens:
+        for k in args.draft_tokens if "ngram" in args.drafts else ():
             peer_rows.append((f"transformers, prompt_lookup_num_tokens={k}",
                               *bench_transformers(hf_dir, prompts, args.new_tokens, args.repeats, k)))
+        if "model" in args.drafts:
+            assistant_dir = tempfile.mkdtemp(prefix="spec-bench-draft-")
+            gpt2.save(drafter_model, assistant_dir)
+            for k in args.draft_tokens:
+                peer_rows.append((f"transformers, assistant_model, num_assistant_tokens={k}", *bench_transformers(
+                    hf_dir, prompts, args.new_tokens, args.repeats, k, assistant_dir)))
     if args.llama_cpp:
         from sample_bench import write_gpt2_vocab
 
         write_gpt2_vocab(Path(hf_dir))
         peer_rows.append(("llama.cpp f32, no draft (llama-batched-bench)",
                           bench_llama_plain(hf_dir, args.prompt, args.new_tokens), None, None))
-        for draft in args.drafts:
+        for draft in (d for d in args.drafts if d != "model"):
             how = "llama-lookup" if draft == "ngram" else "llama-speculative, q8_0 draft"
             for k in args.draft_tokens:
                 try:

@@ -60,7 +60,7 @@ def generate(
     quantize: str | None = None,
     mesh: Mesh | None = None,
     max_batch: int = 64,
-    draft: str | None = None,
+    draft: str | GPT | Decoder | None = None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens.
@@ -89,8 +89,9 @@ def generate(
         finish. The results do not depend on it: a row gives what it gives alone.
       draft: what drafts each row's next tokens, up to `draft_tokens` of them verified a step
         (`gpt.inference.speculation`): "ngram", the row's own prompt and output (prompt lookup); "int8",
-        the model's weights in int8. The same tokens as without a draft, sooner where the draft guesses
-        well. None (or "none") decodes without one.
+        the model's weights in int8; a smaller GPT with the same vocabulary and at least the context the
+        rows need (or its Decoder, laid out once). The same tokens as without a draft, sooner where the
+        draft guesses well. None (or "none") decodes without one.
       draft_tokens: the most drafted tokens a step verifies.
     Returns:
       One list of new token ids per prompt.

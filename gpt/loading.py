@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Literal
 
 from gpt.errors import MissingInput
+from gpt.inference.speculation import DRAFTS
 from gpt.model import gpt2
 from gpt.model.config import DType, check_dtype
 from gpt.model.transformer import GPT
 from gpt.run_dir import has_checkpoint
 
-__all__ = ["load", "ModelChoice"]
+__all__ = ["load", "load_draft", "ModelChoice"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +35,9 @@ class ModelChoice:
     'data=2,tensor=4'; empty runs on one device."""
 
 
-def load(init_from: str, dtype: str = "float32") -> GPT:
-    """A GPT from a training out_dir, a Hugging Face GPT-2 directory, or a cached hub name."""
+def load(init_from: str, dtype: str = "float32", flag: str = "init_from", also: str = "") -> GPT:
+    """A GPT from a training out_dir, a Hugging Face GPT-2 directory, or a cached hub name (MissingInput
+    naming `flag`, and the `also` it could have been, when it is none of them)."""
     check_dtype(dtype)  # before looking at init_from: a bad dtype is the caller's, not the checkpoint's
     if has_checkpoint(init_from):
         # Imported here: the trainer's packages (Orbax, optax) are a quarter of a second of imports that
@@ -46,6 +48,14 @@ def load(init_from: str, dtype: str = "float32") -> GPT:
     if (Path(init_from) / "config.json").is_file() or init_from in gpt2.HUB_NAMES:
         return gpt2.load(init_from, dtype=dtype)
     raise MissingInput(
-        f"--init_from {init_from!r} is not a training out_dir with checkpoints, a Hugging Face GPT-2 "
+        f"--{flag} {init_from!r} is not {also}a training out_dir with checkpoints, a Hugging Face GPT-2 "
         f"directory, or a GPT-2 hub name ({', '.join(gpt2.HUB_NAMES)})"
     )
+
+
+def load_draft(draft: str, dtype: str = "float32") -> str | GPT:
+    """A script's --draft as the engine takes it: a kind of draft (none, ngram, int8) as it is, else the
+    smaller GPT that it names, loaded as `load` loads one."""
+    if draft == "none" or draft in DRAFTS:
+        return draft
+    return load(draft, dtype, flag="draft", also=f"none, {', '.join(DRAFTS)}, ")

@@ -10,8 +10,8 @@ from gpt.errors import ConfigError, MissingInput, check_fits_in_memory
 from gpt.generate import generate_text, new_tokens_that_fit
 from gpt.inference.decoding import Decoder
 from gpt.inference.sampling import SamplingParams
-from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft
-from gpt.loading import ModelChoice, load
+from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft, check_draft_model
+from gpt.loading import ModelChoice, load, load_draft
 from gpt.model.sharding import make_mesh, parse_mesh
 
 __all__ = ["SampleConfig", "sample"]
@@ -43,9 +43,10 @@ class SampleConfig(ModelChoice):
     """Print each sample's text as it is produced (samples are then generated one after another)."""
     compile_cache: bool = True
     """Keep compiled programs in the user's cache directory, so that the next run skips most compiles."""
-    draft: Draft = "none"
+    draft: Draft | str = "none"
     """Guess the next tokens and verify them a few at once, the same samples sooner where the guesses stand:
-    ngram from the prompt and output so far, int8 by the model's own weights in int8."""
+    ngram from the prompt and output so far, int8 by the model's own weights in int8, or a smaller GPT with
+    the same tokenizer from this INIT_FROM (a training out_dir, an HF directory, a hub name)."""
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     """The most guessed tokens one step verifies."""
 
@@ -69,7 +70,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     knobs = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
                  repetition_penalty=config.repetition_penalty)
     SamplingParams.check(**knobs)  # raises ConfigError naming the knob and its bound
-    check_draft(config.draft, config.draft_tokens)
+    check_draft(config.draft, config.draft_tokens, names_a_model=True)
     for name in ("num_samples", "max_new_tokens"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ConfigError(f"SampleConfig.{name} must be >= 1, got {getattr(config, name)}")
@@ -79,7 +80,11 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
                          "the samples' prompts and tokens", "ask for fewer --num_samples")
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     # Laid out for decoding (and quantized) once, for every sample.
-    decoder = Decoder.of(load(config.init_from, config.dtype), config.quantize, mesh)
+    draft, model = load_draft(config.draft, config.dtype), load(config.init_from, config.dtype)
+    if not isinstance(draft, str):  # before anything is laid out; then laid out once, as the model is
+        check_draft_model(draft.config, model.config, model.config.block_size)
+        draft = Decoder.of(draft, config.quantize, mesh)
+    decoder = Decoder.of(model, config.quantize, mesh)
     max_new_tokens = config.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = new_tokens_that_fit(decoder.config, start, _DEFAULT_NEW_TOKENS)
@@ -90,7 +95,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
         if config.stream:
             out.write(start)
         batch = generate_text(decoder, [start] * rows, max_new_tokens, seed=config.seed + i, on_text=on_text,
-                              draft=config.draft, draft_tokens=config.draft_tokens, **knobs)
+                              draft=draft, draft_tokens=config.draft_tokens, **knobs)
         texts.extend(batch)
         if config.stream:
             out.write("\n---------------\n")

@@ -103,6 +103,7 @@ def test_it_samples_serves_and_evaluates(trained):
     assert sample(SampleConfig(**greedy, mesh="data=4,tensor=2"), io.StringIO()) == texts
     assert len(sample(SampleConfig(**greedy, quantize="int8"), io.StringIO())) == 2
     assert sample(SampleConfig(**greedy, draft="ngram", draft_tokens=3), io.StringIO()) == texts
+    assert sample(SampleConfig(**greedy, draft=str(trained), draft_tokens=3), io.StringIO()) == texts  # a model
 
     server = Server(model, warmup=False)  # one request: the programs it runs, not every bucket's
     try:

@@ -306,6 +306,7 @@ USER_ERRORS = [
     ("sample.py", ["--temperature", "-1"], "temperature must be >= 0 (0 is greedy) and finite, got -1.0"),
     ("sample.py", ["--draft", "ngram", "--draft_tokens", "64"], "draft_tokens must be an integer in [1, 32], got 64"),
     ("sample.py", ["--init_from", "/no/such/run"], "--init_from '/no/such/run' is not a training out_dir"),
+    ("sample.py", ["--draft", "/no/such/run"], "--draft '/no/such/run' is not none, ngram, int8, a training out_dir"),
 ]
 
 

@@ -296,10 +296,12 @@ def test_a_signal_during_warm_up_stops_the_server_at_once(tmp_path, model):
 def test_sigterm_finishes_running_requests_and_exits(tmp_path, model):
     gpt2.save(model, tmp_path / "model")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    process = subprocess.Popen(  # over a mesh of 2 devices: --mesh reaches the engine, and changes no token
+    # Over a mesh of 2 devices, the model drafting for itself from its directory: --mesh and --draft reach
+    # the engine, and change no token.
+    process = subprocess.Popen(
         [sys.executable, str(ROOT / "serve.py"), "--init_from", str(tmp_path / "model"), "--port", "0",
          "--slots", "2", "--model_name", "tiny", "--no-compile_cache", "--shutdown_deadline_s", "20",
-         "--mesh", "tensor=2"],
+         "--mesh", "tensor=2", "--draft", str(tmp_path / "model")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
     try:
         lines = []

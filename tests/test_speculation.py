@@ -1,6 +1,7 @@
-"""Speculative decoding with a prompt-lookup draft and an int8 self-draft: the drafts prompt lookup finds,
-the tokens either gives (those of decoding without a draft, greedy or sampled, under continuous batching),
-the distribution it samples, and when the engine uses it."""
+"""Speculative decoding with a prompt-lookup draft, an int8 self-draft and a draft model: the drafts prompt
+lookup finds, the tokens each gives (those of decoding without a draft, greedy or sampled, under continuous
+batching), the distribution it samples, a draft model's cache kept up with its rows, and when the engine
+drafts."""
 
 import math
 
@@ -26,6 +27,18 @@ from serving import decisive_model
 @pytest.fixture(scope="module")
 def model():
     return decisive_model(vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def smaller():
+    """A draft model: a GPT of another depth and width with the model's vocabulary and context."""
+    return GPT(GPTConfig.preset("tiny", vocab_size=256, block_size=128, n_layer=1, n_embd=16, n_head=2),
+               rngs=nnx.Rngs(9))
+
+
+def the_draft(name, model, smaller):
+    """A parameter's draft: a kind by name, "itself" (the model as its own draft model) or "smaller"."""
+    return dict(itself=model, smaller=smaller).get(name, name)
 
 
 def drafts_of(history, draft_tokens=4):
@@ -93,11 +106,14 @@ PROMPTS = [  # ragged: a pattern the model may copy, text that does not repeat, 
     dict(temperature=1.0, seed=11),
     dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.05, seed=5),
 ])
-@pytest.mark.parametrize("draft, draft_tokens", [("ngram", 1), ("ngram", 4), ("int8", 3)])
-def test_a_draft_gives_the_tokens_of_decoding_without_one(model, knobs, draft, draft_tokens):
+@pytest.mark.parametrize("draft, draft_tokens", [("ngram", 1), ("ngram", 4), ("int8", 3), ("itself", 4),
+                                                  ("smaller", 2)])
+def test_a_draft_gives_the_tokens_of_decoding_without_one(model, smaller, knobs, draft, draft_tokens):
     """Greedy or sampled, the same tokens token for token, on ragged rows with max tokens landing inside
     a draft; drafts were verified, and greedy ones stood (random weights' samples seldom repeat: the
-    trained model's test below has sampled drafts stand)."""
+    trained model's test below has sampled drafts stand); the model as its own draft model has every
+    greedy guess stand (its cache kept up with each row's tokens)."""
+    draft = the_draft(draft, model, smaller)
     want = generate(model, PROMPTS, 37, **knobs)
     engine_drafts = []
     original = Engine.__init__
@@ -112,11 +128,13 @@ def test_a_draft_gives_the_tokens_of_decoding_without_one(model, knobs, draft, d
     assert got == want
     (engine,) = engine_drafts
     assert engine.drafts.tokens_drafted >= engine.drafts.drafts_accepted and engine.drafts.tokens_drafted > 0
-    assert engine.drafts.drafts_accepted > 0 or knobs["temperature"] > 0
+    assert engine.drafts.drafts_accepted > 0 or knobs["temperature"] > 0 or draft is smaller
+    if draft is model and knobs == dict(temperature=0.0):
+        assert engine.drafts.drafts_accepted == engine.drafts.tokens_drafted
 
 
-@pytest.mark.parametrize("draft", ["ngram", "int8"])
-def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model, draft):
+@pytest.mark.parametrize("draft", ["ngram", "int8", "itself"])
+def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model, smaller, draft):
     """Five requests through two slots (admitted as others end), stop tokens, stop strings and max tokens
     that land mid-draft, one step or several a call: each request's tokens and finish reason are those
     without a draft, and nothing compiles after the warm-up."""
@@ -142,7 +160,37 @@ def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model, draft
     want = run(None, 1)
     assert [reason for _, reason in want] == ["length", "stop", "length", "stop", "length"]
     for steps_per_call in (1, 4):
-        assert run(draft, steps_per_call) == want
+        assert run(the_draft(draft, model, smaller), steps_per_call) == want
+
+
+def test_a_draft_model_catches_up_with_each_rows_tokens_through_slot_reuse_and_chunked_prompts(model):
+    """The model as its own draft model, greedy: six requests through three slots (each slot's draft cache
+    emptied at admission and caught up over its new prompt, prompts of one token to several chunks, decode
+    widths below the slots' as rows end), several steps a call: every guess stands and the tokens are
+    decoding's without a draft. A draft cache that fell behind its row, or ran another row's tokens, would
+    guess from the wrong past."""
+    prompts = [[(7 * i + 3 * n) % 256 for i in range(n)] for n in (1, 40, 75, 3, 33, 90)]
+    want = generate(model, prompts, 20, temperature=0.0)
+    engine = Engine(model, slots=3, cache_length=128, prefill_chunk=32, steps_per_call=3, draft=model,
+                    draft_tokens=3)
+    engine.drafts.use_draft = lambda width: True
+    completions = [engine.submit(Request(p, 20, temperature=0.0)) for p in prompts]
+    engine.run(completions)
+    assert [c.tokens for c in completions] == want
+    assert engine.drafts.drafts_accepted == engine.drafts.tokens_drafted > 60
+
+
+@pytest.mark.parametrize("shape, message", [
+    (dict(vocab_size=128), "the draft's vocabulary of 128 tokens differs from the model's 256: a draft must share "
+                           "the model's tokenizer"),
+    (dict(block_size=32), "the draft's context of 32 positions is shorter than the 64 positions a row may hold "
+                          "(cache_length)"),
+])
+def test_a_draft_model_of_another_vocabulary_or_a_shorter_context_is_refused(model, shape, message):
+    draft = GPT(GPTConfig.preset("tiny", **{"vocab_size": 256, "block_size": 128, **shape}), rngs=nnx.Rngs(1))
+    with pytest.raises(ConfigError) as e:
+        Engine(model, cache_length=64, draft=draft)
+    assert str(e.value) == message
 
 
 def test_trained_weights_give_the_same_tokens_and_accept_drafts(trained_run, corpus_text):
@@ -156,7 +204,7 @@ def test_trained_weights_give_the_same_tokens_and_accept_drafts(trained_run, cor
     prompts = [get_tokenizer().encode(text[i: i + 400])[:96] for i in (0, 500)]
     for knobs in (dict(temperature=0.0), dict(temperature=0.7, seed=2)):
         want = generate(trained, prompts, 24, **knobs)
-        for draft in ("ngram", "int8"):
+        for draft in ("ngram", "int8", trained):
             engine = Engine(trained, slots=2, cache_length=128, steps_per_call=128, draft=draft)
             completions = [engine.submit(Request(p, 24, stream=i, **knobs)) for i, p in enumerate(prompts)]
             engine.run(completions)
@@ -210,7 +258,7 @@ def test_sampling_with_a_draft_draws_from_the_models_distribution(monkeypatch):
 
 
 @pytest.mark.parametrize("draft, draft_tokens, message", [
-    ("int4", 4, "draft must be one of none, ngram, int8; got 'int4'"),
+    ("int4", 4, "draft must be one of none, ngram, int8 or a GPT; got 'int4'"),
     ("ngram", 0, "draft_tokens must be an integer in [1, 32], got 0"),
     ("ngram", 33, "draft_tokens must be an integer in [1, 32], got 33"),
     ("ngram", 2.5, "draft_tokens must be an integer in [1, 32], got 2.5"),

@@ -28,9 +28,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gpt.errors import ConfigError
-from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams, choose, first_argmax
+from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams, choose
 from gpt.inference.scoring import scored_positions, token_scores
-from gpt.inference.speculation import ngram_drafts, stands
+from gpt.inference.speculation import draft_model_drafts, ngram_drafts, stands, weights_drafts
 from gpt.model.backend import choices
 from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
@@ -194,8 +194,10 @@ class Slots:
       seen: bool [S, V], tokens in the prompt or output (for the repetition penalty).
       settings: each slot's request's knobs.
       history: int32 [S, C], each slot's tokens at their positions (prompt, output, its last token at
-        its cache's length), where a draft is looked up (`gpt.inference.speculation`); None when the
-        slots decode without one.
+        its cache's length), where a draft is looked up (`gpt.inference.speculation`) or a draft model
+        reads what it has not run yet; None when the slots decode without either.
+      draft_cache: a draft model's own KV cache (a smaller GPT's), its lengths how many of each slot's
+        positions hold the draft's keys and values of the slot's real tokens; None without one.
     """
 
     cache: KVCache
@@ -206,17 +208,21 @@ class Slots:
     seen: jax.Array
     settings: Settings
     history: jax.Array | None = None
+    draft_cache: KVCache | None = None
 
     def select(self, rows_R: jax.Array) -> Slots:
-        """Slots `rows_R` (int32 [R], distinct) alone: their rows of every array, over a view of the cache."""
-        rest = jax.tree.map(lambda a: a[rows_R], dataclasses.replace(self, cache=None))
-        return dataclasses.replace(rest, cache=self.cache.select(rows_R))
+        """Slots `rows_R` (int32 [R], distinct) alone: their rows of every array, over views of the caches."""
+        rest = jax.tree.map(lambda a: a[rows_R], dataclasses.replace(self, cache=None, draft_cache=None))
+        draft_cache = None if self.draft_cache is None else self.draft_cache.select(rows_R)
+        return dataclasses.replace(rest, cache=self.cache.select(rows_R), draft_cache=draft_cache)
 
     def merge(self, rows_R: jax.Array, view: Slots) -> Slots:
         """These slots after `view` (`select(rows_R)`) has run."""
         put = lambda mine, theirs: mine.at[rows_R].set(theirs, unique_indices=True)  # noqa: E731
-        rest = jax.tree.map(put, dataclasses.replace(self, cache=None), dataclasses.replace(view, cache=None))
-        return dataclasses.replace(rest, cache=self.cache.merge(view.cache))
+        caches = dict(cache=None, draft_cache=None)
+        rest = jax.tree.map(put, dataclasses.replace(self, **caches), dataclasses.replace(view, **caches))
+        draft_cache = None if self.draft_cache is None else self.draft_cache.merge(view.draft_cache)
+        return dataclasses.replace(rest, cache=self.cache.merge(view.cache), draft_cache=draft_cache)
 
 
 @jax.tree_util.register_dataclass
@@ -357,17 +363,20 @@ class Emitted:
 
 
 def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_tokens: int,
-               history: bool = False) -> Slots:
+               history: bool = False, draft_config: GPTConfig | None = None) -> Slots:
     """Empty slots (all free) over a zeroed cache of `cache_length` positions per slot, paged on CPU so
     that a decode step reads only the pages its rows have reached (on a GPU, one page that cuDNN's
-    attention reads under the mask); with each slot's `history` when `history` (for a draft)."""
+    attention reads under the mask); with each slot's `history` when `history` (for a draft), and a cache
+    of the same positions for the draft model of shape `draft_config` when one is given."""
     S = num_slots
+    page_length = choices().kv_page_length
     return Slots(
-        cache=KVCache.init(config, S, cache_length, choices().kv_page_length),
+        cache=KVCache.init(config, S, cache_length, page_length),
         last_token=jnp.zeros((S,), jnp.int32), live=jnp.zeros((S,), jnp.bool_),
         remaining=jnp.zeros((S,), jnp.int32), generated=jnp.zeros((S,), jnp.int32),
         seen=jnp.zeros((S, config.vocab_size), jnp.bool_), settings=Settings.empty(S, max_stop_tokens),
         history=jnp.zeros((S, cache_length), jnp.int32) if history else None,
+        draft_cache=None if draft_config is None else KVCache.init(draft_config, S, cache_length, page_length),
     )
 
 
@@ -440,12 +449,15 @@ def place(slots: Slots, cache: KVCache, admission: Admission, c: _Choice) -> tup
     if slots.history is not None:  # the prompt, then its first token at the cache's length
         prompt_bC = admission.prompt.at[jnp.arange(b), cache.lengths].set(c.token, mode="drop")
         history = put(slots.history, prompt_bC)
+    draft_cache = slots.draft_cache
+    if draft_cache is not None:  # the draft has run none of the new prompts: it catches up as it drafts
+        draft_cache = dataclasses.replace(draft_cache, lengths=put(draft_cache.lengths, jnp.zeros((b,), jnp.int32)))
     slots = Slots(
         cache=slots.cache.insert(cache, at, cache.lengths),
         last_token=put(slots.last_token, jnp.maximum(c.token, 0)), live=put(slots.live, c.live),
         remaining=put(slots.remaining, c.remaining), generated=put(slots.generated, jnp.ones((b,), jnp.int32)),
         seen=put(slots.seen, c.seen), settings=jax.tree.map(put, slots.settings, admission.settings),
-        history=history,
+        history=history, draft_cache=draft_cache,
     )
     emitted = Emitted(token=c.token[None], stopped=c.stopped[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
                       top_logprobs=c.top_logprobs[None], live=c.live, count=(c.token != NO_TOKEN).astype(jnp.int32),
@@ -527,7 +539,7 @@ def load_prefix(config: GPTConfig, cached: PrefixCacheBlocks, ids_M: jax.Array, 
 
 def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Array, stop_at_finish: jax.Array,
            max_steps: int, rows_R: jax.Array | None = None, draft_tokens: int = 0,
-           draft_weights: Weights | None = None) -> tuple[Slots, Emitted]:
+           draft_weights: Weights | None = None, draft_config: GPTConfig | None = None) -> tuple[Slots, Emitted]:
     """Up to `num_steps` (<= max_steps, static) decode steps for every live slot, in one while_loop.
 
     The loop ends early when no slot is live, or, with `stop_at_finish`, once any slot finishes (so that
@@ -542,13 +554,15 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Arr
     count). None runs all S slots. Either way the result is [M, S].
 
     draft_tokens: K > 0 (static) verifies up to K drafted tokens a row a step (`_verify_step`), which so
-    emits up to K + 1 tokens a row; M is then `emitted_entries(max_steps, K, C)`. The draft: the weights
-    `draft_weights` (`int8_draft_weights`) when given, else each slot's `history` (`ngram_drafts`).
+    emits up to K + 1 tokens a row; M is then `emitted_entries(max_steps, K, C)`. The draft: a smaller
+    GPT of shape `draft_config` with weights `draft_weights` over the slots' `draft_cache` when the slots
+    have one; else the weights `draft_weights` (`int8_draft_weights`) over the slots' own cache when given;
+    else each slot's `history` (`ngram_drafts`).
     """
+    draft = (draft_tokens, draft_weights, draft_config)
     if rows_R is None:
-        return _decode_rows(config, weights, slots, num_steps, stop_at_finish, max_steps, draft_tokens, draft_weights)
-    view, out_R = _decode_rows(config, weights, slots.select(rows_R), num_steps, stop_at_finish, max_steps,
-                               draft_tokens, draft_weights)
+        return _decode_rows(config, weights, slots, num_steps, stop_at_finish, max_steps, *draft)
+    view, out_R = _decode_rows(config, weights, slots.select(rows_R), num_steps, stop_at_finish, max_steps, *draft)
     slots = slots.merge(rows_R, view)
     # The view's [M, R, ...] outputs into [M, S, ...]; the other slots emitted nothing.
     per_row = lambda out: dataclasses.replace(out, live=None, count=None, drafted=None, accepted=None)  # noqa: E731
@@ -578,12 +592,13 @@ class _Progress:
 
 
 def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Array, stop_at_finish: jax.Array,
-                 max_steps: int, draft_tokens: int, draft_weights: Weights | None) -> tuple[Slots, Emitted]:
+                 max_steps: int, draft_tokens: int, draft_weights: Weights | None,
+                 draft_config: GPTConfig | None) -> tuple[Slots, Emitted]:
     """`decode`'s loop over every row of `slots` (all of them, or a selection's)."""
     entries = emitted_entries(max_steps, draft_tokens, slots.cache.length)
     live_at_start = slots.live
     step = (functools.partial(_step, config, weights) if draft_tokens == 0
-            else functools.partial(_verify_step, config, weights, draft_tokens, draft_weights))
+            else functools.partial(_verify_step, config, weights, draft_tokens, draft_weights, draft_config))
 
     def keep_going(p: _Progress):
         finished = jnp.any(live_at_start & ~p.slots.live)
@@ -663,41 +678,41 @@ def _verify_choices(logits_RTV: jax.Array, drafts_RK: jax.Array, count_R: jax.Ar
     return stood_R, token_RT, jax.tree.map(lambda a: a.reshape(R, T, *a.shape[1:]), scores)
 
 
-def _verify_step(config: GPTConfig, weights: Weights, K: int, draft_weights: Weights | None, p: _Progress) -> _Progress:
-    """One decode step with a draft: each row's last token and up to K drafted tokens after it (by
-    `draft_weights`, `_model_drafts`, or else `ngram_drafts`) through the model at once, the target's own
-    choice at each of those K + 1 positions (as a plain step would make it there, its PRNG position
-    included), and the row advanced past the drafts that stand (`stands`) and the target's token after
-    them. The keys and values of drafts that did not stand lie past the row's new length, where the next
-    step writes before any query can see them.
+def _verify_step(config: GPTConfig, weights: Weights, K: int, draft_weights: Weights | None,
+                 draft_config: GPTConfig | None, p: _Progress) -> _Progress:
+    """One decode step with a draft: each row's last token and up to K drafted tokens after it (by a draft
+    model over its own cache, `draft_model_drafts`; by `draft_weights` over the target's, `weights_drafts`;
+    or else `ngram_drafts`) through the model at once, the target's own choice at each of those K + 1
+    positions (as a plain step would make it there, its PRNG position included), and the row advanced past
+    the drafts that stand (`stands`) and the target's token after them. The keys and values of drafts that
+    did not stand lie past the row's new length, where the next step writes before any query can see them.
     """
     slots = p.slots
-    if draft_weights is None:
+    if slots.draft_cache is not None:
+        drafts_RK, draft_cache = draft_model_drafts(draft_config, draft_weights, slots.draft_cache, slots.history,
+                                                    slots.cache.lengths, slots.last_token, slots.live, K)
+        drafted = dataclasses.replace(p, slots=dataclasses.replace(slots, draft_cache=draft_cache))
+    elif draft_weights is not None:
+        drafts_RK, cache = weights_drafts(config, draft_weights, slots.cache, slots.last_token, slots.live, K)
+        drafted = dataclasses.replace(p, slots=dataclasses.replace(slots, cache=cache))
+    else:
         drafts_RK, count_R = ngram_drafts(slots.history, slots.cache.lengths, K)
         drafted = p
-    else:
-        drafts_RK, cache = _model_drafts(config, draft_weights, slots, K)
-        count_R, drafted = jnp.full_like(slots.last_token, K), dataclasses.replace(
-            p, slots=dataclasses.replace(slots, cache=cache))
+    if draft_weights is not None:
+        count_R = jnp.full_like(slots.last_token, K)
     # No draft past what the request may still emit: each position's output is then inside the cache. (A
     # step where no row has a draft runs all the same: a lax.cond between it and a plain step had XLA's CPU
     # copy the slots' cache each step, 10x a GPT-2 124M step.)
     count_R = jnp.where(slots.live, jnp.minimum(count_R, slots.remaining - 1), 0)
-    return _verify(config, weights, drafts_RK, count_R, drafted)
-
-
-def _model_drafts(config: GPTConfig, draft_weights: Weights, slots: Slots, K: int) -> tuple[jax.Array, KVCache]:
-    """K greedy tokens a row by the draft's weights after the row's last token, one position at a time,
-    reading the target's cache for the row's past and the draft's own keys and values (written at the
-    positions the verification then writes the target's) for its guesses. Returns (int32 [R, K], the
-    cache with those keys and values and the rows' lengths as they were)."""
-    cache, token_R, drafts = slots.cache, slots.last_token, []
-    start_R = jnp.where(slots.live, cache.lengths, 0)
-    for i in range(K):
-        x_R1D, cache = forward(config, draft_weights, token_R[:, None], (start_R + i)[:, None], cache)
-        token_R = first_argmax(lm_head(draft_weights, x_R1D)[:, 0])
-        drafts.append(token_R)
-    return jnp.stack(drafts, axis=1), dataclasses.replace(cache, lengths=slots.cache.lengths)
+    verified = _verify(config, weights, drafts_RK, count_R, drafted)
+    if slots.draft_cache is None:
+        return verified
+    # The draft ran the last token and its guesses at positions L .. L + K - 1; those up to the first guess
+    # that did not stand hold the real tokens' keys and values (the new length, at most L + K).
+    ran_R = jnp.minimum(verified.slots.cache.lengths, slots.cache.lengths + K)
+    draft_cache = verified.slots.draft_cache
+    draft_cache = dataclasses.replace(draft_cache, lengths=jnp.where(slots.live, ran_R, draft_cache.lengths))
+    return dataclasses.replace(verified, slots=dataclasses.replace(verified.slots, draft_cache=draft_cache))
 
 
 def _verify(config: GPTConfig, weights: Weights, drafts_RK: jax.Array, count_R: jax.Array, p: _Progress) -> _Progress:
@@ -740,10 +755,11 @@ def decode_chunk_length(max_steps: int) -> int:
 compiled_prefill = jax.jit(prefill, static_argnames="config", donate_argnames="prefix")
 compiled_choose_first = jax.jit(choose_first)
 compiled_place = jax.jit(place, donate_argnames="slots")
-compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps", "draft_tokens"), donate_argnames="slots")
+compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps", "draft_tokens", "draft_config"),
+                          donate_argnames="slots")
 compiled_free = jax.jit(free, donate_argnames="slots")
 compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
-compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3, 4))
+compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3, 4, 5))
 compiled_init_prefix_cache = jax.jit(init_prefix_cache, static_argnums=(0, 1))
 compiled_save_blocks = jax.jit(save_blocks, donate_argnames="cached")
 compiled_load_prefix = jax.jit(load_prefix, static_argnames="config")

@@ -36,6 +36,7 @@ from gpt.inference.decoding import (
 from gpt.inference.request import Request
 from gpt.inference.sampling import SamplingParams
 from gpt.model.sharding import data_parallel_size
+from gpt.model.transformer import GPT
 
 __all__ = ["DeviceSlots"]
 
@@ -46,8 +47,9 @@ PADDING = Request([0], 1, temperature=0.0)
 class DeviceSlots:
     """`num_slots` slots of `cache_length` positions over `decoder`'s weights (and mesh, if any), decoded
 `max_steps` steps a call at most (one compiled decode loop); with a `draft` ("ngram": each slot keeps its
-tokens' history; "int8": the weights in int8 draft) a decode may verify up to `draft_tokens` drafted tokens
-a step (`gpt.inference.speculation`).
+tokens' history; "int8": the weights in int8 draft; a GPT or its Decoder: that smaller GPT drafts, over a
+cache of its own beside the history) a decode may verify up to `draft_tokens` drafted tokens a step
+(`gpt.inference.speculation`).
 
     Attributes:
       num_slots: the slots, `num_slots` rounded up to a multiple of rows_per_prefill.
@@ -56,16 +58,20 @@ a step (`gpt.inference.speculation`).
     """
 
     def __init__(self, decoder: Decoder, num_slots: int, cache_length: int, max_stop_tokens: int, max_steps: int,
-                 draft: str = "none", draft_tokens: int = 0):
+                 draft: str | GPT | Decoder = "none", draft_tokens: int = 0):
         self.config, self.weights, self.mesh = decoder.config, decoder.weights, decoder.mesh
         self.rows_per_prefill = data_parallel_size(self.mesh) if self.mesh is not None else 1
         self.num_slots = -(-num_slots // self.rows_per_prefill) * self.rows_per_prefill
         self.max_stop_tokens, self.max_steps, self.draft_tokens = max_stop_tokens, max_steps, draft_tokens
-        self.cache_length, self.history = cache_length, draft == "ngram"
+        drafter = None if isinstance(draft, str) else Decoder.of(  # a smaller GPT, laid out as the model is
+            draft, None if isinstance(draft, Decoder) else decoder.quantize, decoder.mesh)
+        self.cache_length, self.history = cache_length, draft == "ngram" or drafter is not None
+        self.draft_config = None if drafter is None else drafter.config
         with self.on_mesh():
-            self.draft_weights = int8_draft_weights(decoder) if draft == "int8" else None
+            self.draft_weights = (int8_draft_weights(decoder) if draft == "int8"
+                                  else None if drafter is None else drafter.weights)
             self.slots = compiled_init_slots(self.config, self.num_slots, cache_length, max_stop_tokens,
-                                             self.history)
+                                             self.history, self.draft_config)
 
     def on_mesh(self):
         """A context in which the verbs run over the mesh (none without one)."""
@@ -130,7 +136,8 @@ a step (`gpt.inference.speculation`).
             self.slots, emitted = compiled_decode(self.config, self.weights, self.slots, np.int32(num_steps),
                                                   np.bool_(stop_at_finish), max_steps=self.max_steps, rows_R=rows_R,
                                                   draft_tokens=self.draft_tokens if draft else 0,
-                                                  draft_weights=self.draft_weights if draft else None)
+                                                  draft_weights=self.draft_weights if draft else None,
+                                                  draft_config=self.draft_config)
         return emitted
 
     def free(self, free_S: np.ndarray) -> None:

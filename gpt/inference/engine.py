@@ -76,7 +76,7 @@ class Engine:
     def __init__(self, model: GPT | Decoder, settings: EngineSettings | None = None, *, quantize: str | None = None,
                  mesh: Mesh | None = None, **changes):
         config = model.config
-        self.settings = s = EngineSettings.of(settings, **changes).checked(config.block_size)
+        self.settings = s = EngineSettings.of(settings, **changes).checked(config)
         self.device = DeviceSlots(Decoder.of(model, quantize, mesh), s.slots, s.cache_length, s.max_stop_tokens,
                                   s.steps_per_call, s.draft, s.draft_tokens)
         self.drafts = DraftPolicy() if s.draft_tokens else None  # when to draft, and the drafts' counts

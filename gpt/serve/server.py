@@ -229,14 +229,15 @@ def serve(config: ServeConfig) -> None:
 
 def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | None) -> None:
     from gpt.compilation_cache import enable_compilation_cache
-    from gpt.loading import load
+    from gpt.loading import load, load_draft
 
     enable_compilation_cache(config.compile_cache)
     log = lambda line: print(line, flush=True)  # noqa: E731
     # Loading and warm-up run before uvicorn takes the signals (a GPT-2 warm-up takes 20-40 s on a CPU), so
     # that one stops serve.py at once (`cli_main`), not after the warm-up.
+    draft = load_draft(config.draft, config.dtype)
     model = load(config.init_from, config.dtype)
-    engine = Engine(model, config, quantize=config.quantize, mesh=mesh)
+    engine = Engine(model, config, quantize=config.quantize, mesh=mesh, draft=draft)
     engine.warmup(log)
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,
