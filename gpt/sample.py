@@ -9,8 +9,9 @@ from pathlib import Path
 from gpt.errors import ConfigError, MissingInput, check_fits_in_memory
 from gpt.generate import generate_text, new_tokens_that_fit
 from gpt.inference.decoding import Decoder
+from gpt.inference.engine_settings import DraftChoice
 from gpt.inference.sampling import SamplingParams
-from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft, check_draft_model
+from gpt.inference.speculation import check_draft, check_draft_model
 from gpt.loading import ModelChoice, load, load_draft
 from gpt.model.sharding import make_mesh, parse_mesh
 
@@ -23,8 +24,9 @@ _BYTES_A_TOKEN = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class SampleConfig(ModelChoice):
-    """`python sample.py --help` lists these as flags (which model and how: `ModelChoice`)."""
+class SampleConfig(DraftChoice, ModelChoice):
+    """`python sample.py --help` lists these as flags (which model and how: `ModelChoice`; whether it
+    guesses ahead: `DraftChoice`)."""
 
     start: str = "\n"
     """The prompt, or FILE:path to read it from a file."""
@@ -43,12 +45,6 @@ class SampleConfig(ModelChoice):
     """Print each sample's text as it is produced (samples are then generated one after another)."""
     compile_cache: bool = True
     """Keep compiled programs in the user's cache directory, so that the next run skips most compiles."""
-    draft: Draft | str = "none"
-    """Guess the next tokens and verify them a few at once, the same samples sooner where the guesses stand:
-    ngram from the prompt and output so far, int8 by the model's own weights in int8, or a smaller GPT with
-    the same tokenizer from this INIT_FROM (a training out_dir, an HF directory, a hub name)."""
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS
-    """The most guessed tokens one step verifies."""
 
 
 def _prompt(start: str) -> str:

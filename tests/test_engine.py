@@ -299,15 +299,19 @@ def test_extreme_knobs_run_beside_other_requests(model):
 
 
 def test_an_engines_settings_are_one_dataclass_that_serve_config_extends(model):
-    """serve.py's settings hold the engine's (`EngineSettings`), declared once: an Engine takes a
-    ServeConfig as its settings, and keywords change some."""
+    """serve.py's settings hold the engine's (`EngineSettings`), and sample.py's its draft's (`DraftChoice`),
+    declared once: an Engine takes a ServeConfig as its settings, and keywords change some."""
     import dataclasses
 
-    from gpt.inference.engine_settings import EngineSettings
+    from gpt.inference.engine_settings import DraftChoice, EngineSettings
+    from gpt.sample import SampleConfig
     from gpt.serve import ServeConfig
 
     engine_fields = {f.name for f in dataclasses.fields(EngineSettings)}
     assert issubclass(ServeConfig, EngineSettings) and not engine_fields & set(vars(ServeConfig)["__annotations__"])
+    draft_fields = {f.name for f in dataclasses.fields(DraftChoice)}  # sample.py's draft flags are the engine's
+    assert issubclass(SampleConfig, DraftChoice) and issubclass(EngineSettings, DraftChoice)
+    assert not draft_fields & (set(vars(SampleConfig)["__annotations__"]) | set(vars(EngineSettings)["__annotations__"]))
     engine = Engine(model, ServeConfig(slots=2, cache_length=32, draft="ngram", draft_tokens=3), max_queue=5)
     assert (engine.num_slots, engine.cache_length, engine.max_queue, engine.device.draft_tokens) == (2, 32, 5, 3)
     with pytest.raises(TypeError, match="EngineSettings has no field port"):

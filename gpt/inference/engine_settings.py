@@ -11,12 +11,26 @@ from gpt.inference.shapes import MIN_PROMPT_BUCKET
 from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft, check_draft_model
 from gpt.model.config import GPTConfig
 
-__all__ = ["EngineSettings"]
+__all__ = ["DraftChoice", "EngineSettings"]
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineSettings:
-    """An engine's slots, queue, shapes and draft."""
+class DraftChoice:
+    """Whether and how decoding guesses ahead: the engine's and sample.py's, each a flag."""
+
+    draft: Draft | str = "none"
+    """Guess each request's next tokens and verify them a few at once (the same tokens, sooner where the
+    guesses stand), at the widths where that has measured faster: ngram from its prompt and output, int8
+    by the model's own weights in int8, or a smaller GPT with the same tokenizer: serve.py and sample.py
+    load it from this INIT_FROM (a training out_dir, an HF directory, a hub name), the library takes the
+    GPT (or its Decoder) itself (`gpt.inference.speculation`)."""
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    """The most guessed tokens one step verifies."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings(DraftChoice):
+    """An engine's slots, queue, shapes and draft (`DraftChoice`)."""
 
     slots: int = 8
     """Requests decoded together (rounded up to a multiple of the mesh's data-parallel size)."""
@@ -37,14 +51,6 @@ class EngineSettings:
     multiple-choice task. Not over a mesh's data axis."""
     max_stop_tokens: int = 8
     """The most stop tokens a request may give."""
-    draft: Draft | str = "none"
-    """Guess each request's next tokens and verify them a few at once (the same tokens, sooner where the
-    guesses stand), at the widths where that has measured faster: ngram from its prompt and output, int8
-    by the model's own weights in int8, or a smaller GPT with the same tokenizer: serve.py and sample.py
-    load it from this INIT_FROM (a training out_dir, an HF directory, a hub name), the library takes the
-    GPT (or its Decoder) itself (`gpt.inference.speculation`)."""
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS
-    """The most guessed tokens one step verifies."""
 
     def checked(self, config: GPTConfig | None = None) -> EngineSettings:
         """These settings with their integers as ints, `cache_length` filled in (None: the model's context)
