@@ -7,12 +7,22 @@ disk instead of compiling them again. The cache lives in the user's cache direct
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import jax
 
-__all__ = ["enable_compilation_cache", "default_directory"]
+__all__ = ["enable_compilation_cache", "default_directory", "CompileCacheChoice"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCacheChoice:
+    """Whether a command keeps its compiled programs: a flag of train.py, sample.py and serve.py."""
+
+    compile_cache: bool = True
+    """Keep compiled programs in the user's cache directory,
+    so that the next run (a resumed training, the next sample, a server's restart) skips most compiles."""
 
 
 def default_directory() -> Path:

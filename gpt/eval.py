@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from gpt.data.corpus import BadRecords, expand_inputs, read_sections
 from gpt.data.loader import shard_paths
+from gpt.data.prepare import TextFieldChoice
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, cli_main
 from gpt.inference.decoding import Decoder
@@ -51,13 +52,11 @@ __all__ = ["EvalConfig", "evaluate", "windows", "Score"]
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig(ModelChoice):
+class EvalConfig(ModelChoice, TextFieldChoice):
     """What `python -m gpt.eval` measures; `--help` lists these as flags (which model and how: `ModelChoice`)."""
 
     data: tuple[str, ...] = ()
     """Files, directories or globs to score (the formats the trainer reads)."""
-    text_field: str = "text"
-    """The field (JSONL) or column (Parquet, saved datasets) holding each document's text."""
     stride: int | None = None
     """Tokens each window moves by, in [1, context]; default: the model's context (windows that do not overlap)."""
     batch_size: int = 8

@@ -6,6 +6,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from gpt.compilation_cache import CompileCacheChoice
 from gpt.errors import ConfigError, MissingInput, check_fits_in_memory
 from gpt.generate import generate_text, new_tokens_that_fit
 from gpt.inference.decoding import Decoder
@@ -24,7 +25,7 @@ _BYTES_A_TOKEN = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class SampleConfig(DraftChoice, ModelChoice):
+class SampleConfig(DraftChoice, ModelChoice, CompileCacheChoice):
     """`python sample.py --help` lists these as flags (which model and how: `ModelChoice`; whether it
     guesses ahead: `DraftChoice`)."""
 
@@ -43,8 +44,6 @@ class SampleConfig(DraftChoice, ModelChoice):
     seed: int = 1337
     stream: bool = False
     """Print each sample's text as it is produced (samples are then generated one after another)."""
-    compile_cache: bool = True
-    """Keep compiled programs in the user's cache directory, so that the next run skips most compiles."""
 
 
 def _prompt(start: str) -> str:

@@ -51,8 +51,8 @@ from gpt.errors import ConfigError, MissingInput
 from gpt.run_dir import RunLock, make_dir
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["prepare", "sources", "in_validation", "default_corpus", "corpus_identity", "PrepareConfig",
-           "DEFAULT_VAL_FRACTION"]
+__all__ = ["prepare", "sources", "in_validation", "default_corpus", "corpus_identity", "PrepareConfig", "CorpusChoice",
+           "TextFieldChoice", "DEFAULT_VAL_FRACTION"]
 
 SPLIT_RULE = "section is val when blake2b-64(text) / 2**64 < val_fraction"
 DEFAULT_VAL_FRACTION = 0.05  # prepare's, `python -m gpt.data`'s and train.py's: one corpus, one preparation
@@ -397,18 +397,30 @@ def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_fi
 # ------------------------------------------------------------------------------------------ the CLI
 
 @dataclasses.dataclass(frozen=True)
-class PrepareConfig:
-    """`python -m gpt.data --help` lists these as flags."""
+class TextFieldChoice:
+    """Where a record's text is: a flag of every command that reads a corpus."""
+
+    text_field: str = "text"
+    """The field (JSONL) or column (Parquet, saved datasets) holding each document's text."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusChoice(TextFieldChoice):
+    """The corpus a preparation reads and how it is split: `python -m gpt.data`'s and train.py's flags."""
 
     data: tuple[str, ...] = ()
     """Files, directories or globs: text, .jsonl(.gz/.zst), .parquet, or a saved datasets directory;
-    empty prepares the embedded default corpus."""
+    empty: the embedded default corpus (the Python standard library)."""
+    val_fraction: float = DEFAULT_VAL_FRACTION
+    """The share of the corpus held out for evaluation (sections chosen by hash: see gpt/data/prepare.py)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig(CorpusChoice):
+    """`python -m gpt.data --help` lists these as flags (the corpus and its split: `CorpusChoice`)."""
+
     out_dir: str = "out/data"
     """Where the shards and meta.json go (train.py uses OUT_DIR/data)."""
-    val_fraction: float = DEFAULT_VAL_FRACTION
-    """The share of sections held out for validation (by hash: see gpt/data/prepare.py)."""
-    text_field: str = "text"
-    """The field (JSONL) or column (Parquet, datasets) that holds each document's text."""
     workers: int | None = None
     """Tokenizer threads (default: every core)."""
     shard_tokens: int = 100_000_000

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from gpt.compilation_cache import CompileCacheChoice
 from gpt.errors import ConfigError
 from gpt.inference.engine_settings import EngineSettings
 from gpt.loading import ModelChoice
@@ -13,7 +14,7 @@ __all__ = ["ServeConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ServeConfig(EngineSettings, ModelChoice):
+class ServeConfig(EngineSettings, ModelChoice, CompileCacheChoice):
     """`python serve.py --help` lists these as flags (which model and how: `ModelChoice`; the engine's slots,
     shapes and draft: `EngineSettings`)."""
 
@@ -27,8 +28,6 @@ class ServeConfig(EngineSettings, ModelChoice):
     shutdown_deadline_s: float = 10.0
     """On SIGTERM, how long running and waiting requests may take to finish; then each ends at once
     (a stream's last event has finish_reason "abort", a plain request gets 503)."""
-    compile_cache: bool = True
-    """Keep compiled programs in the user's cache directory, so that a restart skips most of the warm-up."""
     api_key: str | None = None
     """Answer only requests that send 'Authorization: Bearer KEY' (others get 401; /health and /metrics stay
     open). The environment variable GPT_API_KEY sets it too, out of the process listing."""

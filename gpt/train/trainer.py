@@ -36,9 +36,10 @@ import tyro
 from flax import nnx
 from tqdm import tqdm
 
+from gpt.compilation_cache import CompileCacheChoice
 from gpt.data.loader import Batches
 from gpt.data.prefetch import Prefetch
-from gpt.data.prepare import DEFAULT_VAL_FRACTION, corpus_identity, default_corpus, prepare, sources
+from gpt.data.prepare import CorpusChoice, corpus_identity, default_corpus, prepare, sources
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, RunFailed, check_fits_in_memory
 from gpt.model import gpt2
@@ -66,19 +67,13 @@ __all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setu
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything a training run needs; `python train.py --help` lists these as flags."""
+class TrainConfig(CorpusChoice, CompileCacheChoice):
+    """Everything a training run needs; `python train.py --help` lists these as flags (the corpus it trains
+    on and its split: `CorpusChoice`; the optimizer: `optim`)."""
 
-    data: tuple[str, ...] = ()
-    """Files, directories or globs to train on (text, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, or a saved
-    datasets directory); empty trains on the embedded default corpus (the Python standard library)."""
     out_dir: str = "out"
     """Where the tokenized data, checkpoints, metrics.jsonl and TensorBoard events go; a run resumes from
     the newest intact checkpoint here automatically."""
-    val_fraction: float = DEFAULT_VAL_FRACTION
-    """The share of the corpus held out for evaluation (sections chosen by hash: see gpt/data/prepare.py)."""
-    text_field: str = "text"
-    """The field (JSONL) or column (Parquet, saved datasets) holding each document's text."""
     prepare_timeout_s: float = 24 * 3600
     """On several processes: how long the others wait for process 0 to prepare the corpus."""
     init_from: str = "scratch"
@@ -132,8 +127,6 @@ class TrainConfig:
     """Peak FLOP/s of one device, for MFU; known GPUs are looked up, unknown devices report no MFU."""
     sample_tokens: int = 200
     """Tokens of a sample printed at the end (0 for none)."""
-    compile_cache: bool = True
-    """Keep compiled programs in the user's cache directory (a resumed run skips most of its compiles)."""
     prefetch: int = 2
     """Batches read and placed on the devices ahead of the step, by a background thread (0: read each
     batch on the loop's own thread, when its step needs it)."""
