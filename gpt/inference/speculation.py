@@ -32,8 +32,8 @@ from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
 from gpt.model.transformer import Weights, forward, lm_head
 
-__all__ = ["ngram_drafts", "weights_drafts", "draft_model_drafts", "stands", "check_draft", "check_draft_model", "Draft", "DRAFTS", "DEFAULT_DRAFT_TOKENS",
-           "MAX_DRAFT_TOKENS", "MAX_NGRAM"]
+__all__ = ["ngram_drafts", "weights_drafts", "draft_model_drafts", "stands", "check_draft", "check_draft_model",
+           "Draft", "DRAFTS", "DEFAULT_DRAFT_TOKENS", "MAX_DRAFT_TOKENS", "MAX_NGRAM"]
 
 DEFAULT_DRAFT_TOKENS = 4  # K, when a draft is asked for without it
 MAX_NGRAM = 3  # the longest suffix looked up; shorter ones are tried when it is not found
@@ -94,8 +94,8 @@ def draft_model_drafts(config: GPTConfig, weights: Weights, cache: KVCache, hist
                        draft_tokens: int) -> tuple[jax.Array, KVCache]:
     """K greedy tokens a row by a draft model (`config`, `weights`) over its own `cache`, whose lengths say
     how many of each row's positions it has run. It first runs the row's tokens it has not (`_catch_up`,
-    from the row's history); its first guessing forward then runs the position before the last token (at
-    lengths_R) and the last token's, so that a step after which every guess stood, which leaves one
+    from the row's history, up to the one before the last); its first guessing forward then runs that one
+    and the last token (at lengths_R), so that a step after which every guess stood, which leaves one
     position unrun, needs no catch-up. Returns (int32 [R, K], its cache; the lengths are the caller's to
     set once it knows which guesses stood)."""
     cache = _catch_up(config, weights, cache, history_RC, jnp.where(live_R, lengths_R - 1, 0))
