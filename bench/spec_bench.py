@@ -8,12 +8,15 @@ beside transformers' assisted generation (`prompt_lookup_num_tokens`, `assistant
     python bench/spec_bench.py --init_from random-gpt2 --drafts int8 --draft_tokens 4   # GPT-2 124M shapes
     python train.py --out_dir draft --model.n_layer 2 --model.n_embd 64 --model.n_head 2   # a smaller GPT
     python bench/spec_bench.py --drafts model --draft_model draft --transformers   # it drafting for out/
+    python bench/spec_bench.py --steps_per_call 1 --drafts ngram model --draft_model draft   # a server's calls
 
 The text: held-out source files (the standard library's subpackage modules, which `python train.py`'s
 default corpus, the top-level modules, does not hold), each shown its first --prompt tokens and continued
 by --new_tokens more. For each way, tokens/s over all the files (each file timed on its own after a
 warm-up run of it; the best of --repeats), its speed-up over the same engine without a draft, the share of
-drafted tokens that stood, and whether its tokens equal ours without a draft. Prints a Markdown table
+drafted tokens that stood, and whether its tokens equal ours without a draft. With --steps_per_call, ours
+runs through one long-lived engine making calls of that many steps, as serve.py's does, each draft both at
+a fixed K and with K chosen per call by the engine's policy (and how often it chose each K). Prints a Markdown table
 for bench/RESULTS.md. With `--init_from random-gpt2`, random weights of GPT-2 124M's shapes: their logits
 are near flat, so an int8 draft's acceptance there is a floor, not a target.
 """
@@ -21,6 +24,7 @@ are near flat, so an int8 draft's acceptance there is a floor, not a target.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import subprocess
 import sysconfig
@@ -78,6 +82,36 @@ def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens):
             engine.run([engine.submit(Request(prompt, new_tokens, temperature=0.0))])
             drafted, accepted = drafted + engine.drafts.tokens_drafted, accepted + engine.drafts.drafts_accepted
     return len(prompts) * new_tokens / seconds, accepted / drafted if drafted else None, outputs
+
+
+def bench_engine(decoder, prompts, new_tokens, repeats, draft, draft_tokens, steps_per_call, fixed):
+    """(tokens/s, acceptance, tokens, the share of calls at each K): each prompt alone, greedy, through one
+    long-lived engine making calls of `steps_per_call` steps, as a server's does: its policy chooses each
+    call's K up to draft_tokens (`gpt.inference.draft_policy`), or every call verifies draft_tokens when
+    `fixed`. A first pass over the prompts compiles and measures; the timed passes follow."""
+    engine = Engine(decoder, slots=1, cache_length=max(map(len, prompts)) + new_tokens, steps_per_call=steps_per_call,
+                    max_queue=1, draft=draft, draft_tokens=draft_tokens)
+    ks = []
+    if engine.drafts is not None:
+        def choose(width, slots, policy=engine.drafts.choose):  # the policy's choice (or the fixed K), kept
+            ks.append(draft_tokens if fixed else policy(width, slots))
+            return ks[-1]
+
+        engine.drafts.choose = choose
+
+    def run(prompt):
+        completion = engine.submit(Request(prompt, new_tokens, temperature=0.0))
+        engine.run([completion])
+        return completion.tokens
+
+    outputs = [run(prompt) for prompt in prompts]
+    ks.clear()
+    drafted, accepted = (engine.drafts.tokens_drafted, engine.drafts.drafts_accepted) if engine.drafts else (0, 0)
+    seconds = sum(timed(functools.partial(run, prompt), repeats) for prompt in prompts)
+    if engine.drafts is not None:
+        drafted, accepted = engine.drafts.tokens_drafted - drafted, engine.drafts.drafts_accepted - accepted
+    shares = {k: ks.count(k) / len(ks) for k in sorted(set(ks))}
+    return len(prompts) * new_tokens / seconds, accepted / drafted if drafted else None, outputs, shares
 
 
 def bench_transformers(hf_dir, prompts, new_tokens, repeats, lookup=None, assistant_dir=None):
@@ -163,6 +197,9 @@ def main():
     parser.add_argument("--draft_model", default=None, help="--drafts model's GPT: a training out_dir or HF directory")
     parser.add_argument("--draft_tokens", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps_per_call", type=int, default=None,
+                        help="through one engine making calls of this many steps (as serve.py's), each draft K "
+                             "fixed and up to K chosen per call; default: gpt.generate, one call a prompt")
     parser.add_argument("--transformers", action="store_true", help="also transformers' prompt lookup")
     parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp's llama-lookup")
     args = parser.parse_args()
@@ -174,11 +211,24 @@ def main():
     prompts = held_out_prompts(args.files, args.prompt, args.new_tokens)
     print(f"## {cpu_name()}: {len(prompts)} held-out files, {args.prompt} tokens shown, {args.new_tokens} new, "
           f"batch 1, greedy ({time.strftime('%Y-%m-%d')})\n")
-    rows = [("gpt, no draft", *bench_ours(decoder, prompts, args.new_tokens, args.repeats, "none", 1))]
-    for draft in args.drafts:
-        for k in args.draft_tokens:
-            rows.append((f"gpt, {draft} draft K={k}", *bench_ours(
-                decoder, prompts, args.new_tokens, args.repeats, drafter if draft == "model" else draft, k)))
+    if args.steps_per_call is None:  # generate's way: one call a prompt, at the K asked for
+        rows = [("gpt, no draft", *bench_ours(decoder, prompts, args.new_tokens, args.repeats, "none", 1))]
+        for draft in args.drafts:
+            for k in args.draft_tokens:
+                rows.append((f"gpt, {draft} draft K={k}", *bench_ours(
+                    decoder, prompts, args.new_tokens, args.repeats, drafter if draft == "model" else draft, k)))
+    else:  # a server's way: calls of a few steps, each at the K its policy chooses (or, fixed, the largest)
+        engine_way = functools.partial(bench_engine, decoder, prompts, args.new_tokens, args.repeats,
+                                       steps_per_call=args.steps_per_call)
+        rows = [(f"gpt engine, {args.steps_per_call} step(s) a call, no draft", *engine_way("none", 1, fixed=True)[:3])]
+        for draft in args.drafts:
+            for k in args.draft_tokens:
+                for fixed in (True, False):
+                    speed, stood, outputs, shares = engine_way(drafter if draft == "model" else draft, k, fixed=fixed)
+                    calls = "" if fixed else " (calls at " + ", ".join(
+                        f"K={j}: {share:.0%}" for j, share in shares.items()) + ")"
+                    rows.append((f"gpt engine, {draft} draft, K={k} {'fixed' if fixed else 'chosen'}{calls}",
+                                 speed, stood, outputs))
     hf_dir = None
     if args.transformers or args.llama_cpp:
         from gpt.model import gpt2

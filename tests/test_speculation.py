@@ -15,7 +15,7 @@ from gpt import GPT, GPTConfig
 from gpt.errors import ConfigError
 from gpt.generate import generate
 from gpt.inference import decoding, speculation
-from gpt.inference.draft_policy import DraftPolicy
+from gpt.inference.draft_policy import DraftPolicy, ladder
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
 from gpt.inference.speculation import ngram_drafts, stands
@@ -173,7 +173,7 @@ def test_a_draft_model_catches_up_with_each_rows_tokens_through_slot_reuse_and_c
     want = generate(model, prompts, 20, temperature=0.0)
     engine = Engine(model, slots=3, cache_length=128, prefill_chunk=32, steps_per_call=3, draft=model,
                     draft_tokens=3)
-    engine.drafts.use_draft = lambda width: True
+    engine.drafts.choose = lambda width, slots: 3
     completions = [engine.submit(Request(p, 20, temperature=0.0)) for p in prompts]
     engine.run(completions)
     assert [c.tokens for c in completions] == want
@@ -270,29 +270,67 @@ def test_bad_draft_settings_are_refused_in_one_line(model, draft, draft_tokens, 
     assert speculation.check_draft(None, 0) == 0 and speculation.check_draft("none", 99) == 0
 
 
-def test_the_policy_runs_the_cheaper_way_and_probes_the_other():
-    policy = DraftPolicy(probe_every=4, smoothing=1.0)
-    assert policy.use_draft(8)  # nothing measured: the draft, as asked
-    for seconds in (9.0, 1.0):  # the first call of a way compiles and is not counted
-        policy.record(8, True, seconds, tokens=10)
-    assert policy.seconds_per_token(8, True) == pytest.approx(0.1)
-    assert not policy.use_draft(8)  # the plain way is not measured yet
-    for seconds in (9.0, 0.5):
-        policy.record(8, False, seconds, tokens=10)
-    choices = [policy.use_draft(8) for _ in range(8)]
-    assert choices.count(False) == 6 and choices.count(True) == 2  # plain is cheaper; the draft every 4th call
-    policy.record(8, True, 0.1, tokens=10)  # the text began to repeat itself: the draft is now cheaper
-    assert sum(policy.use_draft(8) for _ in range(8)) == 6
-    assert policy.use_draft(1)  # another width is measured apart
-    policy.record(1, True, 1.0, tokens=0)  # a call that emitted nothing says nothing
-    policy.record(1, True, 1.0, tokens=0)
-    assert policy.seconds_per_token(1, True) is None
+def test_the_ladder_halves_the_largest_k_down_to_one():
+    assert [ladder(k) for k in (1, 2, 4, 6, 32)] == [
+        (0, 1), (0, 1, 2), (0, 1, 2, 4), (0, 1, 3, 6), (0, 1, 2, 4, 8, 16, 32)]
 
 
-def test_the_engine_falls_back_to_plain_steps_where_they_are_faster(model, monkeypatch):
-    """With the draft measured slower at a width, the engine's calls there go plain (the draft only to
-    probe), and the tokens stay the same."""
+def steps_at(policy, width, k, seconds, runs=None, slot=0):
+    """A call at `width` over two slots verifying k guesses a step: 10 steps in `seconds`; `runs`: how many
+    of `slot`'s guesses stood at each step (every step verifying k), none of the other's."""
+    drafted, reached, stood = np.zeros(2), np.zeros((2, k)), np.zeros((2, k))
+    for run in runs or ():
+        drafted[slot] += k
+        reached[slot] += np.arange(k) <= run  # guess i is verified with those before it standing
+        stood[slot] += np.arange(k) < run
+    policy.record(width, k, seconds, 10, drafted, reached, stood)
+
+
+def test_the_policy_measures_plain_steps_and_the_largest_k_then_runs_the_best_k_for_each_slots_guesses():
+    """At batch 1 each slot gets the K its own guesses pay for: plain steps for guesses that never stand, the
+    largest K for a copied stretch and for text that copies a third of the time (guesses standing in runs:
+    one rate for every position would not say so), a K between for guesses that stand twice and then fail
+    (priced on the line between its measured neighbours); every probe_every-th call runs the K measured
+    longest ago."""
+    policy = DraftPolicy(4, num_slots=2, probe_every=8, smoothing=1.0, memory=0.0)
+    assert policy.ladder == (0, 1, 2, 4)
+    for k, seconds in ((4, 0.2), (0, 0.1)):  # nothing measured: the largest K, as asked, then plain steps
+        for call_seconds in (9.0, seconds):  # a way's first call compiles and is not counted
+            assert policy.choose(1, [0]) == k
+            steps_at(policy, 1, k, call_seconds)
+    assert policy.seconds_per_step(1, 4) == pytest.approx(0.02) and policy.seconds_per_step(1, 2) is None
+
+    steps_at(policy, 2, 4, 0.3, [4] * 10, slot=0)  # slot 0 copies: every guess stands
+    steps_at(policy, 2, 4, 0.3, [0] * 10, slot=1)  # slot 1 says something new: none does
+    # Each slot's own steps, and 2 steps' worth of the engine's recent rate (here, memory 0: the last call's)
+    assert policy.chances(0)[0] == pytest.approx((10 + 2 * 1 / 12) / 12)
+    assert policy.chances(1)[0] == pytest.approx((0 + 2 * 1 / 12) / 12)
+    assert [policy.choose(1, [0]), policy.choose(1, [1])] == [4, 0]
+    # Slot 1 copies at 3 steps in 10, and then every guess stands: 2.2 tokens in 0.02 s beat 1.6 in 0.015 (one
+    # rate for every position, 12 / 19, would have said K = 2: 2.03 tokens in 0.015 s against 2.44 in 0.02)
+    steps_at(policy, 2, 4, 0.3, [4, 0, 0, 0, 0, 0, 0, 4, 0, 4] * 3, slot=1)
+    assert policy.choose(1, [1]) == 4
+    assert policy.choose(1, [1]) == 1  # the 8th call at this width: K = 1, never measured here, probed
+    steps_at(policy, 2, 4, 0.3, [2] * 10, slot=1)  # two guesses stand, the third never: 3 in 0.015 s beat 0.02
+    assert policy.choose(1, [1]) == 2
+    policy.enter([1])  # a new request in slot 1 starts from the engine's recent rates
+    assert policy.chances(1)[0] == pytest.approx(11 / 12) and policy.chances(0)[0] == pytest.approx(
+        (10 + 2 * 11 / 12) / 12)
+    steps_at(policy, 1, 0, 7.0)  # the call after it is not timed (a draft model catches up there)
+    steps_at(policy, 1, 0, 1.0)
+    policy.record(1, 0, 5.0, 0, np.zeros(2), np.zeros((2, 0)), np.zeros((2, 0)))  # no step ran: says nothing
+    assert policy.seconds_per_step(1, 0) == pytest.approx(0.1)
+    beyond = policy.chances(0)[2:]
+    steps_at(policy, 2, 2, 0.3, [2] * 10, slot=0)  # a call at K = 2 says nothing of guesses 3 and 4: they keep
+    assert policy.chances(0)[2:] == pytest.approx(beyond) and policy.chances(0)[2] > 0.8
+    assert policy.tokens_drafted == 260 and policy.drafts_accepted == 116
+
+
+def test_the_engine_runs_plain_steps_where_drafts_seldom_stand(model, monkeypatch):
+    """With plain steps measured cheaper than any draft at every width, the engine's calls go plain (a draft
+    only to probe), and the tokens stay the same."""
     engine = Engine(model, slots=2, cache_length=96, draft="ngram", draft_tokens=2)
+    engine.warmup(log=lambda line: None)  # no call below compiles: each is timed as it runs
     ways = []
     original = engine.device.decode
 
@@ -302,12 +340,34 @@ def test_the_engine_falls_back_to_plain_steps_where_they_are_faster(model, monke
 
     monkeypatch.setattr(engine.device, "decode", decode)
     for width in engine.decode_widths:
-        for draft, seconds in ((True, 1.0), (True, 1.0), (False, 1.0), (False, 1.0)):
-            engine.drafts.record(width, draft, seconds / (10 if not draft else 1), tokens=10)
+        for k in engine.drafts.ladder:
+            for _ in range(2):
+                engine.drafts.record(width, k, 0.1 * (1 + 2 * k), 10, np.zeros(engine.num_slots),
+                                     *np.zeros((2, engine.num_slots, k)))
     completion = engine.submit(Request([7, 3, 9, 1, 4] * 3, 40, temperature=0.0))
     engine.run([completion])
     assert completion.tokens == generate(model, [[7, 3, 9, 1, 4] * 3], 40, temperature=0.0)[0]
-    assert ways.count(False) > ways.count(True) >= 1
+    assert ways.count(0) > len(ways) - ways.count(0) >= 1
+
+
+@pytest.mark.parametrize("draft", ["ngram", "int8", "itself", "smaller"])
+def test_every_k_of_the_ladder_changing_from_call_to_call_gives_decodings_tokens(model, smaller, draft):
+    """Calls that verify 4, 0, 1, 2, 4, 2... guesses in turn (a draft model's cache kept through each), greedy
+    and sampled, ragged rows: the tokens of decoding without a draft; the model as its own draft model has
+    every greedy guess stand whatever the K."""
+    ks = [4, 0, 1, 2, 4, 2, 1, 0]
+    for knobs in (dict(temperature=0.0), dict(temperature=0.9, top_k=30, seed=3)):
+        want = generate(model, PROMPTS, 30, **knobs)
+        engine = Engine(model, slots=4, cache_length=64, steps_per_call=2, draft=the_draft(draft, model, smaller),
+                        draft_tokens=4)
+        calls = iter(ks * 20)
+        engine.drafts.choose = lambda width, slots: next(calls)
+        completions = [engine.submit(Request(p, 30, stream=i, **knobs)) for i, p in enumerate(PROMPTS)]
+        engine.run(completions)
+        assert [c.tokens for c in completions] == want
+        assert engine.drafts.tokens_drafted > 0
+        if draft == "itself" and knobs["temperature"] == 0:
+            assert engine.drafts.drafts_accepted == engine.drafts.tokens_drafted
 
 
 def test_a_server_with_a_draft_answers_as_one_without_and_counts_its_drafts(model):
@@ -322,7 +382,7 @@ def test_a_server_with_a_draft_answers_as_one_without_and_counts_its_drafts(mode
     for draft in (None, "ngram"):
         server = Server(model, warmup=False, slots=2, cache_length=64, draft=draft)
         if draft is not None:  # every call with the draft (when the engine drafts is the policy's test)
-            server.engine.drafts.use_draft = lambda width: True
+            server.engine.drafts.choose = lambda width, slots: server.engine.drafts.ladder[-1]
         try:
             texts = [server.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, seed=4,
                                                       **knobs).choices[0].text

@@ -333,8 +333,10 @@ class Emitted:
     sampling knob); top_ids, top_logprobs: [M, R, J], the J most likely tokens (zeros unless some row
     asked for them); live: bool [R], whether each row is still generating after the last step; count:
     int32 [R], how many entries each row holds (its first `count`; a step with a draft writes up to K + 1
-    a row, so rows differ). drafted, accepted: int32, draft tokens proposed and draft tokens that stood,
-    over every row and step.
+    a row, so rows differ); drafted: int32 [R], each row's drafted tokens verified; reached, stood: int32
+    [R, K] (K the call's drafted tokens a step, 0 without), at how many steps each row's guess i was
+    verified with every guess before it standing, and at how many it stood (its acceptance, position by
+    position: `gpt.inference.draft_policy`); steps: int32, the steps the call ran.
     """
 
     token: jax.Array
@@ -345,21 +347,23 @@ class Emitted:
     live: jax.Array
     count: jax.Array
     drafted: jax.Array
-    accepted: jax.Array
+    reached: jax.Array
+    stood: jax.Array
+    steps: jax.Array
 
-    @property
-    def steps(self) -> jax.Array:
-        """int32: the most entries any row holds."""
-        return jnp.max(self.count)
+    PER_ROW = ("live", "count", "drafted", "reached", "stood")  # [R, ...]; the others but steps are [M, R, ...]
 
     @classmethod
-    def empty(cls, max_steps: int, live_R: jax.Array) -> Emitted:
-        """Nothing emitted yet by `max_steps` steps over rows whose liveness is `live_R` [R]."""
+    def empty(cls, max_steps: int, live_R: jax.Array, draft_tokens: int = 0) -> Emitted:
+        """Nothing emitted yet by `max_steps` steps over rows whose liveness is `live_R` [R], verifying
+        `draft_tokens` a step."""
         M, R, J = max_steps, live_R.shape[0], TOP_LOGPROBS
         return cls(token=jnp.full((M, R), NO_TOKEN, jnp.int32), stopped=jnp.zeros((M, R), jnp.bool_),
                    logprob=jnp.zeros((M, R)),
                    top_ids=jnp.zeros((M, R, J), jnp.int32), top_logprobs=jnp.zeros((M, R, J)), live=live_R,
-                   count=jnp.zeros((R,), jnp.int32), drafted=jnp.int32(0), accepted=jnp.int32(0))
+                   count=jnp.zeros((R,), jnp.int32), drafted=jnp.zeros((R,), jnp.int32),
+                   reached=jnp.zeros((R, draft_tokens), jnp.int32), stood=jnp.zeros((R, draft_tokens), jnp.int32),
+                   steps=jnp.int32(0))
 
 
 def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_tokens: int,
@@ -461,7 +465,8 @@ def place(slots: Slots, cache: KVCache, admission: Admission, c: _Choice) -> tup
     )
     emitted = Emitted(token=c.token[None], stopped=c.stopped[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
                       top_logprobs=c.top_logprobs[None], live=c.live, count=(c.token != NO_TOKEN).astype(jnp.int32),
-                      drafted=jnp.int32(0), accepted=jnp.int32(0))
+                      drafted=jnp.zeros((b,), jnp.int32), reached=jnp.zeros((b, 0), jnp.int32),
+                      stood=jnp.zeros((b, 0), jnp.int32), steps=jnp.int32(0))
     return slots, emitted
 
 
@@ -564,13 +569,13 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Arr
         return _decode_rows(config, weights, slots, num_steps, stop_at_finish, max_steps, *draft)
     view, out_R = _decode_rows(config, weights, slots.select(rows_R), num_steps, stop_at_finish, max_steps, *draft)
     slots = slots.merge(rows_R, view)
-    # The view's [M, R, ...] outputs into [M, S, ...]; the other slots emitted nothing.
-    per_row = lambda out: dataclasses.replace(out, live=None, count=None, drafted=None, accepted=None)  # noqa: E731
+    # The view's [M, R, ...] and [R] outputs into [M, S, ...] and [S]; the other slots emitted nothing.
     widen = lambda full, narrow: full.at[:, rows_R].set(narrow, unique_indices=True)  # noqa: E731
-    out = jax.tree.map(widen, per_row(Emitted.empty(out_R.token.shape[0], slots.live)), per_row(out_R))
-    count = jnp.zeros_like(slots.last_token).at[rows_R].set(out_R.count, unique_indices=True)
-    return slots, dataclasses.replace(out, live=slots.live, count=count, drafted=out_R.drafted,
-                                      accepted=out_R.accepted)
+    widen_rows = lambda full, narrow: full.at[rows_R].set(narrow, unique_indices=True)  # noqa: E731
+    empty = Emitted.empty(out_R.token.shape[0], slots.live, out_R.stood.shape[1])
+    fields = {f.name: (widen_rows if f.name in Emitted.PER_ROW else widen)(getattr(empty, f.name), getattr(out_R, f.name))
+              for f in dataclasses.fields(Emitted) if f.name != "steps"}
+    return slots, Emitted(**fields, steps=out_R.steps)
 
 
 def emitted_entries(max_steps: int, draft_tokens: int, cache_length: int) -> int:
@@ -611,10 +616,11 @@ def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: j
             p = step(p)
         return p
 
-    start = _Progress(slots, Emitted.empty(entries, slots.live), jnp.int32(0), jnp.zeros_like(slots.last_token))
+    start = _Progress(slots, Emitted.empty(entries, slots.live, draft_tokens), jnp.int32(0),
+                      jnp.zeros_like(slots.last_token))
     # One chunk is the whole call: no loop, nothing to read back between steps.
     p = steps(start) if chunk == max_steps else jax.lax.while_loop(keep_going, steps, start)
-    return p.slots, dataclasses.replace(p.out, count=p.written)
+    return p.slots, dataclasses.replace(p.out, count=p.written, steps=p.steps)
 
 
 def _record(out: Emitted, entry: jax.Array, c: _Choice) -> Emitted:
@@ -740,8 +746,10 @@ def _verify(config: GPTConfig, weights: Weights, drafts_RK: jax.Array, count_R: 
     slots = dataclasses.replace(
         slots, cache=dataclasses.replace(new_cache, lengths=lengths_R), last_token=last_token_R, live=live_R,
         remaining=remaining_R, generated=slots.generated + turns_R, seen=seen_RV, history=history)
-    out = dataclasses.replace(out, live=live_R, drafted=out.drafted + jnp.sum(count_R),
-                              accepted=out.accepted + jnp.sum(stood_R))
+    guess_K = jnp.arange(K)
+    reached_RK = (guess_K[None, :] < count_R[:, None]) & (guess_K[None, :] <= stood_R[:, None])
+    out = dataclasses.replace(out, live=live_R, drafted=out.drafted + count_R, reached=out.reached + reached_RK,
+                              stood=out.stood + (guess_K[None, :] < stood_R[:, None]))
     return _Progress(slots, out, p.steps + 1, p.written + turns_R)
 
 

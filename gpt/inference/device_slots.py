@@ -125,9 +125,12 @@ cache of its own beside the history) a decode may verify up to `draft_tokens` dr
         return emitted
 
     def decode(self, num_steps: int, stop_at_finish: bool, width: int, decoding: Sequence[int],
-               draft: bool = False) -> Emitted:
+               draft_tokens: int = 0) -> Emitted:
         """Up to `num_steps` (<= max_steps) decode steps over `width` rows that hold the `decoding` slots
-        (the slots' own order past them: distinct rows), each verifying a draft when `draft`."""
+        (the slots' own order past them: distinct rows), each verifying `draft_tokens` (<= the slots'
+        `draft_tokens`; 0: none) drafted tokens a row."""
+        if not 0 <= draft_tokens <= self.draft_tokens:
+            raise ValueError(f"draft_tokens must be in [0, {self.draft_tokens}], got {draft_tokens}")
         rows_R = None
         if width < self.num_slots:
             rest = [s for s in range(self.num_slots) if s not in decoding]
@@ -135,8 +138,8 @@ cache of its own beside the history) a decode may verify up to `draft_tokens` dr
         with self.on_mesh():
             self.slots, emitted = compiled_decode(self.config, self.weights, self.slots, np.int32(num_steps),
                                                   np.bool_(stop_at_finish), max_steps=self.max_steps, rows_R=rows_R,
-                                                  draft_tokens=self.draft_tokens if draft else 0,
-                                                  draft_weights=self.draft_weights if draft else None,
+                                                  draft_tokens=draft_tokens,
+                                                  draft_weights=self.draft_weights if draft_tokens else None,
                                                   draft_config=self.draft_config)
         return emitted
 

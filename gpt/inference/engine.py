@@ -10,9 +10,9 @@ Each round (`step`), on the thread that owns the engine, through the device's fo
      between its chunks; with a prefix cache (`prefix_cache_tokens`), a scored prompt takes that path
      too, starting after what the cache holds of its beginning;
   3. one `decode` runs up to `steps_per_call` steps for every live slot (over the fewest compiled rows
-     that hold them: `decode_widths`); with a draft, each step verifies up to `draft_tokens` drafted
-     tokens a slot and emits up to that many + 1 (`gpt.inference.speculation`), when that has been the
-     faster way at this width (`gpt.inference.draft_policy`);
+     that hold them: `decode_widths`); with a draft, each step verifies K drafted tokens a slot and emits
+     up to K + 1 (`gpt.inference.speculation`), K up to `draft_tokens`, chosen per call from the slots'
+     acceptance rates and the measured cost of each K at this width (`gpt.inference.draft_policy`);
   4. new tokens go to their requests; finished slots become free.
 Requests come and go between rounds, so a short request never waits for a long one to end (continuous
 batching). Every sampling knob is a per-slot array, so no request's settings compile anything; `warmup`
@@ -79,7 +79,8 @@ class Engine:
         self.settings = s = EngineSettings.of(settings, **changes).checked(config)
         self.device = DeviceSlots(Decoder.of(model, quantize, mesh), s.slots, s.cache_length, s.max_stop_tokens,
                                   s.steps_per_call, s.draft, s.draft_tokens)
-        self.drafts = DraftPolicy() if s.draft_tokens else None  # when to draft, and the drafts' counts
+        # how many guesses each call verifies, and the drafts' counts
+        self.drafts = DraftPolicy(s.draft_tokens, self.device.num_slots) if s.draft_tokens else None
         self.config, self.num_slots, self.cache_length = config, self.device.num_slots, s.cache_length
         self.max_queue, self.steps_per_call, self.max_stop_tokens = s.max_queue, s.steps_per_call, s.max_stop_tokens
         self.prefill_chunk = min(s.prefill_chunk, s.cache_length)
@@ -139,13 +140,13 @@ class Engine:
             return admitted or advanced
         stop_at_finish = bool(self._scheduler.queue)  # someone waits for a slot: come back as soon as one frees
         width = bucket(self.decode_widths, len(decoding))
-        draft = self.drafts is not None and self.drafts.use_draft(width)
-        start, tokens_before = time.perf_counter(), self._scheduler.tokens_emitted
-        emitted = self.device.decode(self.steps_per_call, stop_at_finish, width, decoding, draft)
+        draft_tokens = self.drafts.choose(width, decoding) if self.drafts is not None else 0
+        start = time.perf_counter()
+        emitted = self.device.decode(self.steps_per_call, stop_at_finish, width, decoding, draft_tokens)
         self._scheduler.deliver(list(range(self.num_slots)), emitted)
         if self.drafts is not None:  # what the call cost, and what became of its drafts
-            self.drafts.record(width, draft, time.perf_counter() - start, self._scheduler.tokens_emitted - tokens_before,
-                               int(emitted.drafted), int(emitted.accepted))
+            self.drafts.record(width, draft_tokens, time.perf_counter() - start, int(emitted.steps),
+                               *(np.asarray(a) for a in (emitted.drafted, emitted.reached, emitted.stood)))
         return True
 
     def run(self, completions: Sequence[Completion]) -> None:
@@ -254,6 +255,8 @@ class Engine:
         asked for at most one token (it never decodes) goes nowhere."""
         completions = [c for _, c in entries]
         slots = self._scheduler.entering([slot for slot, _ in entries], completions)
+        if self.drafts is not None:
+            self.drafts.enter(slots)
         return self.device.insert(slots, [c.request for c in completions], [c.settings for c in completions], prefix)
 
     def _advance(self) -> bool:
@@ -282,9 +285,9 @@ class Engine:
 def _warmup_programs(engine: Engine) -> list[tuple[str, str, Callable[[], None]]]:
     """What `Engine.warmup` runs: (kind, what, a function that runs it once)."""
     buckets, chunk, length = engine.prompt_buckets, engine.prefill_chunk, engine.cache_length
-    # A decode at each width (and each way: a step with a draft may emit K + 1 tokens), within the cache.
-    ways, per_step = (2, engine.device.draft_tokens + 1) if engine.drafts is not None else (1, 1)
-    steps = max(1, min(ways * len(engine.decode_widths) * per_step + 1, length - 1))
+    # A decode at each width and K (a step with a draft may emit K + 1 tokens), within the cache.
+    ladder = engine.drafts.ladder if engine.drafts is not None else (0,)
+    steps = max(1, min(len(engine.decode_widths) * sum(k + 1 for k in ladder) + 1, length - 1))
     request = Request([0], steps, temperature=0.0, logprobs=1, prompt_logprobs=True)
     entries = [(0, Completion(request, settings=engine.check(request)))]
 
@@ -299,9 +302,8 @@ def _warmup_programs(engine: Engine) -> list[tuple[str, str, Callable[[], None]]
                  for n, b in pieces_after_prefixes(buckets, chunk, length, prefix_cached)]
     programs += [("prefix cache", f"loading and keeping {n} positions", functools.partial(engine._prefix_cache.warm, n))
                  for n in prefix_cached]
-    programs += [("decode", f"{width} of {engine.num_slots} slots{' with a draft' * draft}",
-                  functools.partial(engine.device.decode, 1, False, width, [0], draft))
-                 for draft in ((False, True) if engine.drafts is not None else (False,))
-                 for width in engine.decode_widths]
+    programs += [("decode", f"{width} of {engine.num_slots} slots{f', {k} drafted tokens a step' * bool(k)}",
+                  functools.partial(engine.device.decode, 1, False, width, [0], k))
+                 for k in ladder for width in engine.decode_widths]
     programs += [("free", "slot 0", functools.partial(engine.device.free, np.arange(engine.num_slots) == 0))]
     return programs
