@@ -84,8 +84,9 @@ def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens):
     return len(prompts) * new_tokens / seconds, accepted / drafted if drafted else None, outputs
 
 
-def bench_engine(decoder, prompts, new_tokens, repeats, draft, draft_tokens, steps_per_call, fixed):
-    """(tokens/s, acceptance, tokens, the share of calls at each K): each prompt alone, greedy, through one
+def bench_engine(decoder, prompts, new_tokens, repeats, draft, draft_tokens, steps_per_call, fixed, temperature):
+    """(tokens/s, acceptance, tokens, the share of calls at each K): each prompt alone (greedy at temperature
+    0, else sampled with a seed per prompt, the same in every run), through one
     long-lived engine making calls of `steps_per_call` steps, as a server's does: its policy chooses each
     call's K up to draft_tokens (`gpt.inference.draft_policy`), or every call verifies draft_tokens when
     `fixed`. A first pass over the prompts compiles and measures; the timed passes follow."""
@@ -100,7 +101,7 @@ def bench_engine(decoder, prompts, new_tokens, repeats, draft, draft_tokens, ste
         engine.drafts.choose = choose
 
     def run(prompt):
-        completion = engine.submit(Request(prompt, new_tokens, temperature=0.0))
+        completion = engine.submit(Request(prompt, new_tokens, temperature=temperature, seed=len(prompt) + prompt[-1]))
         engine.run([completion])
         return completion.tokens
 
@@ -197,12 +198,16 @@ def main():
     parser.add_argument("--draft_model", default=None, help="--drafts model's GPT: a training out_dir or HF directory")
     parser.add_argument("--draft_tokens", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="with --steps_per_call: sample at this temperature (seeded) instead of greedy")
     parser.add_argument("--steps_per_call", type=int, default=None,
                         help="through one engine making calls of this many steps (as serve.py's), each draft K "
                              "fixed and up to K chosen per call; default: gpt.generate, one call a prompt")
     parser.add_argument("--transformers", action="store_true", help="also transformers' prompt lookup")
     parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp's llama-lookup")
     args = parser.parse_args()
+    if args.temperature and args.steps_per_call is None:
+        parser.error("--temperature samples through the engine: give --steps_per_call too")
 
     model = random_gpt2() if args.init_from == "random-gpt2" else load(args.init_from, "float32")
     decoder = Decoder.of(model)
@@ -210,7 +215,8 @@ def main():
     drafter = None if drafter_model is None else Decoder.of(drafter_model)
     prompts = held_out_prompts(args.files, args.prompt, args.new_tokens)
     print(f"## {cpu_name()}: {len(prompts)} held-out files, {args.prompt} tokens shown, {args.new_tokens} new, "
-          f"batch 1, greedy ({time.strftime('%Y-%m-%d')})\n")
+          f"batch 1, {f'temperature {args.temperature}' if args.temperature else 'greedy'} "
+          f"({time.strftime('%Y-%m-%d')})\n")
     if args.steps_per_call is None:  # generate's way: one call a prompt, at the K asked for
         rows = [("gpt, no draft", *bench_ours(decoder, prompts, args.new_tokens, args.repeats, "none", 1))]
         for draft in args.drafts:
@@ -219,7 +225,7 @@ def main():
                     decoder, prompts, args.new_tokens, args.repeats, drafter if draft == "model" else draft, k)))
     else:  # a server's way: calls of a few steps, each at the K its policy chooses (or, fixed, the largest)
         engine_way = functools.partial(bench_engine, decoder, prompts, args.new_tokens, args.repeats,
-                                       steps_per_call=args.steps_per_call)
+                                       steps_per_call=args.steps_per_call, temperature=args.temperature)
         rows = [(f"gpt engine, {args.steps_per_call} step(s) a call, no draft", *engine_way("none", 1, fixed=True)[:3])]
         for draft in args.drafts:
             for k in args.draft_tokens:

@@ -292,7 +292,7 @@ def test_the_policy_measures_plain_steps_and_the_largest_k_then_runs_the_best_k_
     one rate for every position would not say so), a K between for guesses that stand twice and then fail
     (priced on the line between its measured neighbours); every probe_every-th call runs the K measured
     longest ago."""
-    policy = DraftPolicy(4, num_slots=2, probe_every=8, smoothing=1.0, memory=0.0)
+    policy = DraftPolicy(4, num_slots=2, probe_every=8, window=3, memory=0.0)
     assert policy.ladder == (0, 1, 2, 4)
     for k, seconds in ((4, 0.2), (0, 0.1)):  # nothing measured: the largest K, as asked, then plain steps
         for call_seconds in (9.0, seconds):  # a way's first call compiles and is not counted
@@ -303,8 +303,8 @@ def test_the_policy_measures_plain_steps_and_the_largest_k_then_runs_the_best_k_
     steps_at(policy, 2, 4, 0.3, [4] * 10, slot=0)  # slot 0 copies: every guess stands
     steps_at(policy, 2, 4, 0.3, [0] * 10, slot=1)  # slot 1 says something new: none does
     # Each slot's own steps, and 2 steps' worth of the engine's recent rate (here, memory 0: the last call's)
-    assert policy.chances(0)[0] == pytest.approx((10 + 2 * 1 / 12) / 12)
-    assert policy.chances(1)[0] == pytest.approx((0 + 2 * 1 / 12) / 12)
+    assert policy.chances([0])[0, 0] == pytest.approx((10 + 2 * 1 / 12) / 12)
+    assert policy.chances([1])[0, 0] == pytest.approx((0 + 2 * 1 / 12) / 12)
     assert [policy.choose(1, [0]), policy.choose(1, [1])] == [4, 0]
     # Slot 1 copies at 3 steps in 10, and then every guess stands: 2.2 tokens in 0.02 s beat 1.6 in 0.015 (one
     # rate for every position, 12 / 19, would have said K = 2: 2.03 tokens in 0.015 s against 2.44 in 0.02)
@@ -314,16 +314,30 @@ def test_the_policy_measures_plain_steps_and_the_largest_k_then_runs_the_best_k_
     steps_at(policy, 2, 4, 0.3, [2] * 10, slot=1)  # two guesses stand, the third never: 3 in 0.015 s beat 0.02
     assert policy.choose(1, [1]) == 2
     policy.enter([1])  # a new request in slot 1 starts from the engine's recent rates
-    assert policy.chances(1)[0] == pytest.approx(11 / 12) and policy.chances(0)[0] == pytest.approx(
+    assert policy.chances([1])[0, 0] == pytest.approx(11 / 12) and policy.chances([0])[0, 0] == pytest.approx(
         (10 + 2 * 11 / 12) / 12)
     steps_at(policy, 1, 0, 7.0)  # the call after it is not timed (a draft model catches up there)
-    steps_at(policy, 1, 0, 1.0)
     policy.record(1, 0, 5.0, 0, np.zeros(2), np.zeros((2, 0)), np.zeros((2, 0)))  # no step ran: says nothing
-    assert policy.seconds_per_step(1, 0) == pytest.approx(0.1)
-    beyond = policy.chances(0)[2:]
+    assert policy.seconds_per_step(1, 0) == pytest.approx(0.01)
+    steps_at(policy, 1, 0, 0.1)
+    steps_at(policy, 1, 0, 3.0)  # one slow call does not move the cost: the median of the window's 3
+    assert policy.seconds_per_step(1, 0) == pytest.approx(0.01)
+    for _ in range(2):  # two more do: it is slower now
+        steps_at(policy, 1, 0, 3.0)
+    assert policy.seconds_per_step(1, 0) == pytest.approx(0.3)
+    beyond = policy.chances([0])[0, 2:]
     steps_at(policy, 2, 2, 0.3, [2] * 10, slot=0)  # a call at K = 2 says nothing of guesses 3 and 4: they keep
-    assert policy.chances(0)[2:] == pytest.approx(beyond) and policy.chances(0)[2] > 0.8
+    assert policy.chances([0])[0, 2:] == pytest.approx(beyond) and policy.chances([0])[0, 2] > 0.8
     assert policy.tokens_drafted == 260 and policy.drafts_accepted == 116
+
+
+def test_a_guess_position_no_call_has_reached_goes_as_the_one_before_it():
+    """After calls at K = 2 whose guesses all stood, guesses 3 to 8 are taken to stand as guess 2 does, not
+    as a coin toss: else K = 8 would be passed over for want of news of it, and never run to bring any."""
+    policy = DraftPolicy(8, num_slots=1)
+    policy.record(1, 2, 1.0, 20, np.asarray([40]), np.asarray([[20, 20]]), np.asarray([[20, 20]]))
+    assert (policy.chances([0])[0] > 0.99).all()
+    assert policy.expected_tokens([0])[-1] > 8.5  # K = 8: 1 + a_1 + ... + a_1...a_8
 
 
 def test_the_engine_runs_plain_steps_where_drafts_seldom_stand(model, monkeypatch):

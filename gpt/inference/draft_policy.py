@@ -7,14 +7,18 @@ stand plus one. Two things decide which K pays, and they change at different spe
 - What a step costs, per decode width and K: at a few rows a step is bound by reading the weights, so extra
   positions cost little; at many rows it is bound by its arithmetic, and a draft model's guesses cost a
   forward each. That depends on the machine and the model, so it is measured, not guessed: each (width, K)
-  keeps the seconds per step of the calls that ran it (an exponential average). A K not yet measured at a
+  keeps the seconds per step of its recent calls, and their median is its cost (one slow call, a pause of
+  the host, must not make the best K look dear: no call would then run it to say otherwise). A K not yet
+  measured at a
   width is priced between its measured neighbours on the ladder (a straight line: the dearer guess).
 - How often each slot's guesses stand, which depends on its text: for each guess position i, the chance
   a_i that guess i stands when the ones before it did, from the slot's own recent steps (older steps weigh
-  less), drawn toward the engine's recent rate at i where the slot has seen little (a new request starts
-  from it). Kept per position because guesses stand in runs (a copied stretch lets every guess stand, a
-  new thought none), which no single rate describes. A step at K then emits 1 + a_1 + a_1 a_2 + ... +
-  a_1...a_K tokens of that slot, expected.
+  less). Kept per position because guesses stand in runs (a copied stretch lets every guess stand, a new
+  thought none), which no single rate describes. Where a slot has seen little at i, a_i leans on the
+  engine's recent rate there (a new request starts from it), and where the engine has seen little either,
+  that leans on its rate at i - 1: a position that calls at a smaller K never reach is taken to go as the
+  one before it, not as a coin toss, so that a K is not passed over for want of news of it. A step at K then
+  emits 1 + a_1 + a_1 a_2 + ... + a_1...a_K tokens of that slot, expected.
 
 Each call runs the K with the most expected tokens per second over its slots (at batch 1, that slot's own
 K); until a width has measured both plain steps and the largest K it runs those (the draft first: it is
@@ -27,6 +31,7 @@ No JAX here: the engine times its calls and reports them (`record`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -47,7 +52,8 @@ def ladder(draft_tokens: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class _Cost:
-    seconds_per_step: float | None = None  # None until a call past the first (which compiles) is seen
+    recent: collections.deque  # seconds per step of the latest calls past the first (which compiles)
+    median: float | None = None  # theirs: the cost
     calls: int = 0
     measured_at: int = -1  # the width's call count when last measured
 
@@ -60,18 +66,18 @@ class DraftPolicy:
       draft_tokens: the largest K (the engine's `draft_tokens`); the others are its `ladder`.
       num_slots: the engine's slots, whose acceptance is kept apart.
       probe_every: run the K measured longest ago once every this many calls at a width (>= 2).
-      smoothing: the weight of a new measurement in a cost's average (0 < smoothing <= 1).
+      window: the calls a cost is the median of (>= 1).
       memory: the weight a slot's past keeps in its acceptance at each step it drafts (0 <= memory < 1).
     """
 
     PRIOR_WEIGHT = 2.0  # a slot's chance at a guess position counts the engine's recent rate as this many steps
 
-    def __init__(self, draft_tokens: int, num_slots: int, probe_every: int = 32, smoothing: float = 0.25,
+    def __init__(self, draft_tokens: int, num_slots: int, probe_every: int = 64, window: int = 15,
                  memory: float = 0.9):
-        if probe_every < 2 or not 0 < smoothing <= 1 or not 0 <= memory < 1:
-            raise ValueError(f"probe_every must be >= 2, smoothing in (0, 1] and memory in [0, 1), got "
-                             f"{probe_every}, {smoothing}, {memory}")
-        self.ladder, self.probe_every, self.smoothing, self.memory = ladder(draft_tokens), probe_every, smoothing, memory
+        if probe_every < 2 or window < 1 or not 0 <= memory < 1:
+            raise ValueError(f"probe_every must be >= 2, window >= 1 and memory in [0, 1), got "
+                             f"{probe_every}, {window}, {memory}")
+        self.ladder, self.probe_every, self.window, self.memory = ladder(draft_tokens), probe_every, window, memory
         self._costs: dict[tuple[int, int], _Cost] = {}
         self._calls: dict[int, int] = {}
         # At each guess position: the steps that verified it with every guess before it standing, and those at
@@ -89,15 +95,22 @@ class DraftPolicy:
                 self._reached[slot], self._stood[slot] = 0.0, 0.0
                 self._entered = True
 
-    def chances(self, slot: int) -> np.ndarray:
-        """float [K]: for each guess position i, the chance that `slot`'s guess i stands when the ones before
-        it did (its estimate; see the module docstring)."""
-        engine_wide = (self._all_stood + 1) / (self._all_reached + 2)
-        return (self._stood[slot] + self.PRIOR_WEIGHT * engine_wide) / (self._reached[slot] + self.PRIOR_WEIGHT)
+    def chances(self, slots: Sequence[int]) -> np.ndarray:
+        """float [len(slots), K]: for each guess position i, the chance that a slot's guess i stands when the
+        ones before it did (its estimate; see the module docstring)."""
+        slots, w = list(slots), self.PRIOR_WEIGHT
+        stood_RK, reached_RK = self._stood[slots], self._reached[slots]
+        engine_wide_K = np.empty(stood_RK.shape[1])
+        before = 0.5  # the engine's chance at the position before (at the first, a coin toss)
+        for i in range(len(engine_wide_K)):
+            before = engine_wide_K[i] = (self._all_stood[i] + w * before) / (self._all_reached[i] + w)
+        return (stood_RK + w * engine_wide_K) / (reached_RK + w)
 
-    def expected_tokens(self, slots: Sequence[int], k: int) -> float:
-        """Tokens a step verifying k guesses is expected to emit over `slots`: 1 + a_1 + a_1 a_2 + ... each."""
-        return sum(1 + float(np.cumprod(self.chances(s)[:k]).sum()) for s in slots)
+    def expected_tokens(self, slots: Sequence[int]) -> np.ndarray:
+        """float [len(ladder)]: the tokens a step at each K of the ladder is expected to emit over `slots`:
+        1 + a_1 + a_1 a_2 + ... + a_1...a_K each."""
+        after_RK = np.cumsum(np.cumprod(self.chances(slots), axis=1), axis=1)  # guesses standing, K = 1, 2, ...
+        return np.asarray([len(slots) + (after_RK[:, k - 1].sum() if k else 0.0) for k in self.ladder])
 
     def choose(self, width: int, slots: Sequence[int]) -> int:
         """K for the next decode call over `width` rows that runs `slots` (0: plain steps); see the module
@@ -108,8 +121,9 @@ class DraftPolicy:
             if self.seconds_per_step(width, k) is None:
                 return k
         if calls % self.probe_every == 0:
-            return min(self.ladder, key=lambda k: self._costs.get((width, k), _Cost()).measured_at)
-        return max(self.ladder, key=lambda k: self.expected_tokens(slots, k) / self._priced(width, k))
+            return min(self.ladder, key=lambda k: self._cost(width, k).measured_at)
+        per_second = self.expected_tokens(slots) / self._prices(width)
+        return self.ladder[int(np.argmax(per_second))]
 
     def record(self, width: int, k: int, seconds: float, steps: int, drafted: np.ndarray, reached: np.ndarray,
                stood: np.ndarray) -> None:
@@ -129,19 +143,31 @@ class DraftPolicy:
             self._stood[ran, :k] = kept * self._stood[ran, :k] + stood[ran]
             self._all_reached[:k] = kept * self._all_reached[:k] + reached.sum(axis=0)
             self._all_stood[:k] = kept * self._all_stood[:k] + stood.sum(axis=0)
-        cost = self._costs.setdefault((width, k), _Cost())
+        cost = self._costs[width, k] = self._cost(width, k)
         cost.calls += 1
         entered, self._entered = self._entered, False
         if cost.calls == 1 or steps <= 0 or entered:
             return
-        measured = seconds / steps
-        cost.seconds_per_step = measured if cost.seconds_per_step is None else (
-            (1 - self.smoothing) * cost.seconds_per_step + self.smoothing * measured)
+        cost.recent.append(seconds / steps)
+        cost.median = float(np.median(cost.recent))
         cost.measured_at = self._calls.get(width, 0)
 
     def seconds_per_step(self, width: int, k: int) -> float | None:
         """The average cost of a step verifying k guesses at `width` rows; None until measured."""
-        return self._costs.get((width, k), _Cost()).seconds_per_step
+        return self._cost(width, k).median
+
+    def _cost(self, width: int, k: int) -> _Cost:
+        return self._costs.get((width, k)) or _Cost(collections.deque(maxlen=self.window))
+
+    def _prices(self, width: int) -> np.ndarray:
+        """float [len(ladder)]: each K's measured cost a step at `width`, or, unmeasured, the straight line
+        between the nearest measured Ks below and above it (plain steps and the largest K are measured before
+        any is priced)."""
+        known = [(k, cost) for k in self.ladder if (cost := self.seconds_per_step(width, k)) is not None]
+        return np.interp(self.ladder, [k for k, _ in known], [cost for _, cost in known])
+
+    def _cost(self, width: int, k: int) -> _Cost:
+        return self._costs.get((width, k)) or _Cost(collections.deque(maxlen=self.window))
 
     def _priced(self, width: int, k: int) -> float:
         """k's measured cost a step at `width`, or, unmeasured, the straight line between the nearest measured
