@@ -1,6 +1,7 @@
 """Speculative decoding's speed: gpt.generate with a prompt-lookup draft against the same call without one,
 beside transformers' assisted generation (`prompt_lookup_num_tokens`, `assistant_model`) and llama.cpp's
-`llama-lookup` and `llama-speculative` (a q8_0 draft) on the same weights, all at batch 1, greedy, in one run.
+`llama-lookup` and `llama-speculative` (a q8_0 draft, or the draft model's f32) on the same weights, all at
+batch 1, greedy, in one run.
 
     python train.py                                  # the model this bench reads by default (out/)
     python bench/spec_bench.py                       # ours: no draft, then ngram and int8 drafts of K = 2, 4, 8
@@ -141,17 +142,22 @@ def bench_transformers(hf_dir, prompts, new_tokens, repeats, lookup=None, assist
     return len(prompts) * new_tokens / seconds, None, outputs
 
 
-def bench_llama_speculation(hf_dir, prompts, new_tokens, draft, draft_tokens):
+def bench_llama_speculation(hf_dir, prompts, new_tokens, draft, draft_tokens, draft_hf_dir=None):
     """llama.cpp's own speculation on its f32 GGUF of the same weights: `llama-lookup` (prompt lookup) for
-    draft "ngram", `llama-speculative` with its q8_0 GGUF as the draft for "int8". (tokens/s over its
-    prompt's and its decode's times as it reports them, acceptance). Its prompts go as text (its GPT-2
-    tokenizer makes the same tokens)."""
+    draft "ngram"; `llama-speculative` with its q8_0 GGUF as the draft for "int8", and with the f32 GGUF of
+    `draft_hf_dir` (the smaller GPT) for "model". (tokens/s over its prompt's and its decode's times as it
+    reports them, acceptance). Its prompts go as text (its GPT-2 tokenizer makes the same tokens)."""
     from llama_peer import build, convert
 
     gguf = convert(Path(hf_dir), "f32")
     binary, extra = build()[0] / "bin" / "llama-lookup", []
     if draft == "int8":
-        binary, extra = build()[0] / "bin" / "llama-speculative", ["-md", str(convert(Path(hf_dir), "q8_0"))]
+        # --no-repack: with its weights repacked for AMX, llama.cpp's q8_0 matmul crashes (SIGSEGV in
+        # ggml_backend_amx_mul_mat) on the Intel Xeon with AMX; unpacked, they run through its AVX-512 kernels.
+        binary, extra = build()[0] / "bin" / "llama-speculative", ["-md", str(convert(Path(hf_dir), "q8_0")),
+                                                                   "--no-repack"]
+    elif draft == "model":
+        binary, extra = build()[0] / "bin" / "llama-speculative", ["-md", str(convert(Path(draft_hf_dir), "f32"))]
     tokenizer, tokens, seconds, drafted, accepted = get_tokenizer(), 0, 0.0, 0, 0
     for prompt in prompts:
         out = subprocess.run([str(binary), "-m", str(gguf), *extra, "-p", tokenizer.decode(prompt),
@@ -258,13 +264,19 @@ def main():
         from sample_bench import write_gpt2_vocab
 
         write_gpt2_vocab(Path(hf_dir))
+        draft_hf_dir = None
+        if "model" in args.drafts:
+            draft_hf_dir = tempfile.mkdtemp(prefix="spec-bench-draft-gguf-")
+            gpt2.save(drafter_model, draft_hf_dir)
+            write_gpt2_vocab(Path(draft_hf_dir))
         peer_rows.append(("llama.cpp f32, no draft (llama-batched-bench)",
                           bench_llama_plain(hf_dir, args.prompt, args.new_tokens), None, None))
-        for draft in (d for d in args.drafts if d != "model"):
-            how = "llama-lookup" if draft == "ngram" else "llama-speculative, q8_0 draft"
+        for draft in args.drafts:
+            how = dict(ngram="llama-lookup", int8="llama-speculative, q8_0 draft",
+                       model="llama-speculative, the draft model's f32")[draft]
             for k in args.draft_tokens:
                 try:
-                    measured = bench_llama_speculation(hf_dir, prompts, args.new_tokens, draft, k)
+                    measured = bench_llama_speculation(hf_dir, prompts, args.new_tokens, draft, k, draft_hf_dir)
                 except subprocess.CalledProcessError as e:  # reported in the table, not hidden
                     print(f"llama.cpp {how} failed: exit status {e.returncode}")
                     measured = (float("nan"), None)
