@@ -25,6 +25,7 @@ are near flat, so an int8 draft's acceptance there is a floor, not a target.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import re
 import subprocess
@@ -32,9 +33,11 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 from gpt.generate import generate
 from gpt.inference.decoding import Decoder
+from gpt.inference.draft_policy import DraftPolicy
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
 from gpt.loading import load
@@ -67,21 +70,32 @@ def timed(fn, repeats: int) -> float:
     return best
 
 
-def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens):
-    """(tokens/s, acceptance, tokens): each prompt alone, greedy."""
-    knobs = dict(temperature=0.0, draft=draft, draft_tokens=draft_tokens)
-    outputs, seconds = [], 0.0
-    for prompt in prompts:
-        run = lambda: generate(decoder, [prompt], new_tokens, **knobs)  # noqa: E731
-        outputs.append(run()[0])  # compiles
-        seconds += timed(run, repeats)
-    drafted = accepted = 0
-    if draft != "none":  # the same calls through an engine of generate's making, for its counts
+def seed_of(prompt: list[int]) -> int:
+    """A sampled prompt's seed, the same in every run and way."""
+    return len(prompt) + prompt[-1]
+
+
+def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens, temperature=0.0, one_call=False):
+    """(tokens/s, acceptance, tokens): each prompt alone through `gpt.generate` (greedy at temperature 0, else
+    sampled, `seed_of` each prompt). one_call: its whole decode in one call at draft_tokens, as generate ran
+    before its engine's policy cut the first calls short to measure its ways and chose each call's K."""
+    knobs = dict(temperature=temperature, draft=draft, draft_tokens=draft_tokens)
+    with contextlib.ExitStack() as patches:
+        if one_call:
+            patches.enter_context(mock.patch.object(DraftPolicy, "choose", lambda self, width, slots: self.ladder[-1]))
+            patches.enter_context(mock.patch.object(DraftPolicy, "call_steps", lambda self, width, most: most))
+        outputs, seconds = [], 0.0
         for prompt in prompts:
-            engine = Engine(decoder, slots=1, cache_length=len(prompt) + new_tokens, steps_per_call=new_tokens,
-                            draft=draft, draft_tokens=draft_tokens)
-            engine.run([engine.submit(Request(prompt, new_tokens, temperature=0.0))])
-            drafted, accepted = drafted + engine.drafts.tokens_drafted, accepted + engine.drafts.drafts_accepted
+            run = functools.partial(generate, decoder, [prompt], new_tokens, seed=seed_of(prompt), **knobs)
+            outputs.append(run()[0])  # compiles
+            seconds += timed(run, repeats)
+        drafted = accepted = 0
+        if draft != "none":  # the same calls through an engine of generate's making, for its counts
+            for prompt in prompts:
+                engine = Engine(decoder, slots=1, cache_length=len(prompt) + new_tokens, steps_per_call=new_tokens,
+                                draft=draft, draft_tokens=draft_tokens)
+                engine.run([engine.submit(Request(prompt, new_tokens, temperature=temperature, seed=seed_of(prompt)))])
+                drafted, accepted = drafted + engine.drafts.tokens_drafted, accepted + engine.drafts.drafts_accepted
     return len(prompts) * new_tokens / seconds, accepted / drafted if drafted else None, outputs
 
 
@@ -102,7 +116,7 @@ def bench_engine(decoder, prompts, new_tokens, repeats, draft, draft_tokens, ste
         engine.drafts.choose = choose
 
     def run(prompt):
-        completion = engine.submit(Request(prompt, new_tokens, temperature=temperature, seed=len(prompt) + prompt[-1]))
+        completion = engine.submit(Request(prompt, new_tokens, temperature=temperature, seed=seed_of(prompt)))
         engine.run([completion])
         return completion.tokens
 
@@ -205,15 +219,17 @@ def main():
     parser.add_argument("--draft_tokens", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="with --steps_per_call: sample at this temperature (seeded) instead of greedy")
+                        help="sample ours at this temperature (seeded) instead of greedy (no peer: they run greedy)")
+    parser.add_argument("--one_call", action="store_true",
+                        help="also each draft through generate as one call at K (no measuring, no choice)")
     parser.add_argument("--steps_per_call", type=int, default=None,
                         help="through one engine making calls of this many steps (as serve.py's), each draft K "
                              "fixed and up to K chosen per call; default: gpt.generate, one call a prompt")
     parser.add_argument("--transformers", action="store_true", help="also transformers' prompt lookup")
     parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp's llama-lookup")
     args = parser.parse_args()
-    if args.temperature and args.steps_per_call is None:
-        parser.error("--temperature samples through the engine: give --steps_per_call too")
+    if args.temperature and (args.transformers or args.llama_cpp):
+        parser.error("--temperature samples ours only: the peers' rows run greedy")
 
     model = random_gpt2() if args.init_from == "random-gpt2" else load(args.init_from, "float32")
     decoder = Decoder.of(model)
@@ -223,12 +239,16 @@ def main():
     print(f"## {cpu_name()}: {len(prompts)} held-out files, {args.prompt} tokens shown, {args.new_tokens} new, "
           f"batch 1, {f'temperature {args.temperature}' if args.temperature else 'greedy'} "
           f"({time.strftime('%Y-%m-%d')})\n")
-    if args.steps_per_call is None:  # generate's way: one call a prompt, at the K asked for
-        rows = [("gpt, no draft", *bench_ours(decoder, prompts, args.new_tokens, args.repeats, "none", 1))]
+    if args.steps_per_call is None:  # generate's way
+        ours = functools.partial(bench_ours, decoder, prompts, args.new_tokens, args.repeats,
+                                 temperature=args.temperature)
+        rows = [("gpt, no draft", *ours("none", 1))]
         for draft in args.drafts:
             for k in args.draft_tokens:
-                rows.append((f"gpt, {draft} draft K={k}", *bench_ours(
-                    decoder, prompts, args.new_tokens, args.repeats, drafter if draft == "model" else draft, k)))
+                for one_call in (True, False) if args.one_call else (False,):
+                    how = " (one call at K)" if one_call else ""
+                    rows.append((f"gpt, {draft} draft K={k}{how}",
+                                 *ours(drafter if draft == "model" else draft, k, one_call=one_call)))
     else:  # a server's way: calls of a few steps, each at the K its policy chooses (or, fixed, the largest)
         engine_way = functools.partial(bench_engine, decoder, prompts, args.new_tokens, args.repeats,
                                        steps_per_call=args.steps_per_call, temperature=args.temperature)
