@@ -277,7 +277,7 @@ def test_the_ladder_halves_the_largest_k_down_to_one():
         (0, 1), (0, 1, 2), (0, 1, 2, 4), (0, 1, 3, 6), (0, 1, 2, 4, 8, 16, 32)]
 
 
-def steps_at(policy, width, k, seconds, runs=None, slot=0):
+def steps_at(policy, width, k, seconds, runs=None, slot=0, compiled=False):
     """A call at `width` over two slots verifying k guesses a step: 10 steps in `seconds`; `runs`: how many
     of `slot`'s guesses stood at each step (every step verifying k), none of the other's."""
     drafted, reached, stood = np.zeros(2), np.zeros((2, k)), np.zeros((2, k))
@@ -285,7 +285,7 @@ def steps_at(policy, width, k, seconds, runs=None, slot=0):
         drafted[slot] += k
         reached[slot] += np.arange(k) <= run  # guess i is verified with those before it standing
         stood[slot] += np.arange(k) < run
-    policy.record(width, k, seconds, 10, drafted, reached, stood)
+    policy.record(width, k, seconds, 10, drafted, reached, stood, compiled=compiled)
 
 
 def test_the_policy_measures_plain_steps_and_the_largest_k_then_runs_the_best_k_for_each_slots_guesses():
@@ -294,12 +294,12 @@ def test_the_policy_measures_plain_steps_and_the_largest_k_then_runs_the_best_k_
     one rate for every position would not say so), a K between for guesses that stand twice and then fail
     (priced on the line between its measured neighbours); every probe_every-th call runs the K measured
     longest ago."""
-    policy = DraftPolicy(4, num_slots=2, probe_every=8, window=3, memory=0.0)
+    policy = DraftPolicy(4, num_slots=2, probe_every=8, window=3, memory=0.0, catches_up=True)
     assert policy.ladder == (0, 1, 2, 4)
     for k, seconds in ((4, 0.2), (0, 0.1)):  # nothing measured: the largest K, as asked, then plain steps
-        for call_seconds in (9.0, seconds):  # a way's first call compiles and is not counted
+        for call_seconds, compiled in ((9.0, True), (seconds, False)):  # a call that compiled is not timed
             assert policy.choose(1, [0]) == k
-            steps_at(policy, 1, k, call_seconds)
+            steps_at(policy, 1, k, call_seconds, compiled=compiled)
     assert policy.seconds_per_step(1, 4) == pytest.approx(0.02) and policy.seconds_per_step(1, 2) is None
 
     steps_at(policy, 2, 4, 0.3, [4] * 10, slot=0)  # slot 0 copies: every guess stands
@@ -343,21 +343,22 @@ def test_a_guess_position_no_call_has_reached_goes_as_the_one_before_it():
 
 
 def test_long_calls_are_cut_short_while_their_ways_are_measured_then_double():
-    """An engine of long calls (generate asks for its whole decode in one) runs 8 steps a call until plain
+    """An engine of long calls (generate asks for its whole decode in one) runs 4 steps a call until plain
     steps and the largest K are measured at a width, then twice the latest call's, up to its own; a server's
     one step a call stays one."""
     policy = DraftPolicy(4, num_slots=2)
     steps = []
-    for k in (4, 4, 0, 0, 4, 4, 4, 4, 4, 4):
+    for k in (4, 0, 4, 4, 4, 4, 4, 4, 4):
         steps.append(policy.call_steps(1, 200))
         steps_at(policy, 1, k, 0.1)
-    assert steps == [8, 8, 8, 8, 16, 32, 64, 128, 200, 200]
+    assert steps == [4, 4, 8, 16, 32, 64, 128, 200, 200]
     assert policy.call_steps(2, 1) == 1 and policy.call_steps(1, 1) == 1
 
 
 def test_generate_with_a_draft_measures_its_ways_on_short_calls_and_gives_the_same_tokens(model, monkeypatch):
-    """generate, sampled (where drafts seldom stand): its engine's first calls run 8 steps each, at the largest
-    K and then plain, and later ones run longer, each at its chosen K; the tokens are those without a draft."""
+    """generate, sampled (where drafts seldom stand): its engine's first calls run 4 steps each, at the largest
+    K and then plain (each again when it compiled), and later ones run longer, each at its chosen K; the
+    tokens are those without a draft."""
     calls = []
     original = DeviceSlots.decode
 
@@ -368,7 +369,10 @@ def test_generate_with_a_draft_measures_its_ways_on_short_calls_and_gives_the_sa
     want = generate(model, [PROMPTS[1]], 90, temperature=1.0, seed=7)
     monkeypatch.setattr(DeviceSlots, "decode", decode)
     assert generate(model, [PROMPTS[1]], 90, temperature=1.0, seed=7, draft="ngram", draft_tokens=4) == want
-    assert calls[:4] == [(8, 4), (8, 4), (8, 0), (8, 0)] and calls[4][0] == 16 and len(calls) < 12
+    assert calls[:4] == [(4, 4), (4, 4), (4, 0), (4, 0)] and calls[4][0] == 8 and len(calls) < 12
+    calls.clear()  # again: nothing compiles now, so each way's first call is timed
+    assert generate(model, [PROMPTS[1]], 90, temperature=1.0, seed=7, draft="ngram", draft_tokens=4) == want
+    assert calls[:2] == [(4, 4), (4, 0)] and calls[2][0] == 8
 
 
 def test_the_engine_runs_plain_steps_where_drafts_seldom_stand(model, monkeypatch):

@@ -57,9 +57,8 @@ def ladder(draft_tokens: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class _Cost:
-    recent: collections.deque  # seconds per step of the latest calls past the first (which compiles)
+    recent: collections.deque  # seconds per step of the latest calls that compiled nothing
     median: float | None = None  # theirs: the cost
-    calls: int = 0
     measured_at: int = -1  # the width's call count when last measured
 
 
@@ -73,13 +72,15 @@ class DraftPolicy:
       probe_every: run the K measured longest ago once every this many calls at a width (>= 2).
       window: the calls a cost is the median of (>= 1).
       memory: the weight a slot's past keeps in its acceptance at each step it drafts (0 <= memory < 1).
+      catches_up: the draft runs a new request's prompt in the first call after it enters (a draft model),
+        which is then not timed: a cost of the request, not of K.
     """
 
-    MEASURING_STEPS = 8  # a call's steps while a width's plain steps and largest K are measured
+    MEASURING_STEPS = 4  # a call's steps while a width's plain steps and largest K are measured
     PRIOR_WEIGHT = 2.0  # a slot's chance at a guess position counts the engine's recent rate as this many steps
 
     def __init__(self, draft_tokens: int, num_slots: int, probe_every: int = 64, window: int = 15,
-                 memory: float = 0.9):
+                 memory: float = 0.9, catches_up: bool = False):
         if probe_every < 2 or window < 1 or not 0 <= memory < 1:
             raise ValueError(f"probe_every must be >= 2, window >= 1 and memory in [0, 1), got "
                              f"{probe_every}, {window}, {memory}")
@@ -91,16 +92,16 @@ class DraftPolicy:
         # which it stood, decayed; per slot [S, K], and over every slot [K].
         self._reached, self._stood = np.zeros((num_slots, self.ladder[-1])), np.zeros((num_slots, self.ladder[-1]))
         self._all_reached, self._all_stood = np.zeros(self.ladder[-1]), np.zeros(self.ladder[-1])
-        self._entered = False  # a request entered since the last call
+        self.catches_up, self._entered = catches_up, False  # and whether a request entered since the last call
         self.tokens_drafted = self.drafts_accepted = 0
 
     def enter(self, slots: Sequence[int | None]) -> None:
         """New requests took `slots` (None: none): their chances start from the engine's recent rates, and
-        the next call is not timed (a draft model runs their prompts there: a cost of the request, not of K)."""
+        when the draft `catches_up`, the next call is not timed."""
         for slot in slots:
             if slot is not None:
                 self._reached[slot], self._stood[slot] = 0.0, 0.0
-                self._entered = True
+                self._entered = self.catches_up
 
     def chances(self, slots: Sequence[int]) -> np.ndarray:
         """float [len(slots), K]: for each guess position i, the chance that a slot's guess i stands when the
@@ -143,11 +144,11 @@ class DraftPolicy:
         return self.ladder[int(np.argmax(per_second))]
 
     def record(self, width: int, k: int, seconds: float, steps: int, drafted: np.ndarray, reached: np.ndarray,
-               stood: np.ndarray) -> None:
+               stood: np.ndarray, compiled: bool = False) -> None:
         """A call over `width` rows verifying k guesses a step took `seconds` for `steps` steps; drafted: int
         [S], each slot's verified guesses; reached, stood: int [S, k], at how many steps each slot's guess i
-        was verified with every guess before it standing, and stood (`Emitted`'s). A way's first call at a
-        width is not timed (it compiles), nor one that ran no step, nor the first after a request entered."""
+        was verified with every guess before it standing, and stood (`Emitted`'s). A call that `compiled` a
+        program is not timed, nor one that ran no step, nor (`catches_up`) the first after a request entered."""
         drafted, reached, stood = (np.asarray(a, np.float64) for a in (drafted, reached, stood))
         self.tokens_drafted += int(drafted.sum())
         self.drafts_accepted += int(stood.sum())
@@ -161,9 +162,8 @@ class DraftPolicy:
             self._all_reached[:k] = kept * self._all_reached[:k] + reached.sum(axis=0)
             self._all_stood[:k] = kept * self._all_stood[:k] + stood.sum(axis=0)
         cost = self._costs[width, k] = self._cost(width, k)
-        cost.calls += 1
         entered, self._entered = self._entered, False
-        if cost.calls == 1 or steps <= 0 or entered:
+        if compiled or steps <= 0 or entered:
             return
         cost.recent.append(seconds / steps)
         cost.median = float(np.median(cost.recent))

@@ -81,7 +81,8 @@ class Engine:
         self.device = DeviceSlots(Decoder.of(model, quantize, mesh), s.slots, s.cache_length, s.max_stop_tokens,
                                   s.steps_per_call, s.draft, s.draft_tokens)
         # how many guesses each call verifies, and the drafts' counts
-        self.drafts = DraftPolicy(s.draft_tokens, self.device.num_slots) if s.draft_tokens else None
+        self.drafts = (DraftPolicy(s.draft_tokens, self.device.num_slots, catches_up=self.device.draft_config is not None)
+                       if s.draft_tokens else None)
         self.config, self.num_slots, self.cache_length = config, self.device.num_slots, s.cache_length
         self.max_queue, self.steps_per_call, self.max_stop_tokens = s.max_queue, s.steps_per_call, s.max_stop_tokens
         self.prefill_chunk = min(s.prefill_chunk, s.cache_length)
@@ -144,12 +145,13 @@ class Engine:
         draft_tokens, steps = 0, self.steps_per_call
         if self.drafts is not None:
             draft_tokens, steps = self.drafts.choose(width, decoding), self.drafts.call_steps(width, steps)
-        start = time.perf_counter()
+        start, programs = time.perf_counter(), compiled_programs()
         emitted = self.device.decode(steps, stop_at_finish, width, decoding, draft_tokens)
         self._scheduler.deliver(list(range(self.num_slots)), emitted)
         if self.drafts is not None:  # what the call cost, and what became of its drafts
             self.drafts.record(width, draft_tokens, time.perf_counter() - start, int(emitted.steps),
-                               *(np.asarray(a) for a in (emitted.drafted, emitted.reached, emitted.stood)))
+                               *(np.asarray(a) for a in (emitted.drafted, emitted.reached, emitted.stood)),
+                               compiled=compiled_programs() != programs)
         return True
 
     def run(self, completions: Sequence[Completion]) -> None:
