@@ -25,7 +25,6 @@ are near flat, so an int8 draft's acceptance there is a floor, not a target.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import re
 import subprocess
@@ -33,11 +32,9 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 from gpt.generate import generate
 from gpt.inference.decoding import Decoder
-from gpt.inference.draft_policy import DraftPolicy
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
 from gpt.loading import load
@@ -75,27 +72,22 @@ def seed_of(prompt: list[int]) -> int:
     return len(prompt) + prompt[-1]
 
 
-def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens, temperature=0.0, one_call=False):
+def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens, temperature=0.0):
     """(tokens/s, acceptance, tokens): each prompt alone through `gpt.generate` (greedy at temperature 0, else
-    sampled, `seed_of` each prompt). one_call: its whole decode in one call at draft_tokens, as generate ran
-    before its engine's policy cut the first calls short to measure its ways and chose each call's K."""
+    sampled, `seed_of` each prompt), one call a prompt at draft_tokens."""
     knobs = dict(temperature=temperature, draft=draft, draft_tokens=draft_tokens)
-    with contextlib.ExitStack() as patches:
-        if one_call:
-            patches.enter_context(mock.patch.object(DraftPolicy, "choose", lambda self, width, slots: self.ladder[-1]))
-            patches.enter_context(mock.patch.object(DraftPolicy, "call_steps", lambda self, width, most: most))
-        outputs, seconds = [], 0.0
+    outputs, seconds = [], 0.0
+    for prompt in prompts:
+        run = functools.partial(generate, decoder, [prompt], new_tokens, seed=seed_of(prompt), **knobs)
+        outputs.append(run()[0])  # compiles
+        seconds += timed(run, repeats)
+    drafted = accepted = 0
+    if draft != "none":  # the same calls through an engine of generate's making, for its counts
         for prompt in prompts:
-            run = functools.partial(generate, decoder, [prompt], new_tokens, seed=seed_of(prompt), **knobs)
-            outputs.append(run()[0])  # compiles
-            seconds += timed(run, repeats)
-        drafted = accepted = 0
-        if draft != "none":  # the same calls through an engine of generate's making, for its counts
-            for prompt in prompts:
-                engine = Engine(decoder, slots=1, cache_length=len(prompt) + new_tokens, steps_per_call=new_tokens,
-                                draft=draft, draft_tokens=draft_tokens)
-                engine.run([engine.submit(Request(prompt, new_tokens, temperature=temperature, seed=seed_of(prompt)))])
-                drafted, accepted = drafted + engine.drafts.tokens_drafted, accepted + engine.drafts.drafts_accepted
+            engine = Engine(decoder, slots=1, cache_length=len(prompt) + new_tokens, steps_per_call=new_tokens,
+                            draft=draft, draft_tokens=draft_tokens)
+            engine.run([engine.submit(Request(prompt, new_tokens, temperature=temperature, seed=seed_of(prompt)))])
+            drafted, accepted = drafted + engine.drafts.tokens_drafted, accepted + engine.drafts.drafts_accepted
     return len(prompts) * new_tokens / seconds, accepted / drafted if drafted else None, outputs
 
 
@@ -220,8 +212,6 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample ours at this temperature (seeded) instead of greedy (no peer: they run greedy)")
-    parser.add_argument("--one_call", action="store_true",
-                        help="also each draft through generate as one call at K (no measuring, no choice)")
     parser.add_argument("--steps_per_call", type=int, default=None,
                         help="through one engine making calls of this many steps (as serve.py's), each draft K "
                              "fixed and up to K chosen per call; default: gpt.generate, one call a prompt")
@@ -245,10 +235,7 @@ def main():
         rows = [("gpt, no draft", *ours("none", 1))]
         for draft in args.drafts:
             for k in args.draft_tokens:
-                for one_call in (True, False) if args.one_call else (False,):
-                    how = " (one call at K)" if one_call else ""
-                    rows.append((f"gpt, {draft} draft K={k}{how}",
-                                 *ours(drafter if draft == "model" else draft, k, one_call=one_call)))
+                rows.append((f"gpt, {draft} draft K={k}", *ours(drafter if draft == "model" else draft, k)))
     else:  # a server's way: calls of a few steps, each at the K its policy chooses (or, fixed, the largest)
         engine_way = functools.partial(bench_engine, decoder, prompts, args.new_tokens, args.repeats,
                                        steps_per_call=args.steps_per_call, temperature=args.temperature)

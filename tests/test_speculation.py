@@ -15,7 +15,6 @@ from gpt import GPT, GPTConfig
 from gpt.errors import ConfigError
 from gpt.generate import generate
 from gpt.inference import decoding, speculation
-from gpt.inference.device_slots import DeviceSlots
 from gpt.inference.draft_policy import DraftPolicy, ladder
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
@@ -340,39 +339,6 @@ def test_a_guess_position_no_call_has_reached_goes_as_the_one_before_it():
     policy.record(1, 2, 1.0, 20, np.asarray([40]), np.asarray([[20, 20]]), np.asarray([[20, 20]]))
     assert (policy.chances([0])[0] > 0.99).all()
     assert policy.expected_tokens([0])[-1] > 8.5  # K = 8: 1 + a_1 + ... + a_1...a_8
-
-
-def test_long_calls_are_cut_short_while_their_ways_are_measured_then_double():
-    """An engine of long calls (generate asks for its whole decode in one) runs 4 steps a call until plain
-    steps and the largest K are measured at a width, then twice the latest call's, up to its own; a server's
-    one step a call stays one."""
-    policy = DraftPolicy(4, num_slots=2)
-    steps = []
-    for k in (4, 0, 4, 4, 4, 4, 4, 4, 4):
-        steps.append(policy.call_steps(1, 200))
-        steps_at(policy, 1, k, 0.1)
-    assert steps == [4, 4, 8, 16, 32, 64, 128, 200, 200]
-    assert policy.call_steps(2, 1) == 1 and policy.call_steps(1, 1) == 1
-
-
-def test_generate_with_a_draft_measures_its_ways_on_short_calls_and_gives_the_same_tokens(model, monkeypatch):
-    """generate, sampled (where drafts seldom stand): its engine's first calls run 4 steps each, at the largest
-    K and then plain (each again when it compiled), and later ones run longer, each at its chosen K; the
-    tokens are those without a draft."""
-    calls = []
-    original = DeviceSlots.decode
-
-    def decode(self, num_steps, stop_at_finish, width, decoding, draft_tokens=0):
-        calls.append((num_steps, draft_tokens))
-        return original(self, num_steps, stop_at_finish, width, decoding, draft_tokens)
-
-    want = generate(model, [PROMPTS[1]], 90, temperature=1.0, seed=7)
-    monkeypatch.setattr(DeviceSlots, "decode", decode)
-    assert generate(model, [PROMPTS[1]], 90, temperature=1.0, seed=7, draft="ngram", draft_tokens=4) == want
-    assert calls[:4] == [(4, 4), (4, 4), (4, 0), (4, 0)] and calls[4][0] == 8 and len(calls) < 12
-    calls.clear()  # again: nothing compiles now, so each way's first call is timed
-    assert generate(model, [PROMPTS[1]], 90, temperature=1.0, seed=7, draft="ngram", draft_tokens=4) == want
-    assert calls[:2] == [(4, 4), (4, 0)] and calls[2][0] == 8
 
 
 def test_the_engine_runs_plain_steps_where_drafts_seldom_stand(model, monkeypatch):

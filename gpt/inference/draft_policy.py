@@ -22,9 +22,9 @@ stand plus one. Two things decide which K pays, and they change at different spe
 
 Each call runs the K with the most expected tokens per second over its slots (at batch 1, that slot's own
 K); until a width has measured both plain steps and the largest K it runs those (the draft first: it is
-what was asked for), in calls of a few steps (`call_steps`), and every `probe_every`-th call at a width it
-runs the K measured longest ago, so that costs stay current and a slot whose draft stopped paying is seen
-when it pays again. Every K gives the same
+what was asked for), and every `probe_every`-th call at a width it runs the K measured longest ago, so that
+costs stay current and a slot whose draft stopped paying is seen when it pays again. The choice is per call:
+an engine that runs a whole decode in one call (`generate` without streaming) runs it at the largest K. Every K gives the same
 tokens (`gpt.inference.speculation`), so the choice changes only the speed.
 
 Measured in bench/RESULTS.md, "Each call's K chosen for its slots, against a fixed K": within the run-to-run
@@ -76,7 +76,6 @@ class DraftPolicy:
         which is then not timed: a cost of the request, not of K.
     """
 
-    MEASURING_STEPS = 4  # a call's steps while a width's plain steps and largest K are measured
     PRIOR_WEIGHT = 2.0  # a slot's chance at a guess position counts the engine's recent rate as this many steps
 
     def __init__(self, draft_tokens: int, num_slots: int, probe_every: int = 64, window: int = 15,
@@ -87,7 +86,6 @@ class DraftPolicy:
         self.ladder, self.probe_every, self.window, self.memory = ladder(draft_tokens), probe_every, window, memory
         self._costs: dict[tuple[int, int], _Cost] = {}
         self._calls: dict[int, int] = {}
-        self._steps: dict[int, int] = {}  # the steps of the latest call at each width
         # At each guess position: the steps that verified it with every guess before it standing, and those at
         # which it stood, decayed; per slot [S, K], and over every slot [K].
         self._reached, self._stood = np.zeros((num_slots, self.ladder[-1])), np.zeros((num_slots, self.ladder[-1]))
@@ -119,16 +117,6 @@ class DraftPolicy:
         1 + a_1 + a_1 a_2 + ... + a_1...a_K each."""
         after_RK = np.cumsum(np.cumprod(self.chances(slots), axis=1), axis=1)  # guesses standing, K = 1, 2, ...
         return np.asarray([len(slots) + (after_RK[:, k - 1].sum() if k else 0.0) for k in self.ladder])
-
-    def call_steps(self, width: int, most: int) -> int:
-        """How many steps the next decode call at `width` runs, of the engine's `most` a call: MEASURING_STEPS
-        while plain steps or the largest K are not yet measured there, then twice the latest call's, so that an
-        engine of long calls (`generate` asks for its whole decode in one) measures its ways on a few steps and
-        then chooses among them at each doubling (a call costs ~1.5 ms on a 2-core host)."""
-        measuring = any(self.seconds_per_step(width, k) is None for k in (self.ladder[-1], 0))
-        steps = self.MEASURING_STEPS if measuring else 2 * self._steps.get(width, self.MEASURING_STEPS)
-        self._steps[width] = min(steps, most)
-        return self._steps[width]
 
     def choose(self, width: int, slots: Sequence[int]) -> int:
         """K for the next decode call over `width` rows that runs `slots` (0: plain steps); see the module

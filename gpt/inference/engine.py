@@ -12,8 +12,7 @@ Each round (`step`), on the thread that owns the engine, through the device's fo
   3. one `decode` runs up to `steps_per_call` steps for every live slot (over the fewest compiled rows
      that hold them: `decode_widths`); with a draft, each step verifies K drafted tokens a slot and emits
      up to K + 1 (`gpt.inference.speculation`), K up to `draft_tokens`, chosen per call from the slots'
-     acceptance rates and the measured cost of each K at this width (`gpt.inference.draft_policy`, which
-     also keeps the calls short while it measures);
+     acceptance rates and the measured cost of each K at this width (`gpt.inference.draft_policy`);
   4. new tokens go to their requests; finished slots become free.
 Requests come and go between rounds, so a short request never waits for a long one to end (continuous
 batching). Every sampling knob is a per-slot array, so no request's settings compile anything; `warmup`
@@ -142,11 +141,9 @@ class Engine:
             return admitted or advanced
         stop_at_finish = bool(self._scheduler.queue)  # someone waits for a slot: come back as soon as one frees
         width = bucket(self.decode_widths, len(decoding))
-        draft_tokens, steps = 0, self.steps_per_call
-        if self.drafts is not None:
-            draft_tokens, steps = self.drafts.choose(width, decoding), self.drafts.call_steps(width, steps)
+        draft_tokens = self.drafts.choose(width, decoding) if self.drafts is not None else 0
         start, programs = time.perf_counter(), compiled_programs()
-        emitted = self.device.decode(steps, stop_at_finish, width, decoding, draft_tokens)
+        emitted = self.device.decode(self.steps_per_call, stop_at_finish, width, decoding, draft_tokens)
         self._scheduler.deliver(list(range(self.num_slots)), emitted)
         if self.drafts is not None:  # what the call cost, and what became of its drafts
             self.drafts.record(width, draft_tokens, time.perf_counter() - start, int(emitted.steps),
