@@ -14,6 +14,8 @@
 #                               # torch.compile(mode="reduce-overhead")), then a decode step's profile
 #                               # (bench/decode_profile.py): its compiles make it a call of its own
 #   bash bench/gpu.sh serve     # serve_bench's load in bfloat16, transformers' continuous batching beside it
+#   bash bench/gpu.sh spec      # speculative decoding in bfloat16 on GPT-2 124M's shapes: generate with each
+#                               # draft at K = 4 and 8, then a server's calls with K fixed and chosen
 #   bash bench/gpu.sh serve_wide  # 32 slots on the standard load, 64 on a heavier one (256 requests from 64
 #                               # clients), 1 and 4 steps a call: throughput, TTFT and ITL p50/p99; a call
 #   bash bench/gpu.sh ttl       # time_to_loss at GPT-2 124M's shape in bfloat16 (gpt2, modern, torch.compile),
@@ -69,6 +71,11 @@ for job in "${jobs[@]}"; do
                   timeout 300 python3 bench/serve_bench.py --dtype bfloat16 --slots 64 --requests 256 --clients 64 \
                     --steps-per-call 1 4 --skip-generate --skip-torch
                   (exit $code); } 2>&1 | grep -v -e "it/s]" -e Warn | tee "$OUT/serve_wide.log" ;;
+    spec) { timeout 200 python3 bench/spec_bench.py --init_from random-gpt2 --dtype bfloat16 --drafts ngram int8 \
+              --draft_tokens 4 8; code=$?
+            timeout 200 python3 bench/spec_bench.py --init_from random-gpt2 --dtype bfloat16 --drafts ngram int8 \
+              --draft_tokens 4 8 --steps_per_call 1 --repeats 2
+            (exit $code); } 2>&1 | grep -v Warn | tee "$OUT/spec.log" ;;
     serve) timeout 170 python3 bench/serve_bench.py --dtype bfloat16 --steps-per-call 1 4 --skip-generate 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/serve.log" ;;
     ttl) ttl=(--preset gpt2 --block_size 1024 --batch_size 32 --dtype bfloat16 --lr 6e-4 --max_steps 500

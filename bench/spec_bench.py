@@ -187,8 +187,8 @@ def bench_llama_plain(hf_dir, prompt_tokens, new_tokens):
     return batched_bench(convert(Path(hf_dir), "f32"), prompt_tokens, new_tokens, [1], threads=2)[1][1]
 
 
-def random_gpt2():
-    """A GPT of GPT-2 124M's shapes with transformers' random initialization (seed 0)."""
+def random_gpt2(dtype: str = "float32"):
+    """A GPT of GPT-2 124M's shapes with transformers' random initialization (seed 0), its weights in `dtype`."""
     import torch
     import transformers
 
@@ -197,12 +197,14 @@ def random_gpt2():
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as directory:
         transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(directory)
-        return gpt2.load(directory, dtype="float32")
+        return gpt2.load(directory, dtype=dtype)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--init_from", default="out", help="the model: a training out_dir or an HF directory")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the weights' dtype (bfloat16 on a GPU; the peers stay float32)")
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=128, help="tokens of each file shown")
     parser.add_argument("--new_tokens", type=int, default=96)
@@ -221,9 +223,9 @@ def main():
     if args.temperature and (args.transformers or args.llama_cpp):
         parser.error("--temperature samples ours only: the peers' rows run greedy")
 
-    model = random_gpt2() if args.init_from == "random-gpt2" else load(args.init_from, "float32")
+    model = random_gpt2(args.dtype) if args.init_from == "random-gpt2" else load(args.init_from, args.dtype)
     decoder = Decoder.of(model)
-    drafter_model = None if args.draft_model is None else load(args.draft_model, "float32")
+    drafter_model = None if args.draft_model is None else load(args.draft_model, args.dtype)
     drafter = None if drafter_model is None else Decoder.of(drafter_model)
     prompts = held_out_prompts(args.files, args.prompt, args.new_tokens)
     print(f"## {cpu_name()}: {len(prompts)} held-out files, {args.prompt} tokens shown, {args.new_tokens} new, "
