@@ -158,7 +158,8 @@ class DraftPolicy:
         cost.measured_at = self._calls.get(width, 0)
 
     def seconds_per_step(self, width: int, k: int) -> float | None:
-        """The average cost of a step verifying k guesses at `width` rows; None until measured."""
+        """The cost of a step verifying k guesses at `width` rows (the median of its recent calls'); None until
+        measured."""
         return self._cost(width, k).median
 
     def _cost(self, width: int, k: int) -> _Cost:
@@ -170,9 +171,6 @@ class DraftPolicy:
         any is priced)."""
         known = [(k, cost) for k in self.ladder if (cost := self.seconds_per_step(width, k)) is not None]
         return np.interp(self.ladder, [k for k, _ in known], [cost for _, cost in known])
-
-    def _cost(self, width: int, k: int) -> _Cost:
-        return self._costs.get((width, k)) or _Cost(collections.deque(maxlen=self.window))
 
     def _priced(self, width: int, k: int) -> float:
         """k's measured cost a step at `width`, or, unmeasured, the straight line between the nearest measured
