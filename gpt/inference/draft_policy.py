@@ -171,13 +171,3 @@ class DraftPolicy:
         any is priced)."""
         known = [(k, cost) for k in self.ladder if (cost := self.seconds_per_step(width, k)) is not None]
         return np.interp(self.ladder, [k for k, _ in known], [cost for _, cost in known])
-
-    def _priced(self, width: int, k: int) -> float:
-        """k's measured cost a step at `width`, or, unmeasured, the straight line between the nearest measured
-        Ks below and above it on the ladder (plain steps and the largest K are measured before any is priced)."""
-        measured = {j: self.seconds_per_step(width, j) for j in self.ladder}
-        if measured[k] is not None:
-            return measured[k]
-        below = max(j for j in self.ladder if j < k and measured[j] is not None)
-        above = min(j for j in self.ladder if j > k and measured[j] is not None)
-        return measured[below] + (measured[above] - measured[below]) * (k - below) / (above - below)
