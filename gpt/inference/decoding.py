@@ -573,7 +573,8 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Arr
     widen = lambda full, narrow: full.at[:, rows_R].set(narrow, unique_indices=True)  # noqa: E731
     widen_rows = lambda full, narrow: full.at[rows_R].set(narrow, unique_indices=True)  # noqa: E731
     empty = Emitted.empty(out_R.token.shape[0], slots.live, out_R.stood.shape[1])
-    fields = {f.name: (widen_rows if f.name in Emitted.PER_ROW else widen)(getattr(empty, f.name), getattr(out_R, f.name))
+    fields = {f.name: (widen_rows if f.name in Emitted.PER_ROW else widen)(getattr(empty, f.name),
+                                                                            getattr(out_R, f.name))
               for f in dataclasses.fields(Emitted) if f.name != "steps"}
     return slots, Emitted(**fields, steps=out_R.steps)
 

@@ -20,12 +20,12 @@ stand plus one. Two things decide which K pays, and they change at different spe
   one before it, not as a coin toss, so that a K is not passed over for want of news of it. A step at K then
   emits 1 + a_1 + a_1 a_2 + ... + a_1...a_K tokens of that slot, expected.
 
-Each call runs the K with the most expected tokens per second over its slots (at batch 1, that slot's own
-K); until a width has measured both plain steps and the largest K it runs those (the draft first: it is
-what was asked for), and every `probe_every`-th call at a width it runs the K measured longest ago, so that
-costs stay current and a slot whose draft stopped paying is seen when it pays again. The choice is per call:
-an engine that runs a whole decode in one call (`generate` without streaming) runs it at the largest K. Every K gives the same
-tokens (`gpt.inference.speculation`), so the choice changes only the speed.
+Each call runs the K with the most expected tokens per second over its slots (at batch 1, that slot's own K);
+until a width has measured both plain steps and the largest K it runs those (the draft first: it is what was
+asked for), and every `probe_every`-th call at a width it runs the K measured longest ago, so that costs stay
+current and a slot whose draft stopped paying is seen when it pays again. The choice is per call: an engine
+that runs a whole decode in one call (`generate` without streaming) runs it at the largest K. Every K gives
+the same tokens (`gpt.inference.speculation`), so the choice changes only the speed.
 
 Measured in bench/RESULTS.md, "Each call's K chosen for its slots, against a fixed K": within the run-to-run
 spread of the best fixed K where guesses stand, and 0.90x-1.02x of plain decoding where they seldom do (a

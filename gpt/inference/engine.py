@@ -80,8 +80,9 @@ class Engine:
         self.device = DeviceSlots(Decoder.of(model, quantize, mesh), s.slots, s.cache_length, s.max_stop_tokens,
                                   s.steps_per_call, s.draft, s.draft_tokens)
         # how many guesses each call verifies, and the drafts' counts
-        self.drafts = (DraftPolicy(s.draft_tokens, self.device.num_slots, catches_up=self.device.draft_config is not None)
-                       if s.draft_tokens else None)
+        catches_up = self.device.draft_config is not None  # a draft model runs each new prompt in its first call
+        self.drafts = (DraftPolicy(s.draft_tokens, self.device.num_slots, catches_up=catches_up) if s.draft_tokens
+                       else None)
         self.config, self.num_slots, self.cache_length = config, self.device.num_slots, s.cache_length
         self.max_queue, self.steps_per_call, self.max_stop_tokens = s.max_queue, s.steps_per_call, s.max_stop_tokens
         self.prefill_chunk = min(s.prefill_chunk, s.cache_length)
