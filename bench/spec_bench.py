@@ -17,9 +17,9 @@ by --new_tokens more. For each way, tokens/s over all the files (each file timed
 warm-up run of it; the best of --repeats), its speed-up over the same engine without a draft, the share of
 drafted tokens that stood, and whether its tokens equal ours without a draft. With --steps_per_call, ours
 runs through one long-lived engine making calls of that many steps, as serve.py's does, each draft both at
-a fixed K and with K chosen per call by the engine's policy (and how often it chose each K). Prints a Markdown table
-for bench/RESULTS.md. With `--init_from random-gpt2`, random weights of GPT-2 124M's shapes: their logits
-are near flat, so an int8 draft's acceptance there is a floor, not a target.
+a fixed K and with K chosen per call by the engine's policy (and how often it chose each K). Prints a
+Markdown table for bench/RESULTS.md. With `--init_from random-gpt2`, random weights of GPT-2 124M's shapes:
+their logits are near flat, so an int8 draft's acceptance there is a floor, not a target.
 """
 
 from __future__ import annotations
@@ -93,10 +93,10 @@ def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens, tempe
 
 def bench_engine(decoder, prompts, new_tokens, repeats, draft, draft_tokens, steps_per_call, fixed, temperature):
     """(tokens/s, acceptance, tokens, the share of calls at each K): each prompt alone (greedy at temperature
-    0, else sampled with a seed per prompt, the same in every run), through one
-    long-lived engine making calls of `steps_per_call` steps, as a server's does: its policy chooses each
-    call's K up to draft_tokens (`gpt.inference.draft_policy`), or every call verifies draft_tokens when
-    `fixed`. A first pass over the prompts compiles and measures; the timed passes follow."""
+    0, else sampled, `seed_of` each prompt), through one long-lived engine making calls of `steps_per_call`
+    steps, as a server's does: its policy chooses each call's K up to draft_tokens
+    (`gpt.inference.draft_policy`), or every call verifies draft_tokens when `fixed`. A first pass over the
+    prompts compiles and measures; the timed passes follow."""
     engine = Engine(decoder, slots=1, cache_length=max(map(len, prompts)) + new_tokens, steps_per_call=steps_per_call,
                     max_queue=1, draft=draft, draft_tokens=draft_tokens)
     ks = []
@@ -218,7 +218,8 @@ def main():
                         help="through one engine making calls of this many steps (as serve.py's), each draft K "
                              "fixed and up to K chosen per call; default: gpt.generate, one call a prompt")
     parser.add_argument("--transformers", action="store_true", help="also transformers' prompt lookup")
-    parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp's llama-lookup")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also llama.cpp's llama-lookup and llama-speculative")
     args = parser.parse_args()
     if args.temperature and (args.transformers or args.llama_cpp):
         parser.error("--temperature samples ours only: the peers' rows run greedy")
@@ -250,12 +251,15 @@ def main():
                         f"K={j}: {share:.0%}" for j, share in shares.items()) + ")"
                     rows.append((f"gpt engine, {draft} draft, K={k} {'fixed' if fixed else 'chosen'}{calls}",
                                  speed, stood, outputs))
-    hf_dir = None
+    hf_dir = draft_hf_dir = None  # the model, and the draft model, as HF directories for the peers
     if args.transformers or args.llama_cpp:
         from gpt.model import gpt2
 
         hf_dir = tempfile.mkdtemp(prefix="spec-bench-hf-")
         gpt2.save(model, hf_dir)
+        if "model" in args.drafts:
+            draft_hf_dir = tempfile.mkdtemp(prefix="spec-bench-draft-")
+            gpt2.save(drafter_model, draft_hf_dir)
     peer_rows = []
     if args.transformers:
         peer_rows.append(("transformers, no draft", *bench_transformers(hf_dir, prompts, args.new_tokens,
@@ -264,20 +268,14 @@ def main():
             peer_rows.append((f"transformers, prompt_lookup_num_tokens={k}",
                               *bench_transformers(hf_dir, prompts, args.new_tokens, args.repeats, k)))
         if "model" in args.drafts:
-            assistant_dir = tempfile.mkdtemp(prefix="spec-bench-draft-")
-            gpt2.save(drafter_model, assistant_dir)
             for k in args.draft_tokens:
                 peer_rows.append((f"transformers, assistant_model, num_assistant_tokens={k}", *bench_transformers(
-                    hf_dir, prompts, args.new_tokens, args.repeats, k, assistant_dir)))
+                    hf_dir, prompts, args.new_tokens, args.repeats, k, draft_hf_dir)))
     if args.llama_cpp:
         from sample_bench import write_gpt2_vocab
 
-        write_gpt2_vocab(Path(hf_dir))
-        draft_hf_dir = None
-        if "model" in args.drafts:
-            draft_hf_dir = tempfile.mkdtemp(prefix="spec-bench-draft-gguf-")
-            gpt2.save(drafter_model, draft_hf_dir)
-            write_gpt2_vocab(Path(draft_hf_dir))
+        for directory in filter(None, (hf_dir, draft_hf_dir)):
+            write_gpt2_vocab(Path(directory))
         peer_rows.append(("llama.cpp f32, no draft (llama-batched-bench)",
                           bench_llama_plain(hf_dir, args.prompt, args.new_tokens), None, None))
         for draft in args.drafts:
