@@ -1,11 +1,16 @@
 """Train a GPT. `python train.py` trains a small model on the embedded default corpus; --help lists all flags."""
 
+import os
 import sys
+
+if "--compile_only" in " ".join(sys.argv):  # compiles for devices it never runs on: no accelerator to look for
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from gpt.cli import parse_train_config
 from gpt.compilation_cache import enable_compilation_cache
 from gpt.errors import cli_main
 from gpt.generate import generate_text, new_tokens_that_fit
+from gpt.train.compile_only import FIT_ADVICE, compile_train_step
 from gpt.train.trainer import train
 
 
@@ -13,6 +18,11 @@ from gpt.train.trainer import train
 def main(argv: list[str]) -> int:
     config = parse_train_config(argv)
     enable_compilation_cache(config.compile_cache)
+    if config.compile_only:
+        report = compile_train_step(config)
+        print("\n".join(report.lines()))
+        report.check_fits(f"--compile_only {config.compile_only}", f"try {FIT_ADVICE}")
+        return 0
     result = train(config)
     if result.signal is not None:
         return 128 + result.signal  # stopped, not finished: the shell's convention for a signal

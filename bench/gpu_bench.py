@@ -17,7 +17,7 @@ codebase, given by `--llmc PATH`) and nanoGPT's recipe in PyTorch: transformers'
 Reported: tokens/s (best of `--rounds` rounds of `--steps` optimizer steps), MFU = tokens/s x
 flops_per_token / peak, with flops_per_token = 6 x matmul parameters + 12 x layers x width x block (the
 PaLM paper's formula; `gpt.train.step.flops_per_token`) and the device's dense bfloat16 peak
-(`gpt.train.step.PEAK_BF16_FLOPS`: H100 989 TFLOP/s), the first step's time (compile included) and the peak
+(`gpt.hardware.CHIPS`: H100 989 TFLOP/s), the first step's time (compile included) and the peak
 device memory. `--json PATH` also writes the rows.
 """
 
@@ -278,10 +278,12 @@ def largest_that_fits(bench: Bench, make_job) -> dict | None:
 
 
 def add_rates(row: dict) -> dict:
-    from gpt.train.step import PEAK_BF16_FLOPS, flops_per_token
+    from gpt.hardware import chip_of
+    from gpt.train.step import flops_per_token
 
     tokens = row["micro_batch"] * row["accumulation"] * row["block_size"]
-    peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in row["device"]), None)
+    chip = chip_of(row["device"])
+    peak = None if chip is None else chip.bf16_flops
     rate = tokens / row["step_s"]
     flops = flops_per_token(model_config(row["preset"], row["block_size"]), row["block_size"])
     return {**row, "tokens_per_s": rate, "mfu": rate * flops / peak if peak else None}

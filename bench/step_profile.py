@@ -33,12 +33,10 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# The chips' datasheet ratings (gpt.hardware); a device-to-device copy on a lent H100 measured ~3.0e12 B/s.
+from gpt.hardware import chip_of  # noqa: E402
 from gpt.model.config import GPTConfig  # noqa: E402
 from gpt.train.profile import HLO_FILE, META_FILE  # noqa: E402
-from gpt.train.step import PEAK_BF16_FLOPS  # noqa: E402
-
-# Datasheet HBM bandwidths (bytes/s); a device-to-device copy on a lent H100 measured ~3.0e12.
-PEAK_MEMORY_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "L4": 0.3e12}
 
 GEMM_ROLES = ("qkv", "attn_proj", "mlp_up", "mlp_down", "lm_head")
 SCOPES = {  # named scope in the code -> category of the ops (other than matrix products) under it
@@ -266,8 +264,8 @@ def roofline(config: GPTConfig, micro_batch: int, block_size: int, accumulation:
 
 def peaks(device: str, flops: float | None = None, bandwidth: float | None = None) -> tuple[float | None, float | None]:
     """(peak bf16 FLOP/s, memory bytes/s) of a device kind, from the tables or as given."""
-    look = lambda table: next((value for name, value in table.items() if name in device), None)  # noqa: E731
-    return flops or look(PEAK_BF16_FLOPS), bandwidth or look(PEAK_MEMORY_BANDWIDTH)
+    chip = chip_of(device)
+    return flops or (chip and chip.bf16_flops), bandwidth or (chip and chip.memory_bandwidth)
 
 
 def floor_seconds(work: tuple[float, float], peak_flops: float | None, bandwidth: float | None) -> float | None:

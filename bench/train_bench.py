@@ -25,7 +25,7 @@ from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh
 from gpt.model.transformer import GPT
 from gpt.train.optimizer import OptimizerConfig
-from gpt.train.step import PEAK_BF16_FLOPS, flops_per_token, init_train_state, make_train_step
+from gpt.train.step import flops_per_token, peak_flops, init_train_state, make_train_step
 
 from machine import cpu_name
 
@@ -130,7 +130,7 @@ def main(bench: BenchConfig) -> None:
     config = model_config(bench)
     tokens = bench.batch_size * bench.block_size
     device = jax.devices()[0]
-    peak = next((f for name, f in PEAK_BF16_FLOPS.items() if name in device.device_kind), None)
+    peak = peak_flops()
     print(f"# {cpu_name()} / {device.device_kind}; jax {jax.__version__}; "
           f"{config.num_params():,} params; batch {bench.batch_size} x block {bench.block_size}; {bench.dtype}")
     print("| impl | ms/step | tokens/s | vs torch | MFU |")

@@ -12,9 +12,25 @@ from gpt.model.config import GPTConfig
 
 def test_the_cpu_row_is_in_force_here():
     assert jax.default_backend() == "cpu" and backend.choices() is backend.CHOICES["cpu"]
+    with jax.set_mesh(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])):
+        assert backend.choices() is backend.CHOICES["cpu"]
 
 
-@pytest.mark.parametrize("row", ["cpu", "gpu"])
+def test_the_row_is_the_active_meshs_platforms(monkeypatch):
+    # A program compiled for a TPU topology on this CPU takes the TPU's row: its mesh says what it is for.
+    class Device:
+        platform = "tpu"
+
+    class Mesh:
+        empty, abstract_device = False, Device()
+
+    monkeypatch.setattr(jax.sharding, "get_abstract_mesh", lambda: Mesh())
+    assert backend.choices() is backend.CHOICES["tpu"]
+    Device.platform = "something new"
+    assert backend.choices().attention == "plain" and backend.choices().decode_chunk == backend.CHOICES["gpu"].decode_chunk
+
+
+@pytest.mark.parametrize("row", ["cpu", "gpu", "tpu"])
 def test_each_choice_follows_the_table(monkeypatch, row):
     chosen = backend.CHOICES[row]
     for module in (attention, cpu_kernels, few_rows, loss, decoding, shapes):
@@ -33,11 +49,12 @@ def test_each_choice_follows_the_table(monkeypatch, row):
     monkeypatch.setattr(loss, "_chunked_loss", lambda x, table, targets, length, *_: lengths.append(length))
     loss.lm_head_cross_entropy(jnp.zeros((1, 4096, 8)), jnp.zeros((50304, 8)), jnp.zeros((1, 4096), jnp.int32))
     assert lengths == [loss._chunk_length(4096, chosen.loss_chunk_bytes // (50304 * 4))]
-    assert (lengths[0] < 4096) == (row == "cpu")  # in chunks on a CPU, whole on a GPU
+    assert (lengths[0] < 4096) == (row != "gpu")  # in chunks on a CPU and a TPU, whole on a GPU
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *args, **kwargs: "fused")  # cuDNN's: not on a CPU
-    out = attention.attend(jnp.ones((1, 3, 2, 4)), jnp.ones((2, 3, 4)), jnp.ones((2, 3, 4)), None)
-    assert isinstance(out, str) == chosen.fused_attention
+    monkeypatch.setattr(attention, "splash_causal", lambda *args: "splash")  # a TPU's kernel: not here either
+    out = attention.attend(jnp.ones((1, 128, 2, 4)), jnp.ones((2, 128, 4)), jnp.ones((2, 128, 4)), None)
+    assert (out if isinstance(out, str) else "plain") == {"dot_product": "fused"}.get(chosen.attention, chosen.attention)
 
 
 def test_the_gpu_row_asks_for_cudnns_kernel_at_16_bit_and_falls_back_to_xlas(monkeypatch):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from gpt.model import cpu_kernels
 from gpt.model.backend import choices
+from gpt.model.splash import splash_causal, splash_fits
 
 __all__ = ["attend", "attend_paged", "kernel_attend_paged", "sinusoidal_embedding", "apply_rope", "MAX_KERNEL_HEAD_DIM"]
 
@@ -56,9 +57,11 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.
 def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.Array | None) -> jax.Array:
     """Scaled dot-product attention.
 
-    On GPUs this is `jax.nn.dot_product_attention`: cuDNN's fused (flash) kernel where it takes the call
-    (`fused_causal`), XLA's otherwise. Elsewhere it is the plain softmax(q k^T / sqrt(H)) v over rows x
-    heads as one batch axis, which XLA on CPU runs about 1.7x faster (forward + backward) than the
+    Which form runs is the backend's `attention` choice (`gpt.model.backend`). On GPUs it is
+    `jax.nn.dot_product_attention`: cuDNN's fused (flash) kernel where it takes the call (`fused_causal`),
+    XLA's otherwise. On TPUs, causal attention without a mask is Pallas' splash kernel where its blocks and the
+    mesh divide the shapes (`gpt.model.splash`). Elsewhere it is the plain softmax(q k^T / sqrt(H)) v over
+    rows x heads as one batch axis, which XLA on CPU runs about 1.7x faster (forward + backward) than the
     fallback inside `jax.nn.dot_product_attention`.
 
     Args:
@@ -72,8 +75,12 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
     """
     B, T, N, H = q_BTNH.shape
     S = k_MSH.shape[1]
-    if choices().fused_attention:
-        k_BSNH, v_BSNH = (x.reshape(B, N, S, H).transpose(0, 2, 1, 3) for x in (k_MSH, v_MSH))
+    kind = choices().attention
+    to_BSNH = lambda x: x.reshape(B, N, S, H).transpose(0, 2, 1, 3)  # noqa: E731
+    if kind == "splash" and mask_BTS is None and splash_fits(B, T, N):
+        return splash_causal(q_BTNH, to_BSNH(k_MSH), to_BSNH(v_MSH))
+    if kind == "dot_product":
+        k_BSNH, v_BSNH = to_BSNH(k_MSH), to_BSNH(v_MSH)
         if mask_BTS is None:
             return fused_causal(q_BTNH, k_BSNH, v_BSNH)
         return jax.nn.dot_product_attention(q_BTNH, k_BSNH, v_BSNH, mask=mask_BTS[:, None, :, :])

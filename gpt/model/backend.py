@@ -1,21 +1,27 @@
-"""What the code does differently on a CPU and on an accelerator, in one table (as `gpt.model.sharding.RULES`
-is for mesh axes). Each choice was measured; the figures are in bench/RESULTS.md under the name given.
+"""What the code does differently on a CPU, a GPU and a TPU, in one table (as `gpt.model.sharding.RULES` is for
+mesh axes). The CPU's and GPU's choices were measured; the figures are in bench/RESULTS.md under the name given.
+No TPU has run this code: its row is reasoned from the programs compiled for TPU topologies on a CPU
+(`train.py --compile_only`; RESULTS, "Compiled for TPUs on a CPU"), and each cell says why.
 
-| choice | CPU | GPU (and others) | why |
-| --- | --- | --- | --- |
-| `fused_attention` | no: softmax(q k^T) v written out, heads as a batch axis | yes on a GPU: `jax.nn.dot_product_attention` (cuDNN's fused kernel at 16-bit, `fused_causal`) | XLA's CPU has no fused kernel; the plain form avoids a transposed copy of k |
-| `loss_chunk_bytes` | 128 MiB of float32 logits a chunk | 1 GiB | a chunk stays in the last-level cache; elsewhere fewer, larger chunks keep the matmuls big ("Training") |
-| `cpu_kernels` | a decode step's matmuls of 1-16 int8 or float32 rows, and its attention, through compiled kernels, where built | XLA's ops | XLA's CPU dots read a few rows' weights below the memory's speed; its attention over the cache is many small programs ("CPU decoding", "The decode step's small programs") |
-| `few_rows_matmul` | without the kernels, 2-16 float32 rows as a multiply and a sum | a dot | XLA's CPU runs 2-16 rows as a GEMM far from the memory's speed ("Serving") |
-| `score_rows` | a prompt's scores (the LM head, its logsumexp and top logprobs) 128 positions at a time | all at once | 128 rows of GPT-2's logits (26 MB) stay in the last-level cache for the reductions over them ("Scoring prompts, and sampling sooner") |
-| `kv_page_length` | an engine's cache in pages of 128 slots | one page | a decode step reads only the pages its rows reached ("Paged KV cache"); cuDNN reads one buffer under the mask |
-| `narrow_decodes` | decodes compiled for 1, 2, 4, ... rows | for every slot | a step over 8 rows costs about twice one over 1 on a CPU, about the same on a GPU ("Serving") |
-| `decode_chunk` | 1: a decode call's loop checks after every step whether to go on | 8 steps unrolled between checks | a GPU's while loop reads its condition back on the host at every iteration, and waits for it before the next; a CPU's does not, and gains from stopping at once (to be measured on a GPU: "The decode loop in chunks") |
+| choice | CPU | GPU | TPU | why |
+| --- | --- | --- | --- | --- |
+| `attention` | `plain`: softmax(q k^T) v written out, heads as a batch axis | `dot_product`: `jax.nn.dot_product_attention` (cuDNN's fused kernel at 16-bit, `fused_causal`) | `splash`: Pallas' splash kernel for causal attention (`gpt.model.splash`), plain under a mask | XLA's CPU has no fused kernel and the plain form avoids a transposed copy of k; on a TPU the plain form writes the T x T scores to HBM (the compiled program's temporaries), which splash never does |
+| `loss_chunk_bytes` | 128 MiB of float32 logits a chunk | 1 GiB | 256 MiB | a chunk stays in the last-level cache; on a GPU fewer, larger chunks keep the matmuls big ("Training"); a TPU's 16 GiB (v5e) holds the chunk beside the model, and the products stay larger than its 128 x 128 units by far |
+| `cpu_kernels` | a decode step's matmuls of 1-16 int8 or float32 rows, and its attention, through compiled kernels, where built | XLA's ops | XLA's ops | XLA's CPU dots read a few rows' weights below the memory's speed; its attention over the cache is many small programs ("CPU decoding", "The decode step's small programs") |
+| `few_rows_matmul` | without the kernels, 2-16 float32 rows as a multiply and a sum | a dot | a dot | XLA's CPU runs 2-16 rows as a GEMM far from the memory's speed ("Serving") |
+| `score_rows` | a prompt's scores (the LM head, its logsumexp and top logprobs) 128 positions at a time | all at once | all at once | 128 rows of GPT-2's logits (26 MB) stay in the last-level cache for the reductions over them ("Scoring prompts, and sampling sooner") |
+| `kv_page_length` | an engine's cache in pages of 128 slots | one page | one page | a decode step reads only the pages its rows reached ("Paged KV cache"); cuDNN, and a TPU's fused dot over the cache, read one buffer under the mask |
+| `narrow_decodes` | decodes compiled for 1, 2, 4, ... rows | for every slot | for every slot | a step over 8 rows costs about twice one over 1 on a CPU, about the same on a GPU ("Serving"); a TPU's matrix units are 128 rows wide |
+| `decode_chunk` | 1: a decode call's loop checks after every step whether to go on | 8 steps unrolled between checks | 1 | a GPU's while loop reads its condition back on the host at every iteration, and waits for it before the next; a CPU's does not, and gains from stopping at once (to be measured on a GPU: "The decode loop in chunks"); a TPU's runs on the chip, as a CPU's |
+
+`choices()` reads the platform of the active mesh's devices, so that a program compiled for a TPU topology on a
+CPU machine takes the TPU's row; with no mesh active, JAX's default backend's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 
@@ -26,7 +32,7 @@ __all__ = ["BackendChoices", "CHOICES", "choices"]
 class BackendChoices:
     """One backend's row of the table above."""
 
-    fused_attention: bool
+    attention: Literal["plain", "dot_product", "splash"]
     loss_chunk_bytes: int
     cpu_kernels: bool  # `gpt.model.cpu_kernels`: CPU custom calls
     few_rows_matmul: bool
@@ -37,16 +43,22 @@ class BackendChoices:
 
 
 CHOICES = {
-    "cpu": BackendChoices(fused_attention=False, loss_chunk_bytes=128 << 20, cpu_kernels=True,
+    "cpu": BackendChoices(attention="plain", loss_chunk_bytes=128 << 20, cpu_kernels=True,
                           few_rows_matmul=True, score_rows=128, kv_page_length=128, narrow_decodes=True,
                           decode_chunk=1),
-    "gpu": BackendChoices(fused_attention=True, loss_chunk_bytes=1 << 30, cpu_kernels=False,
+    "gpu": BackendChoices(attention="dot_product", loss_chunk_bytes=1 << 30, cpu_kernels=False,
                           few_rows_matmul=False, score_rows=None, kv_page_length=None, narrow_decodes=False,
                           decode_chunk=8),
+    "tpu": BackendChoices(attention="splash", loss_chunk_bytes=256 << 20, cpu_kernels=False,
+                          few_rows_matmul=False, score_rows=None, kv_page_length=None, narrow_decodes=False,
+                          decode_chunk=1),
 }
-_OTHER = dataclasses.replace(CHOICES["gpu"], fused_attention=False)  # a TPU: XLA's own attention
 
 
 def choices() -> BackendChoices:
-    """The choices for JAX's default backend."""
-    return CHOICES.get(jax.default_backend(), _OTHER)
+    """The row of the platform a program is being compiled for: the active mesh's devices' (a TPU topology's on
+    a CPU machine), else JAX's default backend's; an unknown platform takes the GPU's row with XLA's attention."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    platform = jax.default_backend() if device is None else device.platform
+    return CHOICES.get(platform, dataclasses.replace(CHOICES["gpu"], attention="plain"))

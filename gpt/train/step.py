@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from gpt.hardware import chip_of
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import param_shardings, replicated
 from gpt.model.transformer import GPT
 from gpt.train.optimizer import OptimizerConfig, learning_rates, make_optimizer
 
-__all__ = ["loss_fn", "init_train_state", "make_train_step", "make_eval_step", "all_finite", "flops_per_token",
-           "peak_flops", "PEAK_BF16_FLOPS", "TrainStep"]
+__all__ = ["loss_fn", "init_train_state", "abstract_train_state", "make_train_step", "make_eval_step", "all_finite", "flops_per_token",
+           "peak_flops", "TrainStep"]
 
 
 def loss_fn(model: GPT, batch_BT1: jax.Array, dropout_key: jax.Array | None = None,
@@ -47,6 +48,21 @@ def init_train_state(model: GPT, optimizer: OptimizerConfig, mesh: jax.sharding.
     opt_shardings = _optimizer_shardings(init, params, shardings, mesh)
     # Pinned: left to propagation, XLA may replicate the zeros that the moments start from.
     opt_state = jax.jit(init, out_shardings=opt_shardings)(params)
+    return graphdef, params, opt_state, (shardings, opt_shardings)
+
+
+def abstract_train_state(config: GPTConfig, optimizer: OptimizerConfig, mesh: jax.sharding.Mesh):
+    """`init_train_state`'s results as shapes alone (`jax.ShapeDtypeStruct`s carrying their shardings), for a
+    model of `config`: nothing is allocated, so `mesh` may be of devices this machine lacks (a TPU topology)."""
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    shardings = param_shardings(model, mesh)
+    params = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                          nnx.to_pure_dict(state), shardings)
+    init = _optimizer_of(optimizer.without_schedule()).init
+    opt_shardings = _optimizer_shardings(init, params, shardings, mesh)
+    opt_state = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                             jax.eval_shape(init, params), opt_shardings)
     return graphdef, params, opt_state, (shardings, opt_shardings)
 
 
@@ -94,7 +110,7 @@ def make_train_step(graphdef, optimizer: OptimizerConfig, dropout: bool, mesh: j
     leaves, treedef = jax.tree.flatten(shardings)
     jitted = _train_step(graphdef, optimizer.without_schedule(), dropout, mesh, tuple(leaves), treedef,
                          label_smoothing)
-    return TrainStep(jitted, _rates_at_step(optimizer, mesh), mesh)
+    return TrainStep(jitted, _rates_at_step(optimizer), mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,22 +127,26 @@ class TrainStep:
         with jax.set_mesh(self.mesh):
             return self.jitted(params, opt_state, batch_ABT1, key, self.rates(opt_state))
 
+    def lower(self, params, opt_state, batch_ABT1, key) -> jax.stages.Lowered:
+        """The step's program for these arguments (arrays, or `jax.ShapeDtypeStruct`s with their shardings)."""
+        with jax.set_mesh(self.mesh):
+            rates = jax.eval_shape(self.rates, opt_state)
+            return self.jitted.lower(params, opt_state, batch_ABT1, key, rates)
+
     def compiled_text(self, params, opt_state, batch_ABT1, key) -> str:
         """The optimized HLO of the program a call with these arguments runs (XLA's names for its ops, which
         a profile's events carry, with the named scopes of the code each came from)."""
-        with jax.set_mesh(self.mesh):
-            lowered = self.jitted.lower(params, opt_state, batch_ABT1, key, self.rates(opt_state))
-            return lowered.compile().as_text()
+        return self.lower(params, opt_state, batch_ABT1, key).compile().as_text()
 
 
 @functools.lru_cache(maxsize=16)
-def _rates_at_step(optimizer: OptimizerConfig, mesh: jax.sharding.Mesh):
+def _rates_at_step(optimizer: OptimizerConfig):
     """opt_state -> float32 [2]: the learning rates of the step that `opt_state` is about to take."""
     def rates(opt_state):
         steps_taken = optax.tree_utils.tree_get_all_with_path(opt_state, "count")[0][1]  # every count agrees
         return learning_rates(optimizer, steps_taken)
 
-    return _on_mesh(jax.jit(rates), mesh)
+    return jax.jit(rates)  # called on the step's mesh (`TrainStep.__call__`)
 
 
 @functools.lru_cache(maxsize=16)
@@ -184,12 +204,10 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> float:
     return 6 * matmul_params + 12 * config.n_layer * config.n_embd * seq_len
 
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12, "TPU v5": 459e12}
-
-
 def peak_flops(given: float | None = None) -> float | None:
-    """Peak FLOP/s of one device: `given`, else looked up by device kind (None when unknown, e.g. CPUs)."""
+    """Peak FLOP/s of one device: `given`, else its chip's rating (`gpt.hardware.CHIPS`; None when unknown,
+    e.g. CPUs)."""
     if given:
         return given
-    kind = jax.devices()[0].device_kind
-    return next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in kind), None)
+    chip = chip_of(jax.devices()[0].device_kind)
+    return None if chip is None else chip.bf16_flops

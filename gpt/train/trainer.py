@@ -34,6 +34,7 @@ import jax
 import numpy as np
 import tyro
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from gpt.compilation_cache import CompileCacheChoice
@@ -42,6 +43,7 @@ from gpt.data.prefetch import Prefetch
 from gpt.data.prepare import CorpusChoice, corpus_identity, default_corpus, prepare, sources
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, RunFailed, check_fits_in_memory
+from gpt.hardware import parse_topology
 from gpt.model import gpt2
 from gpt.model.config import PRESETS, GPTConfig
 from gpt.model.sharding import (
@@ -63,7 +65,8 @@ from gpt.train.peers import PeerWatch, agree_on_signal, wait_for_all
 from gpt.train.profile import StepTrace, parse_step_range
 from gpt.train.step import flops_per_token, init_train_state, make_eval_step, make_train_step, peak_flops
 
-__all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setup", "loop", "Plan", "Run"]
+__all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setup", "loop", "Plan", "Run",
+           "mesh_and_model", "rows_sharding"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +133,11 @@ class TrainConfig(CorpusChoice, CompileCacheChoice):
     prefetch: int = 2
     """Batches read and placed on the devices ahead of the step, by a background thread (0: read each
     batch on the loop's own thread, when its step needs it)."""
+    compile_only: str = ""
+    """A TPU topology to compile the run's step for, on any machine, then print what each device needs (memory,
+    FLOPs, collectives) and the fastest the step could run there, and exit: nothing read or written. v5e-N and
+    v6e-N count chips (1, 4, 8, 16, ... 256), v5p-N TensorCores (8 ... 1024); v5e-256x2 is two slices. Needs
+    TPU's compiler: pip install -e '.[tpu]'."""
     profile_steps: str = ""
     """'A:B': trace steps A to B-1 (counted from 0) with JAX's profiler into out_dir/profile, for
     TensorBoard or Perfetto; `bench/step_profile.py OUT_DIR/profile` sums it by category. Empty: none."""
@@ -156,6 +164,8 @@ class TrainConfig(CorpusChoice, CompileCacheChoice):
         for name in ("stop_after", "block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.compile_only:
+            parse_topology(self.compile_only)
         traced = parse_step_range(self.profile_steps, "TrainConfig.profile_steps")
         if traced is not None and traced[1] > self.optim.max_steps:
             raise ConfigError(f"TrainConfig.profile_steps={self.profile_steps!r} ends after "
@@ -218,7 +228,7 @@ class Plan:
     config: TrainConfig
     """With block_size filled in."""
     model_config: GPTConfig
-    mesh: jax.sharding.Mesh
+    mesh: Mesh
     inputs: list
     corpus_sources: list[dict]
     identity: dict
@@ -251,12 +261,8 @@ def plan(config: TrainConfig, log=print) -> Plan:
             raise ConfigError(f"TrainConfig.num_devices={config.num_devices} must be in [1, {jax.device_count()}], "
                               "the devices there are")
         devices = jax.devices()[: config.num_devices]
-    mesh = make_mesh(**parse_mesh(config.mesh), devices=devices)
     log = _main_process_only(log)
-    if config.batch_size % data_parallel_size(mesh):
-        raise ConfigError(f"TrainConfig.batch_size={config.batch_size} must be divisible by the data-parallel "
-                          f"devices (data x fsdp = {data_parallel_size(mesh)})")
-    config, model_config = _resolve_model(config, log)
+    config, model_config, mesh = mesh_and_model(config, devices, log)
     batch_bytes = config.grad_accum * config.batch_size * (config.block_size + 1) * 4 * (config.prefetch + 2)
     check_fits_in_memory(f"TrainConfig.batch_size={config.batch_size} x grad_accum={config.grad_accum}", batch_bytes,
                          f"the int32 token batches in flight ({config.prefetch} prefetched + 2 steps')",
@@ -266,6 +272,22 @@ def plan(config: TrainConfig, log=print) -> Plan:
     run_identity = identity(config_to_json(model_config), _training_identity(config),
                             corpus_identity(corpus_sources, config.val_fraction, config.text_field))
     return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity)
+
+
+def mesh_and_model(config: TrainConfig, devices: list | None, log=print) -> tuple[TrainConfig, GPTConfig, Mesh]:
+    """The run's mesh over `devices` (default: all) and its model's config, checked against each other and the
+    batch; `config` with its block_size filled in. Nothing is read but a checkpoint's config.json."""
+    mesh = make_mesh(**parse_mesh(config.mesh), devices=devices)
+    if config.batch_size % data_parallel_size(mesh):
+        raise ConfigError(f"TrainConfig.batch_size={config.batch_size} must be divisible by the data-parallel "
+                          f"devices (data x fsdp = {data_parallel_size(mesh)})")
+    config, model_config = _resolve_model(config, log)
+    return config, model_config, mesh
+
+
+def rows_sharding(mesh: Mesh) -> jax.sharding.NamedSharding:
+    """The sharding of a step's batch, int32 [grad_accum, batch_size, block_size + 1]: rows over the data axes."""
+    return batch_sharding(mesh, (None, "batch", None))
 
 
 def _default_identity() -> dict:
@@ -369,7 +391,7 @@ class Run:
 
     @functools.cached_property
     def _rows_sharding(self) -> jax.sharding.NamedSharding:
-        return batch_sharding(self.mesh, (None, "batch", None))  # [accumulation, rows, T + 1]
+        return rows_sharding(self.mesh)
 
     def batch(self, step: int) -> jax.Array:
         """Step `step`'s global batch, int32 [grad_accum, batch_size, block_size + 1], placed on the mesh."""

@@ -1,0 +1,144 @@
+"""The accelerators the code knows by name: each chip's rated numbers, and TPU topologies that programs can be
+compiled for on any machine (libtpu's compiler, no TPU needed).
+
+A chip's figures are its maker's ratings (NVIDIA's data sheets for the SXM parts; Google Cloud's TPU pages),
+per device as JAX sees it: one GPU, or one TPU chip (v5p's two TensorCores are one device). They bound what a
+program can do (`gpt.program_report`); they are not measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+
+import jax
+
+from gpt.errors import ConfigError
+
+__all__ = ["Chip", "CHIPS", "chip_of", "Topology", "TOPOLOGY_FAMILIES", "parse_topology", "topology_help"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One device's rated numbers."""
+
+    device_kind: str
+    """The start of JAX's `device.device_kind` for it (the longest that matches wins)."""
+    memory_bytes: int
+    """Its accelerator memory (HBM)."""
+    bf16_flops: float
+    """Dense bfloat16 matrix FLOP/s."""
+    memory_bandwidth: float
+    """Bytes/s between the memory and the chip."""
+    interconnect_bandwidth: float
+    """Bytes/s one way over its links to the other chips (half the bidirectional rating): ICI or NVLink."""
+
+
+_GB = 10**9
+CHIPS: dict[str, Chip] = {chip.device_kind: chip for chip in (
+    Chip("NVIDIA H100", 80 * _GB, 989e12, 3.35e12, 450e9),
+    Chip("NVIDIA H200", 141 * _GB, 989e12, 4.8e12, 450e9),
+    Chip("NVIDIA A100", 80 * _GB, 312e12, 2.039e12, 300e9),
+    Chip("NVIDIA L4", 24 * _GB, 121e12, 300e9, 32e9),
+    Chip("TPU v4", 32 * 2**30, 275e12, 1.2e12, 150e9),
+    Chip("TPU v5 lite", 16 * 2**30, 197e12, 819e9, 200e9),  # the compiler's own limit is 15.75 GiB of it
+    Chip("TPU v5", 95 * 2**30, 459e12, 2.765e12, 600e9),
+    Chip("TPU v6 lite", 32 * 2**30, 918e12, 1.638e12, 400e9),
+)}
+
+
+def chip_of(device_kind: str) -> Chip | None:
+    """The chip whose kind is the longest start of `device_kind`, with or without NVIDIA's name (so "TPU v5 lite"
+    is v5e, never v5p's "TPU v5"; "NVIDIA H100 80GB HBM3" and "H100" the H100); None for anything else (a CPU)."""
+    known = [kind for kind in CHIPS if device_kind.startswith((kind, kind.removeprefix("NVIDIA ")))]
+    return CHIPS[max(known, key=len)] if known else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """How a TPU generation names its slices and lays out its chips."""
+
+    prefix: str
+    """The name's prefix, as Cloud TPU's accelerator types spell it (`v5e` in `v5e-8`)."""
+    cores_per_chip_in_name: int
+    """v5p's names count TensorCores (`v5p-128` is 64 chips); v5e's and v6e's count chips."""
+    shapes: dict[int, tuple[int, ...]]
+    """Chips -> the slice's shape, as `topology_name` takes it."""
+    chips_per_host: dict[int, tuple[int, int, int]]
+    """Chips in the slice -> the chips one host holds (the largest key at most the slice's size applies)."""
+
+
+TOPOLOGY_FAMILIES = {family.prefix: family for family in (
+    _Family("v5e", 1, {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
+                       256: (16, 16)}, {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1), 16: (2, 2, 1)}),
+    _Family("v6e", 1, {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
+                       256: (16, 16)}, {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1), 16: (2, 2, 1)}),
+    _Family("v5p", 2, {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
+                       256: (4, 8, 8), 512: (8, 8, 8)}, {4: (2, 2, 1)}),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A TPU slice (or several) named as Cloud TPU names it: `v5e-8`, `v5p-128`, `v5e-256x2` (two slices)."""
+
+    name: str
+    family: str
+    chips: int
+    """Chips in one slice."""
+    slices: int = 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return TOPOLOGY_FAMILIES[self.family].shapes[self.chips]
+
+    def devices(self) -> list:
+        """The slice's devices as JAX's TPU compiler sees them (libtpu, no TPU): programs jitted for a mesh of
+        them compile, and cannot run. ConfigError when libtpu is not installed."""
+        family = TOPOLOGY_FAMILIES[self.family]
+        per_host = family.chips_per_host[max(k for k in family.chips_per_host if k <= self.chips)]
+        cube = len(self.shape) == 3 and all(size % 4 == 0 for size in self.shape)
+        wrap = tuple(cube or (len(self.shape) == 2 and self.chips == 256 and axis < 2) for axis in range(3))
+        # libtpu takes a lock file for the one process that may drive a host's TPUs; a compile drives none, and
+        # must not fail beside another compile or a training run on a TPU host.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        try:
+            from jax.experimental import topologies
+
+            description = topologies.get_topology_desc(
+                platform="tpu", topology_name=f"{self.family}:{'x'.join(map(str, self.shape))}",
+                chip_config_name="default", chips_per_host_bounds=per_host, num_slices=self.slices, wrap=wrap)
+        except (ImportError, RuntimeError, jax.errors.JaxRuntimeError) as error:
+            if "libtpu" in str(error).lower() or "tpu" in str(error).lower() or isinstance(error, ImportError):
+                raise ConfigError(f"compiling for {self.name} needs TPU's compiler, libtpu: pip install -e '.[tpu]' "
+                                  f"({str(error).splitlines()[0][:200]})") from None
+            raise
+        return list(description.devices)
+
+    @property
+    def hosts(self) -> int:
+        family = TOPOLOGY_FAMILIES[self.family]
+        per_host = family.chips_per_host[max(k for k in family.chips_per_host if k <= self.chips)]
+        return self.slices * max(1, self.chips // math.prod(per_host))
+
+
+def topology_help() -> str:
+    """The names `parse_topology` takes, for a flag's help."""
+    return "; ".join(f"{prefix}-N with N in {', '.join(str(chips * f.cores_per_chip_in_name) for chips in f.shapes)}"
+                     for prefix, f in TOPOLOGY_FAMILIES.items()) + "; add xS for S slices (v5e-256x2)"
+
+
+def parse_topology(name: str) -> Topology:
+    """`v5e-8` -> Topology(family v5e, 8 chips); `v5p-128` -> 64 chips (v5p's names count TensorCores);
+    `v5e-256x2` -> two slices. ConfigError naming the known sizes for anything else."""
+    match = re.fullmatch(r"(v\d+[a-z]+)-(\d+)(?:x(\d+))?", name.strip())
+    family = TOPOLOGY_FAMILIES.get(match.group(1)) if match else None
+    if family is None:
+        raise ConfigError(f"unknown TPU topology {name!r}: expected {topology_help()}")
+    chips = int(match.group(2)) // family.cores_per_chip_in_name
+    slices = int(match.group(3) or 1)
+    if chips not in family.shapes or int(match.group(2)) % family.cores_per_chip_in_name or slices < 1:
+        raise ConfigError(f"unknown TPU topology {name!r}: expected {topology_help()}")
+    return Topology(name.strip(), family.prefix, chips, slices)

@@ -1,0 +1,166 @@
+"""What a compiled program needs of each device, read from the program XLA compiled (not from a formula): its
+memory (arguments, outputs, temporaries), its FLOPs and the bytes it moves, the bytes each kind of collective
+carries; and, against a chip's ratings (`gpt.hardware`), whether it fits and the fastest it could run.
+
+The roofline step time is the largest of three bounds, each as if the other two cost nothing: FLOPs at the
+chip's bf16 peak, bytes accessed at its memory bandwidth, and collectives at its interconnect bandwidth (a ring:
+an all-reduce moves each byte out and back, (n-1)/n of it twice; an all-gather receives (n-1)/n of its result;
+a reduce-scatter sends n-1 results' worth). A real step is slower; none can be faster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import numpy as np
+
+from gpt.errors import ConfigError
+from gpt.hardware import Chip
+
+__all__ = ["ProgramReport", "collective_bytes", "sharded_bytes"]
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OP = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
+_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*[a-z\d]*)\[(?P<dims>[\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+             "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+
+
+def sharded_bytes(tree) -> int:
+    """Bytes one device holds of `tree`'s arrays or `jax.ShapeDtypeStruct`s (each by its sharding's shard
+    shape; the largest over devices, which is every device's for even shardings)."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree.leaves(tree))
+
+
+def _group_size(line: str) -> int:
+    """How many devices one collective of this HLO line spans, from its replica_groups (1 when absent)."""
+    if match := re.search(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<names>[^}]*)\}", line):
+        sizes = {name.strip("'"): int(size) for name, size in re.findall(r"('[^']+')=(\d+)", match["axes"])}
+        return math.prod(sizes[name.strip().strip("'")] for name in match["names"].split(",") if name.strip())
+    if match := re.search(r"replica_groups=\[(?P<dims>[\d,]+)\]<=", line):
+        return int(match["dims"].split(",")[-1])
+    if match := re.search(r"replica_groups=\{\{(?P<first>[\d,]*)\}", line):
+        return len(match["first"].split(","))
+    if match := re.search(r"source_target_pairs=", line):
+        return 2
+    return 1
+
+
+def collective_bytes(hlo_text: str) -> dict[str, float]:
+    """{kind: bytes one device sends or receives over its links in one run of the program} for each kind of
+    collective in an optimized HLO module's text, as a ring moves them (the module docstring's rule)."""
+    moved: dict[str, float] = {}
+    for line in hlo_text.splitlines():
+        match = _OP.search(line)
+        if match is None:
+            continue
+        result = sum(math.prod(int(d) for d in array["dims"].split(",") if d) * _ITEMSIZE.get(array["dtype"], 0)
+                     for array in _ARRAY.finditer(match["shape"]))
+        n, kind = _group_size(line), match["kind"]
+        if n <= 1 and kind != "collective-permute":
+            continue
+        factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1,
+                  "all-to-all": (n - 1) / n, "collective-permute": 1.0}[kind]
+        if kind == "collective-permute" and match["shape"].startswith("("):  # (input, output, ...): the output
+            result /= 2
+        moved[kind] = moved.get(kind, 0.0) + factor * result
+    return moved
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+    """One compiled program, per device: what it holds, computes and moves, and what that implies on `chip`."""
+
+    name: str
+    """What the program is ("train step")."""
+    devices: int
+    device_kind: str
+    chip: Chip | None
+    held: dict[str, int]
+    """Named parts of its arguments that stay on the device between calls (parameters, optimizer state), bytes."""
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    """Outputs written into donated arguments' buffers (counted once)."""
+    temp_bytes: int
+    flops: float
+    """Per call, as XLA's cost analysis counts them: elementwise operations included, but a loop's body once
+    (the loss's chunks) and a custom kernel's (splash attention) not at all."""
+    bytes_accessed: float
+    collectives: dict[str, float]
+    """Kind -> bytes over the links per call (`collective_bytes`)."""
+    tokens: int
+    """Tokens one call processes, over all devices."""
+    model_flops: float
+    """The model's FLOPs per call over all devices by the hand count (`gpt.train.step.flops_per_token`)."""
+    loops: int
+    """While loops in the program: XLA's cost analysis counts each one's body once."""
+
+    @classmethod
+    def of(cls, name: str, compiled: jax.stages.Compiled, devices: list, held: dict[str, int], tokens: int,
+           model_flops: float, chip: Chip | None) -> ProgramReport:
+        memory, cost, text = compiled.memory_analysis(), compiled.cost_analysis() or {}, compiled.as_text()
+        if isinstance(cost, list):  # older JAX: one dict per program
+            cost = cost[0] if cost else {}
+        return cls(name, len(devices), devices[0].device_kind, chip, held, memory.argument_size_in_bytes,
+                   memory.output_size_in_bytes, memory.alias_size_in_bytes, memory.temp_size_in_bytes,
+                   float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
+                   collective_bytes(text), tokens, model_flops, len(re.findall(r"\swhile\(", text)))
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes one device holds at the program's peak: arguments, outputs (less those written in place of
+        donated arguments) and temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    def bound_seconds(self) -> dict[str, float] | None:
+        """{compute, memory, interconnect: seconds a call takes at the chip's rating of each}; None with no chip.
+        Compute counts the larger of XLA's FLOPs and the model's by the hand count (which sees into loops and
+        kernels); memory, XLA's bytes accessed (each fused op's operands and results: no cache reuse)."""
+        if self.chip is None:
+            return None
+        return {"compute": max(self.flops, self.model_flops / self.devices) / self.chip.bf16_flops,
+                "memory": self.bytes_accessed / self.chip.memory_bandwidth,
+                "interconnect": sum(self.collectives.values()) / self.chip.interconnect_bandwidth}
+
+    def fits(self) -> bool | None:
+        return None if self.chip is None else self.total_bytes <= self.chip.memory_bytes
+
+    def lines(self) -> list[str]:
+        """The report, a line a figure."""
+        gib = lambda n: f"{n / 2**30:,.2f} GiB"  # noqa: E731
+        other = self.argument_bytes - sum(self.held.values())
+        out = [f"{self.name}, compiled for {self.devices} x {self.device_kind}; per device:"]
+        out += [f"  {name:<22}{gib(n):>14}" for name, n in self.held.items()]
+        out += [f"  {'other arguments':<22}{gib(other):>14}  (the batch, and the chip's tiling of small arrays)",
+                f"  {'outputs (not in place)':<22}{gib(self.output_bytes - self.alias_bytes):>14}",
+                f"  {'temporaries':<22}{gib(self.temp_bytes):>14}",
+                f"  {'total':<22}{gib(self.total_bytes):>14}" + (
+                    f"  of the chip's {gib(self.chip.memory_bytes)}: "
+                    f"{'fits' if self.fits() else 'does NOT fit'}" if self.chip else ""),
+                f"  FLOPs per call: the model's by the hand count {self.model_flops / self.devices:.4g}, XLA's count "
+                f"{self.flops:.4g}; bytes accessed {self.bytes_accessed:.4g}",
+                "  collectives per call: " + (", ".join(f"{kind} {gib(n)}" for kind, n in sorted(
+                    self.collectives.items())) or "none")]
+        bounds = self.bound_seconds()
+        if bounds is not None:
+            seconds = max(bounds.values())
+            limit = max(bounds, key=bounds.get)
+            mfu = self.model_flops / (seconds * self.devices * self.chip.bf16_flops)
+            out.append("  roofline per call: " + ", ".join(f"{k} {v * 1e3:,.2f} ms" for k, v in bounds.items()) +
+                       f"; at best {seconds * 1e3:,.2f} ms ({limit}-bound): {self.tokens / seconds:,.0f} tokens/s, "
+                       f"MFU {mfu:.1%}")
+            if self.loops:
+                out.append(f"  ({self.loops} loop(s) in the program, each counted once by XLA: the memory and "
+                           f"interconnect bounds are low by what their other iterations move)")
+        return out
+
+    def check_fits(self, setting: str, advice: str) -> None:
+        """ConfigError naming `setting`, the bytes it needs and the chip's, when it does not fit."""
+        if self.fits() is False:
+            raise ConfigError(f"{setting}: the {self.name} needs {self.total_bytes / 2**30:,.2f} GiB per device, over "
+                              f"the {self.device_kind}'s {self.chip.memory_bytes / 2**30:,.2f} GiB: {advice}")

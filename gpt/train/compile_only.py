@@ -1,0 +1,50 @@
+"""`train.py --compile_only TOPOLOGY`: the run's real step (its model, optimizer, mesh, dropout, accumulation)
+compiled from shapes alone for a TPU topology on any machine, and what the compiled program needs of each device
+(`gpt.program_report`). Nothing is read but a checkpoint's config.json, nothing written, no device allocated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gpt.errors import ConfigError
+from gpt.hardware import chip_of, parse_topology
+from gpt.model.sharding import replicated
+from gpt.program_report import ProgramReport, sharded_bytes
+from gpt.train.step import abstract_train_state, flops_per_token, make_train_step
+from gpt.train.trainer import TrainConfig, mesh_and_model, rows_sharding
+
+__all__ = ["compile_train_step", "FIT_ADVICE"]
+
+FIT_ADVICE = ("a smaller --batch_size with a larger --grad_accum, --model.remat, or the parameters and optimizer "
+              "state split over more devices (--mesh fsdp=N)")
+
+
+def compile_train_step(config: TrainConfig, log=print) -> ProgramReport:
+    """Compile `config`'s train step for the topology `config.compile_only` names and report on it.
+
+    Raises ConfigError for a bad topology, a mesh or batch that does not divide, a model the TPU compiler finds
+    too large for the chip's memory, or a missing libtpu.
+    """
+    devices = parse_topology(config.compile_only).devices()
+    config, model_config, mesh = mesh_and_model(config, devices, log)
+    graphdef, params, opt_state, shardings = abstract_train_state(model_config, config.optim, mesh)
+    step = make_train_step(graphdef, config.optim, dropout=model_config.dropout > 0, mesh=mesh, shardings=shardings,
+                           label_smoothing=config.label_smoothing)
+    batch = jax.ShapeDtypeStruct((config.grad_accum, config.batch_size, config.block_size + 1), jnp.int32,
+                                 sharding=rows_sharding(mesh))
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated(mesh))
+    try:
+        compiled = step.lower(params, opt_state, batch, key).compile()
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        first = next(line for line in str(error).splitlines() if "memory" in line.lower() or line.strip())
+        raise ConfigError(f"--compile_only {config.compile_only}: the train step does not fit ({first.strip()[:300]}); "
+                          f"try {FIT_ADVICE}") from None
+    tokens = config.grad_accum * config.batch_size * config.block_size
+    return ProgramReport.of("train step", compiled, devices,
+                            {"parameters": sharded_bytes(params), "optimizer state": sharded_bytes(opt_state)},
+                            tokens, flops_per_token(model_config, config.block_size) * tokens,
+                            chip_of(devices[0].device_kind))

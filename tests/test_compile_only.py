@@ -1,0 +1,106 @@
+"""Programs compiled for TPU topologies on this CPU (libtpu's compiler, no TPU): the names of topologies and
+chips, the report's numbers against hand counts, and `train.py --compile_only` as a user runs it."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpt.errors import ConfigError
+from gpt.hardware import CHIPS, chip_of, parse_topology
+from gpt.model.config import GPTConfig
+from gpt.program_report import collective_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _libtpu():
+    pytest.importorskip("libtpu", reason="TPU's compiler (pip install -e '.[tpu]') is not installed")
+
+
+def test_topology_names_count_chips_as_cloud_tpu_does():
+    assert (parse_topology("v5e-8").chips, parse_topology("v5e-8").shape) == (8, (2, 4))
+    assert parse_topology("v5p-128").chips == 64 and parse_topology("v5p-128").shape == (4, 4, 4)  # TensorCores
+    assert parse_topology("v5p-128").hosts == 16 and parse_topology("v6e-8").hosts == 1
+    assert parse_topology("v5e-256x2").slices == 2
+    for bad in ("v5e-7", "v5p-6", "v9-8", "tpu", "v5e-8x0"):
+        with pytest.raises(ConfigError, match="unknown TPU topology .*v5e-N"):
+            parse_topology(bad)
+
+
+def test_a_chip_is_found_by_the_longest_start_of_its_device_kind():
+    assert chip_of("TPU v5 lite") is CHIPS["TPU v5 lite"]  # never v5p's "TPU v5"
+    assert chip_of("TPU v5") is CHIPS["TPU v5"]
+    assert chip_of("NVIDIA H100 80GB HBM3") is CHIPS["NVIDIA H100"] and chip_of("H200") is CHIPS["NVIDIA H200"]
+    assert chip_of("cpu") is None
+
+
+def test_collectives_are_counted_as_a_ring_moves_them():
+    hlo = "\n".join([
+        "%a = bf16[1024]{0} all-reduce(%x), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add",
+        "%b = (f32[256]{0}, f32[256]{0}) all-reduce(%y, %z), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add",
+        "%c = f32[8,128]{1,0} all-gather(%w), replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={0}",
+        "%d = f32[16]{0} reduce-scatter(%v), replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add",
+        "%e = f32[4]{0} all-reduce(%u), replica_groups={{0},{1}}, to_apply=%add",  # a group of one moves nothing
+        "%f = f32[4]{0} add(%u, %u)"])
+    assert collective_bytes(hlo) == {"all-reduce": 2 * 1 / 2 * 2048 + 2 * 3 / 4 * 2048,
+                                     "all-gather": 7 / 8 * 4096, "reduce-scatter": 3 * 64}
+
+
+@pytest.fixture(scope="module")
+def compile_step():
+    _libtpu()
+    from gpt.train.compile_only import compile_train_step
+    from gpt.train.trainer import TrainConfig
+
+    def compile_step(model: GPTConfig, **flags):
+        return compile_train_step(TrainConfig.from_flags(model=model, compile_only="v5e-8", **flags),
+                                  log=lambda *_: None)
+
+    return compile_step
+
+
+WIDE = GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=4, n_embd=512)
+
+
+def test_the_report_holds_the_parameters_and_optimizer_state_exactly(compile_step):
+    replicated = compile_step(WIDE, batch_size=8, block_size=64)
+    n = WIDE.num_params()
+    assert replicated.held["parameters"] == 4 * n  # float32, whole on each of the 8 data-parallel chips
+    assert 8 * n <= replicated.held["optimizer state"] <= 8 * n + 64  # Adam's two moments and its step count
+    assert replicated.devices == 8 and replicated.device_kind == "TPU v5 lite"
+    assert replicated.total_bytes >= replicated.argument_bytes + replicated.temp_bytes - replicated.alias_bytes
+    assert replicated.tokens == 8 * 64
+    sharded = compile_step(WIDE, batch_size=8, block_size=64, mesh="fsdp=8")
+    assert sharded.held["parameters"] < replicated.held["parameters"] / 4  # the embed axis over 8 chips
+    assert sharded.fits() and sharded.chip is CHIPS["TPU v5 lite"]
+
+
+def test_the_report_counts_the_models_flops_where_xla_sees_all_of_them(compile_step):
+    report = compile_step(WIDE, batch_size=8, block_size=64)  # no splash kernel (64 positions), one loss chunk
+    hand = report.model_flops / report.devices
+    # XLA's count adds the elementwise work (softmax, GELU, LayerNorm, AdamW) to the matrix products.
+    assert hand <= report.flops <= 1.1 * hand
+    seconds = report.bound_seconds()
+    assert seconds["compute"] == pytest.approx(report.flops / CHIPS["TPU v5 lite"].bf16_flops)
+    assert "all-reduce" in report.collectives  # the gradients, over the data-parallel chips
+
+
+@pytest.mark.slow
+def test_train_py_compile_only_prints_the_report_and_refuses_what_cannot_fit(tmp_path):
+    _libtpu()
+    run = lambda *flags: subprocess.run(  # noqa: E731
+        [sys.executable, "train.py", "--preset", "tiny", "--out_dir", str(tmp_path / "out"), *flags],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = run("--compile_only", "v5e-8", "--batch_size", "8")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "train step, compiled for 8 x TPU v5 lite" in done.stdout and "fits" in done.stdout
+    assert "tokens/s" in done.stdout and not (tmp_path / "out").exists()  # nothing written
+    pod = run("--compile_only", "v5p-128", "--batch_size", "64", "--mesh", "data=16,fsdp=4")
+    assert pod.returncode == 0 and "64 x TPU v5" in pod.stdout, pod.stderr[-2000:]
+    huge = run("--compile_only", "v5e-8", "--model.n_embd", "8192", "--model.n_head", "64", "--batch_size", "8")
+    assert huge.returncode == 2, huge.stderr[-2000:]
+    error = [line for line in huge.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "GiB" in error[0] and "--mesh fsdp=N" in error[0], huge.stderr[-2000:]
