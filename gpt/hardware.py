@@ -17,7 +17,8 @@ import jax
 
 from gpt.errors import ConfigError
 
-__all__ = ["Chip", "CHIPS", "chip_of", "Topology", "TOPOLOGY_FAMILIES", "parse_topology", "topology_help"]
+__all__ = ["Chip", "CHIPS", "chip_of", "Topology", "TOPOLOGY_FAMILIES", "parse_topology", "topology_help",
+           "CompileOnlyChoice"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +103,11 @@ class Topology:
         cube = len(self.shape) == 3 and all(size % 4 == 0 for size in self.shape)
         wrap = tuple(cube or (len(self.shape) == 2 and self.chips == 256 and axis < 2) for axis in range(3))
         # libtpu takes a lock file for the one process that may drive a host's TPUs; a compile drives none, and
-        # must not fail beside another compile or a training run on a TPU host.
+        # must not fail beside another compile or a training run on a TPU host. Off a TPU VM it also asks the
+        # environment what slice and hosts it runs on, and prints warnings where nothing says: it is told.
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", self.name.split("x")[0].replace("v5e-", "v5litepod-"))
         try:
             from jax.experimental import topologies
 
@@ -142,3 +146,18 @@ def parse_topology(name: str) -> Topology:
     if chips not in family.shapes or int(match.group(2)) % family.cores_per_chip_in_name or slices < 1:
         raise ConfigError(f"unknown TPU topology {name!r}: expected {topology_help()}")
     return Topology(name.strip(), family.prefix, chips, slices)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOnlyChoice:
+    """The `--compile_only` flag of train.py and serve.py."""
+
+    compile_only: str = ""
+    """A TPU topology to compile the run's programs for, on any machine, then print what each device needs
+    (memory, FLOPs, collectives) and the fastest they could run there, and exit: nothing read but a config, nothing
+    written. v5e-N and v6e-N count chips (1, 4, 8, 16, ... 256), v5p-N TensorCores (8 ... 1024); v5e-256x2 is two
+    slices. Needs TPU's compiler: pip install -e '.[tpu]'."""
+
+    def __post_init__(self):
+        if self.compile_only:
+            parse_topology(self.compile_only)

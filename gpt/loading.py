@@ -10,11 +10,11 @@ from typing import Literal
 from gpt.errors import MissingInput
 from gpt.inference.speculation import DRAFTS
 from gpt.model import gpt2
-from gpt.model.config import DType, check_dtype
+from gpt.model.config import DType, GPTConfig, check_dtype
 from gpt.model.transformer import GPT
 from gpt.run_dir import has_checkpoint
 
-__all__ = ["load", "load_draft", "ModelChoice"]
+__all__ = ["load", "load_draft", "model_config_of", "ModelChoice"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +47,34 @@ def load(init_from: str, dtype: str = "float32", flag: str = "init_from", also: 
         return load_model(init_from, dtype=dtype)
     if (Path(init_from) / "config.json").is_file() or init_from in gpt2.HUB_NAMES:
         return gpt2.load(init_from, dtype=dtype)
-    raise MissingInput(
-        f"--{flag} {init_from!r} is not {also}a training out_dir with checkpoints, a Hugging Face GPT-2 "
-        f"directory, or a GPT-2 hub name ({', '.join(gpt2.HUB_NAMES)})"
-    )
+    raise _not_a_model(init_from, flag, also)
+
+
+def _not_a_model(init_from: str, flag: str = "init_from", also: str = "") -> MissingInput:
+    return MissingInput(f"--{flag} {init_from!r} is not {also}a training out_dir with checkpoints, a Hugging Face "
+                        f"GPT-2 directory, or a GPT-2 hub name ({', '.join(gpt2.HUB_NAMES)})")
+
+
+def model_config_of(init_from: str, dtype: str = "float32") -> GPTConfig:
+    """The GPTConfig of what `load(init_from)` would load, with no weights read: a training run's newest
+    checkpoint's record, a Hugging Face directory's config.json, or a GPT-2 hub name's shape (its preset)."""
+    check_dtype(dtype)
+    if has_checkpoint(init_from):
+        from gpt.train.checkpoint import CheckpointManager
+
+        manager = CheckpointManager(init_from, async_save=False)
+        try:
+            newest = manager.newest_metadata()
+        finally:
+            manager.close()
+        if newest is None:
+            raise MissingInput(f"no finished checkpoint in {manager.directory}")
+        return GPTConfig(**newest[1]["model_config"]).replace(dtype=dtype)
+    if (Path(init_from) / "config.json").is_file():
+        return gpt2.read_config(init_from, dtype=dtype)
+    if init_from in gpt2.HUB_NAMES:
+        return GPTConfig.preset(init_from, dtype=dtype)
+    raise _not_a_model(init_from)
 
 
 def load_draft(draft: str, dtype: str = "float32") -> str | GPT:

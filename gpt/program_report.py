@@ -18,9 +18,9 @@ import jax
 import numpy as np
 
 from gpt.errors import ConfigError
-from gpt.hardware import Chip
+from gpt.hardware import Chip, chip_of
 
-__all__ = ["ProgramReport", "collective_bytes", "sharded_bytes"]
+__all__ = ["ProgramReport", "collective_bytes", "sharded_bytes", "compile_within_memory"]
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
@@ -34,6 +34,22 @@ def sharded_bytes(tree) -> int:
     shape; the largest over devices, which is every device's for even shardings)."""
     return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
                for leaf in jax.tree.leaves(tree))
+
+
+def compile_within_memory(lowered: jax.stages.Lowered, what: str, device_kind: str, setting: str,
+                          advice: str) -> jax.stages.Compiled:
+    """`lowered` compiled; the compiler's refusal of a program too large for the device's memory (TPU's compiler
+    refuses at compile time) as a ConfigError naming `setting`, `what` and the device's memory, with `advice`."""
+    try:
+        return lowered.compile()
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        chip = chip_of(device_kind)
+        memory = f"'s {chip.memory_bytes / 2**30:,.2f} GiB" if chip else ""
+        said = str(error).strip().splitlines()[0].strip()[:300]
+        raise ConfigError(f"{setting}: the {what} does not fit the {device_kind}{memory} (the compiler: {said}); "
+                          f"{advice}") from None
 
 
 def _group_size(line: str) -> int:

@@ -103,4 +103,49 @@ def test_train_py_compile_only_prints_the_report_and_refuses_what_cannot_fit(tmp
     huge = run("--compile_only", "v5e-8", "--model.n_embd", "8192", "--model.n_head", "64", "--batch_size", "8")
     assert huge.returncode == 2, huge.stderr[-2000:]
     error = [line for line in huge.stderr.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and "GiB" in error[0] and "--mesh fsdp=N" in error[0], huge.stderr[-2000:]
+    assert len(error) == 1 and "16.00 GiB" in error[0] and "--mesh fsdp=N" in error[0], huge.stderr[-2000:]
+    assert "WARNING" not in huge.stderr  # libtpu told what it runs on: nothing else on stderr
+    served = subprocess.run([sys.executable, "serve.py", "--init_from", "gpt2", "--compile_only", "v5e-8", "--mesh",
+                             "data=2,tensor=4", "--slots", "4", "--cache_length", "256"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert served.returncode == 0, served.stderr[-2000:]
+    assert "prefill of 2 x 256 tokens" in served.stdout and "decode of 4 slots" in served.stdout
+
+
+@pytest.fixture(scope="module")
+def v5e_8():
+    _libtpu()
+    return parse_topology("v5e-8").devices()
+
+
+def test_a_program_compiled_for_a_tpu_takes_the_tpu_row_and_its_splash_kernel(v5e_8):
+    import jax
+    import jax.numpy as jnp
+
+    from gpt.model import attention, backend
+    from gpt.model.sharding import make_mesh
+
+    mesh = make_mesh(data=4, tensor=2, devices=v5e_8)
+    q = jax.ShapeDtypeStruct((8, 128, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((8 * 4, 128, 64), jnp.bfloat16)
+    with jax.set_mesh(mesh):
+        assert backend.choices() is backend.CHOICES["tpu"]
+        causal = jax.jit(lambda q, k, v: attention.attend(q, k, v, None)).lower(q, kv, kv).compile().as_text()
+        masked = jax.jit(attention.attend).lower(q, kv, kv, jax.ShapeDtypeStruct((8, 128, 128), bool)).compile()
+    assert "tpu_custom_call" in causal  # the splash kernel, per device
+    assert "tpu_custom_call" not in masked.as_text()  # under a mask: XLA's attention
+
+
+def test_the_serving_programs_compile_for_a_tpu_topology(v5e_8):
+    from gpt.inference.compile_only import compile_engine
+    from gpt.inference.engine_settings import EngineSettings
+    from gpt.model.sharding import make_mesh
+
+    config = GPTConfig.preset("tiny", vocab_size=50257)
+    prefill, decode = compile_engine(config, EngineSettings(slots=8, cache_length=64, prefill_chunk=32), "none",
+                                     make_mesh(data=2, tensor=4, devices=v5e_8))
+    assert prefill.name == "prefill of 2 x 32 tokens" and decode.name == "decode of 8 slots x 1 step(s)"
+    cache = 2 * config.n_layer * 8 * 64 * config.n_embd * 4  # keys and values, float32, of every slot
+    assert decode.held["slots and their cache"] >= cache // 8  # split over the 8 chips (rows x heads)
+    assert decode.held["weights"] == prefill.held["weights"] > 0
+    assert decode.fits() and decode.tokens == 8 and prefill.tokens == 2 * 32

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from gpt.errors import ConfigError
 
-__all__ = ["GPTConfig", "PRESETS"]
+__all__ = ["GPTConfig", "PRESETS", "flops_per_token"]
 
 Position = Literal["learned", "sinusoidal", "rope"]
 Activation = Literal["gelu", "relu2"]
@@ -146,6 +146,14 @@ class GPTConfig:
 
         abstract = nnx.eval_shape(lambda: GPT(self, rngs=nnx.Rngs(0)))
         return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def flops_per_token(config: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters: the LM head is one matmul, a lookup table is none)
+    plus 12 x layers x width x sequence for attention's two matmuls (the PaLM paper's formula, appendix B)."""
+    tables = (config.block_size if config.position == "learned" else 0) + (0 if config.tied_head else config.vocab_size)
+    matmul_params = config.num_params() - tables * config.n_embd
+    return 6 * matmul_params + 12 * config.n_layer * config.n_embd * seq_len
 
 
 PRESETS: dict[str, GPTConfig] = {

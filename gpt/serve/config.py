@@ -7,6 +7,7 @@ import math
 
 from gpt.compilation_cache import CompileCacheChoice
 from gpt.errors import ConfigError
+from gpt.hardware import CompileOnlyChoice
 from gpt.inference.engine_settings import EngineSettings
 from gpt.loading import ModelChoice
 
@@ -14,9 +15,9 @@ __all__ = ["ServeConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ServeConfig(EngineSettings, ModelChoice, CompileCacheChoice):
+class ServeConfig(EngineSettings, ModelChoice, CompileCacheChoice, CompileOnlyChoice):
     """`python serve.py --help` lists these as flags (which model and how: `ModelChoice`; the engine's slots,
-    shapes and draft: `EngineSettings`)."""
+    shapes and draft: `EngineSettings`; its programs compiled for a TPU topology instead: `CompileOnlyChoice`)."""
 
     host: str = "127.0.0.1"
     port: int = 8000

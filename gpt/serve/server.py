@@ -219,12 +219,30 @@ def serve(config: ServeConfig) -> None:
     before anything loads or compiles. The port is taken and the engine warmed up before uvicorn handles
     the signals: until then a signal stops serve.py at once (`gpt.errors.cli_main`)."""
     config.check()
+    if config.compile_only:
+        _compile_only(config)
+        return
     if config.api_key is None and os.environ.get(API_KEY_VARIABLE):
         config = dataclasses.replace(config, api_key=os.environ[API_KEY_VARIABLE])
     _file_descriptors(config.max_connections)
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     with _listen(config.host, config.port) as listener:  # a taken port fails now, not after the warm-up
         _load_and_serve(config, listener, mesh)
+
+
+def _compile_only(config: ServeConfig) -> None:
+    """The engine's largest programs compiled for the topology `config.compile_only` names, reported; ConfigError
+    when one does not fit a chip."""
+    from gpt.hardware import parse_topology
+    from gpt.inference.compile_only import FIT_ADVICE, compile_engine
+    from gpt.loading import model_config_of
+
+    model_config = model_config_of(config.init_from, config.dtype)
+    mesh = make_mesh(**parse_mesh(config.mesh), devices=parse_topology(config.compile_only).devices())
+    setting = f"--compile_only {config.compile_only}"
+    for report in compile_engine(model_config, config, config.quantize, mesh, setting):
+        print("\n".join(report.lines()), flush=True)
+        report.check_fits(setting, FIT_ADVICE)
 
 
 def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | None) -> None:

@@ -8,10 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gpt.errors import ConfigError
 from gpt.hardware import chip_of, parse_topology
 from gpt.model.sharding import replicated
-from gpt.program_report import ProgramReport, sharded_bytes
+from gpt.program_report import ProgramReport, compile_within_memory, sharded_bytes
 from gpt.train.step import abstract_train_state, flops_per_token, make_train_step
 from gpt.train.trainer import TrainConfig, mesh_and_model, rows_sharding
 
@@ -35,14 +34,9 @@ def compile_train_step(config: TrainConfig, log=print) -> ProgramReport:
     batch = jax.ShapeDtypeStruct((config.grad_accum, config.batch_size, config.block_size + 1), jnp.int32,
                                  sharding=rows_sharding(mesh))
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated(mesh))
-    try:
-        compiled = step.lower(params, opt_state, batch, key).compile()
-    except jax.errors.JaxRuntimeError as error:
-        if "RESOURCE_EXHAUSTED" not in str(error):
-            raise
-        first = next(line for line in str(error).splitlines() if "memory" in line.lower() or line.strip())
-        raise ConfigError(f"--compile_only {config.compile_only}: the train step does not fit ({first.strip()[:300]}); "
-                          f"try {FIT_ADVICE}") from None
+    compiled = compile_within_memory(step.lower(params, opt_state, batch, key), "train step",
+                                     devices[0].device_kind, f"--compile_only {config.compile_only}",
+                                     f"try {FIT_ADVICE}")
     tokens = config.grad_accum * config.batch_size * config.block_size
     return ProgramReport.of("train step", compiled, devices,
                             {"parameters": sharded_bytes(params), "optimizer state": sharded_bytes(opt_state)},

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from gpt.hardware import chip_of
-from gpt.model.config import GPTConfig
+from gpt.model.config import GPTConfig, flops_per_token
 from gpt.model.sharding import param_shardings, replicated
 from gpt.model.transformer import GPT
 from gpt.train.optimizer import OptimizerConfig, learning_rates, make_optimizer
@@ -194,14 +194,6 @@ def _on_mesh(function, mesh: jax.sharding.Mesh):
             return function(*args)
 
     return call
-
-
-def flops_per_token(config: GPTConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters: the LM head is one matmul, a lookup table is none)
-    plus 12 x layers x width x sequence for attention's two matmuls (the PaLM paper's formula, appendix B)."""
-    tables = (config.block_size if config.position == "learned" else 0) + (0 if config.tied_head else config.vocab_size)
-    matmul_params = config.num_params() - tables * config.n_embd
-    return 6 * matmul_params + 12 * config.n_layer * config.n_embd * seq_len
 
 
 def peak_flops(given: float | None = None) -> float | None:

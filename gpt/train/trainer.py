@@ -43,7 +43,7 @@ from gpt.data.prefetch import Prefetch
 from gpt.data.prepare import CorpusChoice, corpus_identity, default_corpus, prepare, sources
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, RunFailed, check_fits_in_memory
-from gpt.hardware import parse_topology
+from gpt.hardware import CompileOnlyChoice
 from gpt.model import gpt2
 from gpt.model.config import PRESETS, GPTConfig
 from gpt.model.sharding import (
@@ -70,9 +70,9 @@ __all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setu
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(CorpusChoice, CompileCacheChoice):
+class TrainConfig(CorpusChoice, CompileCacheChoice, CompileOnlyChoice):
     """Everything a training run needs; `python train.py --help` lists these as flags (the corpus it trains
-    on and its split: `CorpusChoice`; the optimizer: `optim`)."""
+    on and its split: `CorpusChoice`; the optimizer: `optim`; compiling for a TPU topology: `CompileOnlyChoice`)."""
 
     out_dir: str = "out"
     """Where the tokenized data, checkpoints, metrics.jsonl and TensorBoard events go; a run resumes from
@@ -133,11 +133,6 @@ class TrainConfig(CorpusChoice, CompileCacheChoice):
     prefetch: int = 2
     """Batches read and placed on the devices ahead of the step, by a background thread (0: read each
     batch on the loop's own thread, when its step needs it)."""
-    compile_only: str = ""
-    """A TPU topology to compile the run's step for, on any machine, then print what each device needs (memory,
-    FLOPs, collectives) and the fastest the step could run there, and exit: nothing read or written. v5e-N and
-    v6e-N count chips (1, 4, 8, 16, ... 256), v5p-N TensorCores (8 ... 1024); v5e-256x2 is two slices. Needs
-    TPU's compiler: pip install -e '.[tpu]'."""
     profile_steps: str = ""
     """'A:B': trace steps A to B-1 (counted from 0) with JAX's profiler into out_dir/profile, for
     TensorBoard or Perfetto; `bench/step_profile.py OUT_DIR/profile` sums it by category. Empty: none."""
@@ -164,8 +159,7 @@ class TrainConfig(CorpusChoice, CompileCacheChoice):
         for name in ("stop_after", "block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.compile_only:
-            parse_topology(self.compile_only)
+        CompileOnlyChoice.__post_init__(self)
         traced = parse_step_range(self.profile_steps, "TrainConfig.profile_steps")
         if traced is not None and traced[1] > self.optim.max_steps:
             raise ConfigError(f"TrainConfig.profile_steps={self.profile_steps!r} ends after "

@@ -1,0 +1,79 @@
+"""`serve.py --compile_only TOPOLOGY`: an engine's largest programs, its prefill of a whole chunk and its decode
+over every slot, compiled from shapes alone for a TPU topology on any machine, and what each needs of a device
+(`gpt.program_report`). The weights, the slots and their cache are laid out by the programs that lay them out
+for the engine, compiled too, so that their shardings are the ones the engine would hold.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from gpt.hardware import chip_of
+from gpt.inference.decoding import compiled_decode, compiled_init_slots, compiled_prefill, decoding_weights
+from gpt.inference.engine_settings import EngineSettings
+from gpt.model.config import GPTConfig, flops_per_token
+from gpt.model.sharding import data_parallel_size, param_shardings
+from gpt.model.transformer import GPT
+from gpt.program_report import ProgramReport, compile_within_memory, sharded_bytes
+
+__all__ = ["compile_engine", "FIT_ADVICE"]
+
+FIT_ADVICE = ("use fewer --slots, a shorter --cache_length or --prefill_chunk, or split the weights and the cache "
+              "over more devices (--mesh tensor=N)")
+
+
+def _abstract_outputs(jitted, *args, **kwargs):
+    """The outputs of `jitted(*args)` as `jax.ShapeDtypeStruct`s with the shardings its compiled program gives
+    them (nothing runs)."""
+    compiled = jitted.lower(*args, **kwargs).compile()
+    return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+                        compiled.out_info, compiled.output_shardings)
+
+
+def _abstract_weights(config: GPTConfig, quantize: str, mesh: Mesh):
+    """The decoding layout of a GPT of `config` on `mesh` (`decoding_weights`), as shapes with shardings."""
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    params = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                          nnx.to_pure_dict(state), param_shardings(model, mesh))
+
+    def lay_out(params):
+        abstract = nnx.merge(graphdef, nnx.State(params))
+        return decoding_weights(abstract, quantize)
+
+    return _abstract_outputs(jax.jit(lay_out), params)
+
+
+def compile_engine(config: GPTConfig, settings: EngineSettings, quantize: str, mesh: Mesh,
+                   setting: str = "--compile_only") -> list[ProgramReport]:
+    """Reports on the prefill of `settings.prefill_chunk` tokens (or the whole cache, if shorter) for a prefill's
+    rows, and on one decode call over every slot, for a model of `config` served over `mesh` (of any devices: a
+    TPU topology's). ConfigError naming `setting` for a program the compiler finds too large for the chip."""
+    settings = settings.checked(config)
+    devices = list(mesh.devices.flat)
+    chip = chip_of(devices[0].device_kind)
+    with jax.set_mesh(mesh):
+        weights = _abstract_weights(config, quantize, mesh)
+        rows = data_parallel_size(mesh)
+        slots_count = -(-settings.slots // rows) * rows
+        slots = _abstract_outputs(compiled_init_slots, config, slots_count, settings.cache_length,
+                                  settings.max_stop_tokens, False, None)
+        piece = min(settings.prefill_chunk, settings.cache_length)
+        tokens = jax.ShapeDtypeStruct((rows, piece), jnp.int32)
+        kind = devices[0].device_kind
+        prefill = compile_within_memory(compiled_prefill.lower(
+            config, weights, None, tokens, jax.ShapeDtypeStruct((rows,), jnp.int32), tokens,
+            *(jax.ShapeDtypeStruct((rows,), jnp.bool_),) * 2), "prefill", kind, setting, FIT_ADVICE)
+        decode = compile_within_memory(compiled_decode.lower(
+            config, weights, slots, jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.bool_),
+            max_steps=settings.steps_per_call), "decode", kind, setting, FIT_ADVICE)
+    held = {"weights": sharded_bytes(weights), "slots and their cache": sharded_bytes(slots)}
+    forward = lambda length: flops_per_token(config, length) / 3  # noqa: E731 (no backward)
+    decoded = slots_count * settings.steps_per_call
+    return [ProgramReport.of(f"prefill of {rows} x {piece} tokens", prefill, devices, {"weights": held["weights"]},
+                             rows * piece, forward(piece) * rows * piece, chip),
+            ProgramReport.of(f"decode of {slots_count} slots x {settings.steps_per_call} step(s)", decode, devices, held,
+                             decoded, forward(settings.cache_length) * decoded, chip)]
