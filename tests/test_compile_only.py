@@ -1,7 +1,6 @@
 """Programs compiled for TPU topologies on this CPU (libtpu's compiler, no TPU): the names of topologies and
 chips, the report's numbers against hand counts, and `train.py --compile_only` as a user runs it."""
 
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +80,8 @@ def test_the_report_holds_the_parameters_and_optimizer_state_exactly(compile_ste
 def test_the_report_counts_the_models_flops_where_xla_sees_all_of_them(compile_step):
     report = compile_step(WIDE, batch_size=8, block_size=64)  # no splash kernel (64 positions), one loss chunk
     hand = report.model_flops / report.devices
-    # XLA's count adds the elementwise work (softmax, GELU, LayerNorm, AdamW) to the matrix products.
+    # XLA's count holds work the hand count leaves out (the elementwise operations, the optimizer's update): at
+    # least the hand count, and 7% above it here.
     assert hand <= report.flops <= 1.1 * hand
     seconds = report.bound_seconds()
     assert seconds["compute"] == pytest.approx(report.flops / CHIPS["TPU v5 lite"].bf16_flops)
