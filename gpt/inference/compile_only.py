@@ -15,7 +15,7 @@ from gpt.hardware import chip_of
 from gpt.inference.decoding import compiled_decode, compiled_init_slots, compiled_prefill, decoding_weights
 from gpt.inference.engine_settings import EngineSettings
 from gpt.model.config import GPTConfig, flops_per_token
-from gpt.model.sharding import data_parallel_size, param_shardings
+from gpt.model.sharding import abstract, data_parallel_size, param_shardings
 from gpt.model.transformer import GPT
 from gpt.program_report import ProgramReport, compile_within_memory, sharded_bytes
 
@@ -29,16 +29,14 @@ def _abstract_outputs(jitted, *args, **kwargs):
     """The outputs of `jitted(*args)` as `jax.ShapeDtypeStruct`s with the shardings its compiled program gives
     them (nothing runs)."""
     compiled = jitted.lower(*args, **kwargs).compile()
-    return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
-                        compiled.out_info, compiled.output_shardings)
+    return abstract(compiled.out_info, compiled.output_shardings)
 
 
 def _abstract_weights(config: GPTConfig, quantize: str, mesh: Mesh):
     """The decoding layout of a GPT of `config` on `mesh` (`decoding_weights`), as shapes with shardings."""
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    params = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                          nnx.to_pure_dict(state), param_shardings(model, mesh))
+    params = abstract(nnx.to_pure_dict(state), param_shardings(model, mesh))
 
     def lay_out(params):
         abstract = nnx.merge(graphdef, nnx.State(params))
@@ -75,5 +73,5 @@ def compile_engine(config: GPTConfig, settings: EngineSettings, quantize: str, m
     decoded = slots_count * settings.steps_per_call
     return [ProgramReport.of(f"prefill of {rows} x {piece} tokens", prefill, devices, {"weights": held["weights"]},
                              rows * piece, forward(piece) * rows * piece, chip),
-            ProgramReport.of(f"decode of {slots_count} slots x {settings.steps_per_call} step(s)", decode, devices, held,
-                             decoded, forward(settings.cache_length) * decoded, chip)]
+            ProgramReport.of(f"decode of {slots_count} slots x {settings.steps_per_call} step(s)", decode, devices,
+                             held, decoded, forward(settings.cache_length) * decoded, chip)]

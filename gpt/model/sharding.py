@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gpt.errors import ConfigError
 
 __all__ = ["MESH_AXES", "RULES", "logical_to_spec", "constrain", "make_mesh", "parse_mesh", "param_shardings",
-           "shard_state", "replicated", "batch_sharding", "data_parallel_size", "bytes_per_device",
+           "shard_state", "abstract", "replicated", "batch_sharding", "data_parallel_size", "bytes_per_device",
            "initialize_distributed"]
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -149,6 +149,13 @@ def shard_state(model: nnx.Module, state: nnx.State, mesh: Mesh) -> nnx.State:
     placed = jax.device_put(nnx.to_pure_dict(state), param_shardings(model, mesh))
     nnx.replace_by_pure_dict(state, placed)
     return state
+
+
+def abstract(tree, shardings):
+    """`tree`'s arrays (or shapes) as `jax.ShapeDtypeStruct`s placed by `shardings`, a tree of the same shape: what
+    a program is lowered or restored for, with nothing allocated."""
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                        tree, shardings)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

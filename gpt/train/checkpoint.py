@@ -37,7 +37,7 @@ from jax.experimental import multihost_utils
 
 from gpt.errors import MissingInput, RunFailed
 from gpt.model.config import GPTConfig, check_dtype
-from gpt.model.sharding import replicated
+from gpt.model.sharding import abstract, replicated
 from gpt.model.transformer import GPT
 from gpt.train.step import all_finite
 
@@ -105,10 +105,6 @@ def _first_mismatch(want: dict, got: dict) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ the manager
-
-def _abstract(tree, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
 
 def _os_error(error: BaseException) -> BaseException:
     """The OSError behind `error` (through its causes and contexts), or `error` itself."""
@@ -200,7 +196,7 @@ class CheckpointManager:
         reason when a checksum or finiteness check fails (reading errors propagate as they are)."""
         restored = self.manager.restore(step, args=ocp.args.Composite(
             metadata=ocp.args.JsonRestore(),
-            **{name: ocp.args.StandardRestore(_abstract(tree, shardings[name])) for name, tree in trees.items()},
+            **{name: ocp.args.StandardRestore(abstract(tree, shardings[name])) for name, tree in trees.items()},
         ))
         metadata = restored["metadata"]
         saved = metadata.get("checksums")

@@ -19,12 +19,12 @@ from flax import nnx
 
 from gpt.hardware import chip_of
 from gpt.model.config import GPTConfig, flops_per_token
-from gpt.model.sharding import param_shardings, replicated
+from gpt.model.sharding import abstract, param_shardings, replicated
 from gpt.model.transformer import GPT
 from gpt.train.optimizer import OptimizerConfig, learning_rates, make_optimizer
 
-__all__ = ["loss_fn", "init_train_state", "abstract_train_state", "make_train_step", "make_eval_step", "all_finite", "flops_per_token",
-           "peak_flops", "TrainStep"]
+__all__ = ["loss_fn", "init_train_state", "abstract_train_state", "make_train_step", "make_eval_step", "all_finite",
+           "flops_per_token", "peak_flops", "TrainStep"]
 
 
 def loss_fn(model: GPT, batch_BT1: jax.Array, dropout_key: jax.Array | None = None,
@@ -57,12 +57,10 @@ def abstract_train_state(config: GPTConfig, optimizer: OptimizerConfig, mesh: ja
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     shardings = param_shardings(model, mesh)
-    params = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                          nnx.to_pure_dict(state), shardings)
+    params = abstract(nnx.to_pure_dict(state), shardings)
     init = _optimizer_of(optimizer.without_schedule()).init
     opt_shardings = _optimizer_shardings(init, params, shardings, mesh)
-    opt_state = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                             jax.eval_shape(init, params), opt_shardings)
+    opt_state = abstract(jax.eval_shape(init, params), opt_shardings)
     return graphdef, params, opt_state, (shardings, opt_shardings)
 
 
