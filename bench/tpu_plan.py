@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tyro  # noqa: E402
 
 from gpt.errors import ConfigError  # noqa: E402
-from gpt.hardware import parse_topology  # noqa: E402
+from gpt.hardware import chip_of, parse_topology  # noqa: E402
 from gpt.model.config import PRESETS, GPTConfig  # noqa: E402
 from gpt.train.compile_only import compile_train_step  # noqa: E402
 from gpt.train.trainer import TrainConfig  # noqa: E402
@@ -53,8 +53,11 @@ class Plan:
 
 def plan_row(model: str, topology: str, plan: Plan) -> dict:
     """The first mesh (data, fsdp, fsdp with remat) on which `model` fits `topology`, and its report."""
-    chips = len(parse_topology(topology).devices())
+    devices = parse_topology(topology).devices()
+    chips, memory = len(devices), chip_of(devices[0].device_kind).memory_bytes
     for mesh, remat in ((f"data={chips}", False), (f"fsdp={chips}", False), (f"fsdp={chips}", True)):
+        if 12 * MODELS[model].num_params() / (1 if mesh.startswith("data") else chips) > memory:
+            continue  # its float32 parameters and Adam moments alone are over the chip's memory: no compile needed
         config = TrainConfig.from_flags(
             model=MODELS[model].replace(dtype="bfloat16", remat=remat), mesh=mesh,
             batch_size=plan.sequences_per_chip * chips, block_size=plan.block_size, compile_only=topology)

@@ -149,3 +149,13 @@ def test_the_serving_programs_compile_for_a_tpu_topology(v5e_8):
     assert decode.held["slots and their cache"] >= cache // 8  # split over the 8 chips (rows x heads)
     assert decode.held["weights"] == prefill.held["weights"] > 0
     assert decode.fits() and decode.tokens == 8 and prefill.tokens == 2 * 32
+
+
+def test_a_remat_step_with_splash_attention_compiles_for_a_tpu(compile_step):
+    # The splash kernel made inside the step's trace held that trace's values, which a remat's backward (tracing
+    # the block again) found leaked: the compile failed. 128 positions: splash, on each chip's 2 heads.
+    for scan in (False, True):
+        model = GPTConfig(vocab_size=512, block_size=128, n_layer=1, n_head=2, n_embd=128, dtype="bfloat16",
+                          remat=True, scan_layers=scan)
+        report = compile_step(model, batch_size=8, block_size=128, mesh="fsdp=8")
+        assert report.fits() and report.tokens == 8 * 128

@@ -12,6 +12,7 @@ Shape letters: B batch, T positions, N heads, H head dim.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 
@@ -47,13 +48,12 @@ def splash_causal(q_BTNH: jax.Array, k_BTNH: jax.Array, v_BTNH: jax.Array, inter
       interpret: run the kernel in Pallas' TPU interpreter (on any backend: how it is tested on a CPU).
     """
     _, T, _, H = q_BTNH.shape
-    scale = jnp.asarray(H ** -0.5, q_BTNH.dtype)
     padded = -(-H // LANES) * LANES
 
-    def per_device(q, k, v):
+    def per_device(q, k, v):  # closes over Python numbers only: a traced value here would leak out of a remat
         kernel = _kernel(T, q.shape[2], interpret)
         pad = [(0, 0)] * 3 + [(0, padded - H)]
-        q, k, v = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (q * scale, k, v))  # [B, N, T, padded]
+        q, k, v = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (q * H ** -0.5, k, v))  # [B, N, T, padded]
         return jax.vmap(kernel)(q, k, v)[..., :H].transpose(0, 2, 1, 3)
 
     mesh = jax.sharding.get_abstract_mesh()
@@ -74,5 +74,10 @@ def _kernel(T: int, N: int, interpret: bool):
     sizes = kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     mask = masks.MultiHeadMask([masks.CausalMask((T, T)) for _ in range(N)])
-    return kernel.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
+    # Its block maps become arrays when it is made, and made inside a trace they are that trace's values, which a
+    # remat's backward (tracing again) finds leaked; `ensure_compile_time_eval` does not keep them out. JAX's trace
+    # state is per thread: made on a thread of its own, they are plain arrays.
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        return thread.submit(kernel.make_splash_mha, mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
+                             interpret=interpret).result()
 
