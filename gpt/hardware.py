@@ -98,8 +98,6 @@ class Topology:
     def devices(self) -> list:
         """The slice's devices as JAX's TPU compiler sees them (libtpu, no TPU): programs jitted for a mesh of
         them compile, and cannot run. ConfigError when libtpu is not installed."""
-        family = TOPOLOGY_FAMILIES[self.family]
-        per_host = family.chips_per_host[max(k for k in family.chips_per_host if k <= self.chips)]
         cube = len(self.shape) == 3 and all(size % 4 == 0 for size in self.shape)
         wrap = tuple(cube or (len(self.shape) == 2 and self.chips == 256 and axis < 2) for axis in range(3))
         # libtpu takes a lock file for the one process that may drive a host's TPUs; a compile drives none, and
@@ -113,19 +111,24 @@ class Topology:
 
             description = topologies.get_topology_desc(
                 platform="tpu", topology_name=f"{self.family}:{'x'.join(map(str, self.shape))}",
-                chip_config_name="default", chips_per_host_bounds=per_host, num_slices=self.slices, wrap=wrap)
+                chip_config_name="default", chips_per_host_bounds=self.chips_per_host, num_slices=self.slices,
+                wrap=wrap)
         except (ImportError, RuntimeError, jax.errors.JaxRuntimeError) as error:
-            if "libtpu" in str(error).lower() or "tpu" in str(error).lower() or isinstance(error, ImportError):
+            if isinstance(error, ImportError) or "tpu" in str(error).lower():
                 raise ConfigError(f"compiling for {self.name} needs TPU's compiler, libtpu: pip install -e '.[tpu]' "
                                   f"({str(error).splitlines()[0][:200]})") from None
             raise
         return list(description.devices)
 
     @property
+    def chips_per_host(self) -> tuple[int, int, int]:
+        """The chips one host of the slice holds, as libtpu's `chips_per_host_bounds` takes them."""
+        per_host = TOPOLOGY_FAMILIES[self.family].chips_per_host
+        return per_host[max(chips for chips in per_host if chips <= self.chips)]
+
+    @property
     def hosts(self) -> int:
-        family = TOPOLOGY_FAMILIES[self.family]
-        per_host = family.chips_per_host[max(k for k in family.chips_per_host if k <= self.chips)]
-        return self.slices * max(1, self.chips // math.prod(per_host))
+        return self.slices * max(1, self.chips // math.prod(self.chips_per_host))
 
 
 def topology_help() -> str:
