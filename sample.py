@@ -1,10 +1,14 @@
 """Sample from a trained model or GPT-2 weights; --help lists all flags."""
 
-import tyro
+from gpt.process_start import start_command_line
 
-from gpt.compilation_cache import enable_compilation_cache
-from gpt.errors import cli_main
-from gpt.sample import SampleConfig, sample
+start_command_line()  # before the imports: a Ctrl-C during them is one line, and JAX's platforms are chosen
+
+import tyro  # noqa: E402
+
+from gpt.compilation_cache import enable_compilation_cache  # noqa: E402
+from gpt.errors import cli_main  # noqa: E402
+from gpt.sample import SampleConfig, sample  # noqa: E402
 
 if __name__ == "__main__":
     config = tyro.cli(SampleConfig)

@@ -1,10 +1,8 @@
 """Serve completions over the OpenAI API (POST /v1/completions); --help lists all flags."""
 
-import os
-import sys
+from gpt.process_start import start_command_line
 
-if "--compile_only" in " ".join(sys.argv):  # compiles for devices it never runs on: no accelerator to look for
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+start_command_line()  # before the imports: a Ctrl-C during them is one line, and JAX's platforms are chosen
 
 import tyro  # noqa: E402
 

@@ -1,17 +1,17 @@
 """Train a GPT. `python train.py` trains a small model on the embedded default corpus; --help lists all flags."""
 
-import os
 import sys
 
-if "--compile_only" in " ".join(sys.argv):  # compiles for devices it never runs on: no accelerator to look for
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from gpt.process_start import start_command_line
 
-from gpt.cli import parse_train_config
-from gpt.compilation_cache import enable_compilation_cache
-from gpt.errors import cli_main
-from gpt.generate import generate_text, new_tokens_that_fit
-from gpt.train.compile_only import FIT_ADVICE, compile_train_step
-from gpt.train.trainer import train
+start_command_line()  # before the imports: a Ctrl-C during them is one line, and JAX's platforms are chosen
+
+from gpt.cli import parse_train_config  # noqa: E402
+from gpt.compilation_cache import enable_compilation_cache  # noqa: E402
+from gpt.errors import cli_main  # noqa: E402
+from gpt.generate import generate_text, new_tokens_that_fit  # noqa: E402
+from gpt.train.compile_only import FIT_ADVICE, compile_train_step  # noqa: E402
+from gpt.train.trainer import train  # noqa: E402
 
 
 @cli_main

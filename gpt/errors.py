@@ -18,10 +18,13 @@ import os
 import select
 import signal
 import sys
+import threading
+from typing import NoReturn
 
 from gpt.signals import StopSignals
 
-__all__ = ["UserError", "ConfigError", "MissingInput", "RunFailed", "cli_main", "check_fits_in_memory"]
+__all__ = ["UserError", "ConfigError", "MissingInput", "RunFailed", "cli_main", "exit_on_signals",
+           "check_fits_in_memory"]
 
 
 class UserError(Exception):
@@ -86,10 +89,39 @@ def _stdout_closed() -> bool:
         return False
 
 
+_stopping = threading.Lock()  # taken by the first call of _stopped_by
+
+
+def _stopped_by(signum: int) -> NoReturn:
+    """Ends the process after a signal: one line, status 128 + its number. At once, without the interpreter's
+    teardown: that crashed (SIGSEGV, in 3 of 6 tries of serve.py and 5 of 7 of sample.py) while XLA's threads
+    still ran what the signal cut short. Another call meanwhile (a signal landing inside it, or a thread
+    ending the process too) returns at once."""
+    if not _stopping.acquire(blocking=False):
+        return  # type: ignore[return-value]
+    print(f"\nstopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):  # a reader gone, or stdout closed: nothing more to give it
+        pass
+    os._exit(128 + signum)
+
+
+def exit_on_signals() -> None:
+    """From now until a `cli_main` block takes them (and again after it), SIGTERM and SIGINT end the process
+    at once with one line and status 128 + the signal's number. A command line's first call, before its
+    imports and flags, where Python would print a KeyboardInterrupt's traceback. A signal the process was
+    started ignoring stays ignored."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: _stopped_by(signum))
+
+
 def cli_main(function):
     """Wrap a CLI's `main` so that a UserError or RunFailed ends it with one line on stderr, exit 2 or 1,
     and SIGINT or SIGTERM (where the CLI does not catch them itself, as training does to save) with one
-    line and status 128 + the signal's number. Output piped to a reader that stops early (`| head`) ends
+    line and status 128 + the signal's number (a second signal ends it then, if what ran does not stop on
+    the first: `StopSignals`). Output piped to a reader that stops early (`| head`) ends
     it quietly with SIGPIPE's status, 141, as it ends other Unix tools.
 
     It also keeps a failed checkpoint save from printing dozens of tracebacks before that line."""
@@ -100,15 +132,8 @@ def cli_main(function):
             logging.getLogger(name).addFilter(_DropOrbaxErrors())
         sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
         try:
-            with StopSignals(at_once=True) as stop:
-                result = function(*args, **kwargs)
-            if stop.received is not None:
-                print(f"\nstopped by {signal.Signals(stop.received).name}", file=sys.stderr, flush=True)
-                sys.stdout.flush()
-                # At once, without the interpreter's teardown: that crashed (SIGSEGV, in 3 of 6 tries of
-                # serve.py and 5 of 7 of sample.py) while XLA's threads still ran what the signal cut short.
-                os._exit(128 + stop.received)
-            return result
+            with StopSignals(at_once=True, end_process=_stopped_by):
+                return function(*args, **kwargs)
         except UserError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)

@@ -19,6 +19,11 @@ bits over the UTF-8 bytes of the documents' text) and the tokens scored.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # as a command line: before the imports (`gpt.process_start`)
+    from gpt.process_start import start_command_line
+
+    start_command_line()
+
 import contextlib
 import dataclasses
 import json

@@ -5,6 +5,11 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # as a command line: before the imports (`gpt.process_start`)
+    from gpt.process_start import start_command_line
+
+    start_command_line()
+
 import dataclasses
 
 import tyro

@@ -45,8 +45,14 @@ class Tokenizer:
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         return self.encoding.encode(text, **self._special(allow_special))
 
-    def encode_batch(self, texts: Sequence[str], allow_special: bool = False, num_threads: int = 8) -> list[list[int]]:
-        return self.encoding.encode_batch(list(texts), num_threads=num_threads, **self._special(allow_special))
+    def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:
+        """Each text's ids (a list of its own), each distinct text encoded once.
+
+        One after another on purpose: tiktoken's threaded batch pays a thread pool's task per text (more than
+        encoding a short prompt costs), and its pool's exit waits for every queued text, so a signal raised
+        inside it did not stop a million prompts for minutes."""
+        encoded = {text: self.encode(text, allow_special) for text in dict.fromkeys(texts)}
+        return [list(encoded[text]) for text in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text for token ids; byte sequences that are not valid UTF-8 become U+FFFD."""

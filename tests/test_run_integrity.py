@@ -467,6 +467,14 @@ def main(where):
         SignalsInItsFinalizer()
         print("carried on")
         return
+    if where == "deaf work":  # work that a raise does not end, as a thread pool's exit waiting for its tasks
+        while True:
+            try:  # "ready" once inside it: a signal before would land where a raise does end the work
+                print("ready", flush=True)
+                while True:
+                    time.sleep(0.05)
+            except BaseException:
+                pass
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(30)
     print("never here")
@@ -483,6 +491,37 @@ def test_a_signal_stops_a_cli_at_once_with_one_line(where, status, name):
     assert result.returncode == status, result.stderr  # a finalizer's signal had been lost: status 0
     assert result.stderr.strip().splitlines()[-1] == f"stopped by {name}"
     assert "never here" not in result.stdout
+
+
+@pytest.mark.slow
+def test_a_second_signal_stops_a_cli_whose_work_does_not_end_on_the_first():
+    process = subprocess.Popen([sys.executable, "-c", _SIGNALLED_CLI, "deaf work"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):  # the first is swallowed, and every repeat of it
+            process.wait(timeout=1)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=10) == 128 + signal.SIGTERM  # the first signal's status
+        assert process.stderr.read().strip().splitlines() == ["stopped by SIGTERM"]
+    finally:
+        stop(process)
+
+
+@pytest.mark.slow
+def test_one_signal_stops_a_cli_whose_work_does_not_end_on_it_within_the_grace():
+    from gpt.signals import StopSignals
+
+    process = subprocess.Popen([sys.executable, "-c", _SIGNALLED_CLI, "deaf work"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=StopSignals.GRACE_S + 10) == 128 + signal.SIGTERM
+        assert process.stderr.read().strip().splitlines() == ["stopped by SIGTERM"]
+    finally:
+        stop(process)
 
 
 _PRINTING_CLI = """

@@ -4,6 +4,7 @@ behind when the block ends. The signals are sent to this process while the block
 import os
 import signal
 import sys
+import threading
 import time
 
 from gpt.signals import StopSignals
@@ -54,3 +55,35 @@ def test_without_at_once_a_signal_is_only_recorded():
         ran = _spin(4 * StopSignals.REPEAT_S)  # not cut short, then or by a repeat
     assert stop.received == signal.SIGTERM
     assert ran >= 4 * StopSignals.REPEAT_S
+
+
+class _SignalledWhileClosing(type(threading.Event())):
+    """The block's closing event, whose `set` (the first thing its exit does) is where SIGTERM lands: as a
+    repeat did in sample.py, between the block's end and the flag that stops its raises."""
+
+    def set(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        _spin(3 * StopSignals.REPEAT_S)  # the handler runs here, inside __exit__
+        super().set()
+
+
+def test_a_signal_landing_in_the_blocks_own_exit_does_not_escape_it():
+    stop = StopSignals(at_once=True)
+    stop._closing = _SignalledWhileClosing()
+    with stop:
+        pass  # a raise inside __exit__ had escaped the block as a _Stopped traceback
+    assert stop.received == signal.SIGTERM
+
+
+def test_the_block_ends_the_process_through_end_process_while_it_still_holds_the_signals():
+    seen = []
+
+    def end_process(signum):  # a real one never returns; this one records what it saw and when
+        seen.append((signum, signal.getsignal(signal.SIGTERM) == stop._handle))
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with StopSignals(at_once=True, end_process=end_process) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        _spin(5)
+    assert seen == [(signal.SIGTERM, True)]  # called once, by the exit, before the handlers were restored
+    assert signal.getsignal(signal.SIGTERM) is previous
