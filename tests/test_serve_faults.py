@@ -140,6 +140,11 @@ def test_an_api_key_is_required_when_one_is_set(model):
             assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
             assert httpx.get(server.url + "/v1/models", headers=headers).status_code == 401
         assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+        assert httpx.get(server.url + "/openapi.json").status_code == 401  # the API's description too
+        described = httpx.get(server.url + "/openapi.json", headers={"authorization": "Bearer sekret-key"})
+        assert described.status_code == 200 and "/v1/completions" in described.json()["paths"]
+        for page in ("/docs", "/redoc", "/docs/oauth2-redirect"):  # FastAPI's pages load scripts from a CDN
+            assert httpx.get(server.url + page, headers={"authorization": "Bearer sekret-key"}).status_code == 404
         assert server.client.completions.create(model="tiny", prompt="Key", max_tokens=4,
                                                 temperature=0).choices[0].text == alone(model, "Key", 4)
         with pytest.raises(openai.AuthenticationError):

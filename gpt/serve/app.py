@@ -58,7 +58,7 @@ __all__ = ["create_app", "error_reply", "OPEN_PATHS"]
 # to the API carry the key).
 OPEN_PATHS = ("/health", "/metrics", *PAGE_PATHS)
 _ROUTES = ("POST /v1/completions, GET /v1/models, GET /tokenizer_info, POST /tokenize, POST /detokenize, "
-           "GET /health, GET /metrics and GET / (the playground)")
+           "GET /openapi.json, GET /health, GET /metrics and GET / (the playground)")
 # Parsing a body this small on the event loop costs less than handing it to a thread.
 _INLINE_BODY_BYTES = 16 << 10
 
@@ -161,7 +161,9 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             state["serving"] = False
             await asyncio.to_thread(engine.stop, shutdown_deadline_s)
 
-    app = FastAPI(title="gpt", lifespan=lifespan)
+    # No documentation pages: FastAPI's load their scripts from a third-party CDN, on a server built to face
+    # untrusted clients. The API's description, /openapi.json, is served as JSON, behind the key if one is set.
+    app = FastAPI(title="gpt", lifespan=lifespan, docs_url=None, redoc_url=None)
     if api_key:
         app.add_middleware(_RequireKey, api_key=api_key)
     _add_error_handlers(app)
