@@ -51,6 +51,7 @@ from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.model.transformer import GPT, forward
 from gpt.run_dir import has_checkpoint
+from gpt.train.checkpoint import CheckpointManager
 from gpt.tokenizer import get_tokenizer
 
 __all__ = ["EvalConfig", "evaluate", "windows", "Score"]
@@ -216,6 +217,18 @@ def _score_stream(nll, state, windows_: Iterable[tuple[np.ndarray, int]], contex
     score.nll += sum(float(x) for x in sums)
 
 
+def _check_split(out_dir: Path, split: str, vocab_size: int) -> None:
+    """ConfigError when the run's prepared `split` is not intact, or not of the shards it was trained on (a
+    preparation of another corpus into its data directory since)."""
+    data_identity = verify_shards(out_dir / "data", vocab_size, (split,))
+    checkpoints = CheckpointManager(out_dir, async_save=False)
+    try:
+        checkpoints.check_trained_on(data_identity, out_dir / "data", "score the run's own corpus prepared again "
+                                     "(train.py --resume, or python -m gpt.data with its flags), or score files with --data")
+    finally:
+        checkpoints.close()
+
+
 def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
     """{"inputs": [{"path", "nats_per_token", "perplexity", "bits_per_byte", "tokens"}, ...], "overall": {...}}
     of `config` (or of `model`, when given, instead of loading `config.init_from`)."""
@@ -224,8 +237,8 @@ def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
     streams = _streams(config)
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     model = model if model is not None else load(config.init_from, config.dtype)
-    if config.split:  # the run's own shards, checked against their record before anything is scored
-        verify_shards(Path(config.init_from) / "data", model.config.vocab_size, (config.split,))
+    if config.split:  # the run's own shards, checked against their record and the run's before anything is scored
+        _check_split(Path(config.init_from), config.split, model.config.vocab_size)
     context = model.config.block_size
     stride = config.stride if config.stride is not None else context
     if not 1 <= stride <= context:

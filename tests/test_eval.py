@@ -2,6 +2,7 @@
 strided recipe computed with transformers on the same weights."""
 
 import math
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -132,6 +133,19 @@ def test_a_runs_validation_split_scores_exp_of_its_loss_over_the_whole_split(tra
     assert results["overall"]["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-4)
     with pytest.raises(ConfigError, match="split and EvalConfig.data are exclusive"):
         evaluate(EvalConfig(init_from=str(out), split="val", data=(corpus,)))
+
+
+@pytest.mark.slow
+def test_a_runs_split_prepared_from_another_corpus_since_is_refused(trained_run, corpus_text, tmp_path):
+    from gpt.data.prepare import prepare
+
+    out = tmp_path / "run"
+    shutil.copytree(trained_run, out)
+    other = tmp_path / "other.txt"
+    other.write_text(corpus_text[300_000:500_000])
+    prepare([other], out / "data")  # as `python -m gpt.data --out_dir run/data` with another corpus does
+    with pytest.raises(ConfigError, match=r"the prepared shards in .* are not those step 150 was trained on"):
+        evaluate(EvalConfig(init_from=str(out), split="val"))
 
 
 def test_a_mesh_scores_as_one_device_and_int8_costs_little(tmp_path, corpus_text):

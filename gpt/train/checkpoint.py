@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from gpt.errors import MissingInput, RunFailed
+from gpt.errors import ConfigError, MissingInput, RunFailed
 from gpt.model.config import GPTConfig, check_dtype
 from gpt.model.sharding import abstract, replicated
 from gpt.model.transformer import GPT
@@ -190,6 +190,16 @@ class CheckpointManager:
             except Exception:  # unreadable metadata: restore_newest_intact reports and moves it aside
                 continue
         return None
+
+    def check_trained_on(self, data_identity: str, data_dir: str | os.PathLike, advice: str) -> None:
+        """ConfigError ending with `advice` when the newest checkpoint was trained on other prepared shards than
+        `data_dir`'s, whose identity is `data_identity` (`gpt.data.shards.verify_shards`). A checkpoint from
+        before shards had checksums records none, and passes."""
+        newest = self.newest_metadata()
+        trained_on = None if newest is None else newest[1].get("data_identity")
+        if trained_on is not None and trained_on != data_identity:
+            raise ConfigError(f"the prepared shards in {data_dir} are not those step {newest[0]} was trained on "
+                              f"(their checksums differ); {advice}")
 
     def _restore_verified(self, step: int, trees: dict, shardings: dict) -> tuple[dict, dict]:
         """Restore the named trees of `step` onto `shardings` and verify them; raises ValueError with the

@@ -433,7 +433,8 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
         if pid != 0:
             meta = prepare_corpus()
     data_identity = verify_shards(data_dir, model_config.vocab_size)  # before anything trains on them
-    _check_data_identity(checkpoints, data_identity, data_dir)
+    checkpoints.check_trained_on(data_identity, data_dir, "resume with the data it was trained on, or train a new "
+                                 "run in another --out_dir")
     rows = config.batch_size * config.grad_accum
     train_batches = Batches.of_split(data_dir, "train", config.block_size, rows, config.seed, pid, nproc)
     val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
@@ -460,17 +461,6 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
                                label_smoothing=config.label_smoothing),
                make_eval_step(graphdef, mesh), make_schedule(optimizer, optimizer.lr), train_batches, val_batches,
                checkpoints, MetricsWriter(checked.out_dir, resume_step=start, enabled=pid == 0), start, end)
-
-
-def _check_data_identity(checkpoints: CheckpointManager, data_identity: str, data_dir: Path) -> None:
-    """ConfigError when the newest checkpoint was trained on other prepared shards than `data_dir`'s (a
-    checkpoint from before shards had checksums records none, and passes)."""
-    newest = checkpoints.newest_metadata()
-    trained_on = None if newest is None else newest[1].get("data_identity")
-    if trained_on is not None and trained_on != data_identity:
-        raise ConfigError(f"the prepared shards in {data_dir} are not those step {newest[0]} was trained on (their "
-                          f"checksums differ); resume with the data it was trained on, or train a new run in "
-                          f"another --out_dir")
 
 
 def _build_model(config: TrainConfig, model_config: GPTConfig) -> GPT:
