@@ -28,7 +28,7 @@ from gpt.inference.text_stream import TextStream
 from gpt.model.transformer import GPT
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["generate", "generate_text", "new_tokens_that_fit"]
+__all__ = ["generate", "generate_text", "new_tokens_that_fit", "cache_length_for"]
 
 _MIN_NEW_BUCKET = 16
 
@@ -128,14 +128,18 @@ def _streamer(on_token: Callable[[int, int], None], row: int) -> Callable:
     return on_update
 
 
+def cache_length_for(config, longest_prompt: int, max_new_tokens: int) -> int:
+    """The positions each row of a `generate` call holds (the cache a draft model must cover): the bucket of
+    its longest prompt (`longest_prompt` tokens) and of its new tokens, at most the model's context."""
+    prompt_bucket = bucket(prompt_buckets(config.block_size), longest_prompt)
+    return min(prompt_bucket + power_of_two(max_new_tokens, _MIN_NEW_BUCKET), config.block_size)
+
+
 def _engine_for(model: GPT | Decoder, prompts: list[list[int]], max_new_tokens: int, stop_tokens: int,
                 streaming: bool, max_batch: int, **settings) -> Engine:
     """An engine sized for one `generate` call (see the module docstring); `settings`: the Engine's
     quantize, mesh, draft and draft_tokens."""
-    config = model.config
-    longest = max(len(p) for p in prompts)
-    prompt_bucket = bucket(prompt_buckets(config.block_size), longest)
-    cache_length = min(prompt_bucket + power_of_two(max_new_tokens, _MIN_NEW_BUCKET), config.block_size)
+    cache_length = cache_length_for(model.config, max(len(p) for p in prompts), max_new_tokens)
     # Streaming hands each token out as it is made (a device call per step, ~5% of the speed); otherwise one
     # call runs the whole decode.
     return Engine(model, slots=min(power_of_two(len(prompts)), int(max_batch)), cache_length=cache_length,

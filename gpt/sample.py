@@ -8,13 +8,14 @@ from pathlib import Path
 
 from gpt.compilation_cache import CompileCacheChoice
 from gpt.errors import ConfigError, MissingInput, check_fits_in_memory
-from gpt.generate import generate_text, new_tokens_that_fit
+from gpt.generate import cache_length_for, generate_text, new_tokens_that_fit
 from gpt.inference.decoding import Decoder
 from gpt.inference.engine_settings import DraftChoice
 from gpt.inference.sampling import SamplingParams
 from gpt.inference.speculation import check_draft, check_draft_model
 from gpt.loading import ModelChoice, load, load_draft
 from gpt.model.sharding import make_mesh, parse_mesh
+from gpt.tokenizer import get_tokenizer
 
 __all__ = ["SampleConfig", "sample"]
 
@@ -76,13 +77,14 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     # Laid out for decoding (and quantized) once, for every sample.
     draft, model = load_draft(config.draft, config.dtype), load(config.init_from, config.dtype)
-    if not isinstance(draft, str):  # before anything is laid out; then laid out once, as the model is
-        check_draft_model(draft.config, model.config, model.config.block_size)
-        draft = Decoder.of(draft, config.quantize, mesh)
-    decoder = Decoder.of(model, config.quantize, mesh)
     max_new_tokens = config.max_new_tokens
     if max_new_tokens is None:
-        max_new_tokens = new_tokens_that_fit(decoder.config, start, _DEFAULT_NEW_TOKENS)
+        max_new_tokens = new_tokens_that_fit(model.config, start, _DEFAULT_NEW_TOKENS)
+    if not isinstance(draft, str):  # before anything is laid out, over the positions the rows hold, as generate's
+        rows = cache_length_for(model.config, len(get_tokenizer().encode(start)), max_new_tokens)
+        check_draft_model(draft.config, model.config, rows)
+        draft = Decoder.of(draft, config.quantize, mesh)  # laid out once, as the model is
+    decoder = Decoder.of(model, config.quantize, mesh)
     texts = []
     for i in range(config.num_samples if config.stream else 1):
         rows = 1 if config.stream else config.num_samples

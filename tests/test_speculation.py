@@ -194,6 +194,23 @@ def test_a_draft_model_of_another_vocabulary_or_a_shorter_context_is_refused(mod
     assert str(e.value) == message
 
 
+def test_sample_takes_a_draft_of_a_shorter_context_where_its_rows_fit_as_generate_does(tmp_path):
+    import io
+
+    from gpt.model import gpt2
+    from gpt.sample import SampleConfig, sample
+
+    for name, block_size, seed in (("model", 128, 0), ("draft", 64, 1)):
+        gpt2.save(GPT(GPTConfig.preset("tiny", vocab_size=50257, block_size=block_size), rngs=nnx.Rngs(seed)),
+                  tmp_path / name)
+    greedy = dict(init_from=str(tmp_path / "model"), start="def ", num_samples=2, max_new_tokens=12, temperature=0)
+    plain = sample(SampleConfig(**greedy), io.StringIO())
+    # Each row holds 16 + 16 positions, within the draft's 64 (it had been checked against the model's 128).
+    assert sample(SampleConfig(**greedy, draft=str(tmp_path / "draft"), draft_tokens=3), io.StringIO()) == plain
+    with pytest.raises(ConfigError, match="the draft's context of 64 positions is shorter than the 80 positions"):
+        sample(SampleConfig(**{**greedy, "max_new_tokens": 60}, draft=str(tmp_path / "draft")), io.StringIO())
+
+
 def test_trained_weights_give_the_same_tokens_and_accept_drafts(trained_run, corpus_text):
     """On the weights of a short training run, continuing source text it saw part of: greedy and sampled
     tokens equal decoding's without a draft, with either draft, and drafts stand."""
