@@ -198,6 +198,11 @@ def test_scoring_a_text_gives_gpt_evals_perplexity_and_bits_per_byte(server, bro
     scored = tokens_shown(browser, "scored")
     assert "".join(t["text"] for t in scored) == text + "<|endoftext|>" and scored[0]["logprob"] is None
     browser.save_screenshot(str(tmp_path / "score.png"))
+    browser.execute_script("document.getElementById('score-text').value = ''")
+    browser.find_element(By.ID, "score").click()
+    wait(browser, lambda: status(browser).startswith(("nothing", "scored", "error")))
+    assert status(browser).startswith("nothing to score: the text is empty")  # it had shown perplexity NaN
+    assert not browser.find_element(By.ID, "score-summary").is_displayed()
     no_policy_violations(browser)
 
 

@@ -207,6 +207,7 @@ async function score() {
     const logprobs = reply.choices[0].logprobs;
     addTokens(logprobs, "scored");
     const scored = logprobs.token_logprobs.filter((lp) => lp !== null);
+    if (scored.length === 0) return "nothing to score: the text is empty (its first token has nothing before it)";
     const nats = -scored.reduce((sum, lp) => sum + lp, 0);
     const perplexity = Math.exp(nats / scored.length);
     const bitsPerByte = nats / Math.LN2 / new TextEncoder().encode(text).length;
