@@ -139,6 +139,112 @@ def test_a_progress_record_that_is_not_json_starts_the_preparation_again(tmp_pat
     assert meta["train_tokens"] > 0 and json.loads((out / "meta.json").read_text())["shards"] == meta["shards"]
 
 
+# ------------------------------------------------------------------------------------------ the records, fuzzed
+
+def _leaves(record, path=()) -> list[tuple]:
+    """The path (keys and indices) of every field of a JSON record, containers included, outermost first."""
+    paths = [path] if path else []
+    children = record.items() if isinstance(record, dict) else enumerate(record) if isinstance(record, list) else ()
+    for key, value in children:
+        paths += _leaves(value, (*path, key))
+    return paths
+
+
+def _changed(record, path: tuple, how: str):
+    """A deep copy of `record` with the field at `path` removed ("missing"), of another JSON type ("type"),
+    or at an extreme of its type ("low", "high": a count of -1 or 2**64, a text of 100,000 characters)."""
+    record = json.loads(json.dumps(record))
+    *parents, last = path
+    holder = record
+    for key in parents:
+        holder = holder[key]
+    value = holder[last]
+    if how == "missing":
+        del holder[last]
+    elif how == "type":
+        holder[last] = [value] if not isinstance(value, list) else {"0": value}
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            holder[last] = str(value)  # a number as text: the case that had been a ValueError's traceback
+    else:
+        extreme = {"low": -1, "high": 2**64}[how] if isinstance(value, (int, float)) else "x" * 100_000
+        holder[last] = extreme
+    return record
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, corpus) -> Path:
+    out = tmp_path_factory.mktemp("prepared") / "data"
+    prepare([corpus], out, shard_tokens=20_000, workers=1)
+    return out
+
+
+# Strings that any value may hold (the reader needs none of them to be one thing): not refused when long.
+_FREE_TEXT = {("tokenizer",), ("text_field",), ("split_rule",)}
+
+
+@pytest.mark.slow
+def test_every_field_of_meta_json_changed_is_a_one_line_refusal(prepared, tmp_path):
+    meta = json.loads((prepared / "meta.json").read_text())
+    cases = [(path, how) for path in _leaves(meta) if path[0] not in ("sources", "bad_records") or len(path) == 1
+             for how in ("missing", "type", "low", "high")]
+    refused = 0
+    for path, how in cases:
+        changed = _changed(meta, path, how)
+        if changed == meta or (how in ("low", "high") and path in _FREE_TEXT):
+            continue
+        data = tmp_path / "data"
+        data.mkdir(exist_ok=True)
+        for shard in prepared.glob("*.bin"):
+            (data / shard.name).write_bytes(shard.read_bytes())
+        (data / "meta.json").write_text(json.dumps(changed))
+        with pytest.raises(ConfigError) as error:  # a TypeError, KeyError or ValueError had escaped
+            verify_shards(data, VOCAB)
+        assert "\n" not in str(error.value) and str(data / "meta.json") in str(error.value), (path, how)
+        refused += 1
+    assert refused > 60
+    outside = json.loads(json.dumps(meta))
+    outside["shards"]["train"][0]["file"] = "../../outside.bin"
+    (tmp_path / "data" / "meta.json").write_text(json.dumps(outside))
+    with pytest.raises(ConfigError, match="names '../../outside.bin': not a shard file of"):
+        verify_shards(tmp_path / "data", VOCAB)
+
+
+@pytest.mark.slow
+def test_a_progress_record_changed_in_any_field_starts_the_preparation_again(tmp_path, corpus, monkeypatch):
+    whole = prepare([corpus], tmp_path / "whole", shard_tokens=5_000, workers=1)
+    finished = []
+    original = prepare_module._ShardWriter._finish
+
+    def killed_after_three_shards(self):
+        original(self)
+        finished.append(1)
+        if len(finished) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module._ShardWriter, "_finish", killed_after_three_shards)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([corpus], tmp_path / "killed", shard_tokens=5_000, workers=1)
+    monkeypatch.setattr(prepare_module._ShardWriter, "_finish", original)
+    progress = json.loads((tmp_path / "killed" / "progress.json").read_text())
+    cases = [((), "unchanged")] + [(path, how) for path in _leaves(progress) for how in ("missing", "type", "low", "high")]
+    for path, how in cases:
+        changed = progress if how == "unchanged" else _changed(progress, path, how)
+        if how != "unchanged" and changed == progress:
+            continue
+        finished.clear()
+        monkeypatch.setattr(prepare_module._ShardWriter, "_finish", lambda self: (finished.append(1), original(self)))
+        out = tmp_path / "out"
+        out.mkdir(exist_ok=True)
+        for name in (tmp_path / "killed").glob("*.bin"):
+            (out / name.name).write_bytes(name.read_bytes())
+        (out / "meta.json").unlink(missing_ok=True)
+        (out / "progress.json").write_text(json.dumps(changed))
+        meta = prepare([corpus], out, shard_tokens=5_000, workers=1)  # a KeyError or TypeError had escaped
+        assert meta["shards"] == whole["shards"], (path, how)  # nothing dropped or repeated by a resume point
+        shards = len(whole["shards"]["train"]) + len(whole["shards"]["val"])
+        assert len(finished) == (shards - 3 if how == "unchanged" else shards), (path, how)  # resumed, or anew
+
+
 # ------------------------------------------------------------------------------------------ every use
 
 @pytest.fixture(scope="module")
@@ -176,8 +282,6 @@ TAMPERINGS = {
     "an odd number of bytes": (lambda d: (d / "val_00000.bin").write_bytes((d / "val_00000.bin").read_bytes()[:-1]),
                                "bytes where meta.json records"),
     "empty": (lambda d: (d / "train_00000.bin").write_bytes(b""), "has 0 bytes where meta.json records"),
-    "a record naming a file outside the directory": (lambda d: (d / "meta.json").write_text(
-        (d / "meta.json").read_text().replace('"train_00000.bin"', '"../../outside.bin"')), "not a shard file of"),
     "a consistent forgery (other shards, their record to match)": (lambda d: rewrite(
         d, "train_00000.bin", _ids(d, "train_00000.bin")[::-1], record=True), "are not those step 8 was trained on"),
 }

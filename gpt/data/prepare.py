@@ -46,7 +46,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gpt.data.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, input_format, read_sections
-from gpt.data.shards import ShardHasher
+from gpt.data.shards import ShardHasher, check_fields, check_meta
 from gpt.errors import ConfigError, MissingInput
 from gpt.run_dir import RunLock, make_dir
 from gpt.tokenizer import get_tokenizer
@@ -120,6 +120,9 @@ def corpus_identity(corpus_sources: list[dict], val_fraction: float, text_field:
 
 
 # ------------------------------------------------------------------------------------------ shards
+
+_WRITER_FIELDS = {"shards": list, "next_section": int, "next_offset": int}  # a writer's state()
+
 
 class _ShardWriter:
     """Appends one split's tokens to fixed-size shard files; a shard is renamed into place when full."""
@@ -233,6 +236,38 @@ def _read_state(progress_path: Path) -> dict:
     except (ValueError, UnicodeDecodeError):
         return {}
     return state if isinstance(state, dict) else {}
+
+
+def _digest(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def _read_progress(progress_path: Path) -> dict:
+    """An interrupted preparation's progress.json, or {} where there is none or it is not one this code
+    wrote whole: its digest (over the rest of it) differs, or a writer's state is not a list of shards
+    ({tokens, sha256}) and a resume point (next_section, next_offset >= 0). The preparation then starts
+    again: the record only saves work, and a resume point changed by hand would drop or repeat text."""
+    record = _read_state(progress_path)
+    if record.pop("digest", None) != _digest(record):
+        return {}
+    try:
+        for split in ("train", "val"):
+            check_fields(record.get(split), _WRITER_FIELDS, f"progress.json's {split!r}")
+            for shard in record[split]["shards"]:
+                check_fields(shard, {"tokens": int, "sha256": str}, "a shard")
+            if record[split]["next_section"] < 0 or record[split]["next_offset"] < 0:
+                raise ValueError("a resume point below 0")
+    except ValueError:
+        return {}
+    return record
+
+
+def _is_meta(record: dict) -> bool:
+    try:
+        check_meta(record)
+    except ValueError:
+        return False
+    return True
 
 
 def _clear_shards(out_dir: Path) -> None:
@@ -350,11 +385,11 @@ def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_fi
                 "shard_tokens": shard_tokens, "section_chars": SECTION_CHARS, "split_rule": SPLIT_RULE}
     meta_path, progress_path = out_dir / "meta.json", out_dir / "progress.json"
     if meta_path.is_file():
-        meta = _read_state(meta_path)  # a record that is not JSON matches nothing: prepared anew
-        if _matches(meta, corpus_sources, settings) and all((out_dir / s["file"]).is_file()
-                                                     for split in ("train", "val") for s in meta["shards"][split]):
+        meta = _read_state(meta_path)  # a record that is not a preparation's matches nothing: prepared anew
+        if _is_meta(meta) and _matches(meta, corpus_sources, settings) and all(
+                (out_dir / s["file"]).is_file() for split in ("train", "val") for s in meta["shards"][split]):
             return meta
-    state = _read_state(progress_path)
+    state = _read_progress(progress_path)
     if not _matches(state, corpus_sources, settings):
         _clear_shards(out_dir)
         state = {}
@@ -362,7 +397,7 @@ def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_fi
     def save_progress() -> None:
         record = {**settings, "sources": corpus_sources, **{split: w.state() for split, w in writers.items()}}
         staging = progress_path.with_suffix(".json.tmp")
-        staging.write_text(json.dumps(record))
+        staging.write_text(json.dumps({**record, "digest": _digest(record)}))
         staging.replace(progress_path)
 
     writers = {split: _ShardWriter(out_dir, split, dtype, shard_tokens, state.get(split), save_progress)
