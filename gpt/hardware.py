@@ -18,7 +18,7 @@ import jax
 from gpt.errors import ConfigError
 
 __all__ = ["Chip", "CHIPS", "chip_of", "Topology", "TOPOLOGY_FAMILIES", "parse_topology", "topology_help",
-           "CompileOnlyChoice"]
+           "CompileOnlyChoice", "device_memory_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,3 +164,22 @@ class CompileOnlyChoice:
     def __post_init__(self):
         if self.compile_only:
             parse_topology(self.compile_only)
+
+
+def device_memory_bytes(device) -> int | None:
+    """The memory a device's programs may hold: the runtime's allocator limit where it reports one (GPUs,
+    TPUs), the chip's rating where it does not, and on the CPU the host's physical memory (which its devices
+    share); None where none of these is known."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # a runtime without memory statistics (the CPU's, in some versions) raises
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    chip = chip_of(device.device_kind)
+    return chip.memory_bytes if chip else None

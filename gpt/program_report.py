@@ -18,9 +18,9 @@ import jax
 import numpy as np
 
 from gpt.errors import ConfigError
-from gpt.hardware import Chip, chip_of
+from gpt.hardware import Chip, chip_of, device_memory_bytes
 
-__all__ = ["ProgramReport", "collective_bytes", "sharded_bytes", "compile_within_memory"]
+__all__ = ["ProgramReport", "collective_bytes", "sharded_bytes", "compile_within_memory", "check_compiled_fits"]
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
@@ -50,6 +50,25 @@ def compile_within_memory(lowered: jax.stages.Lowered, what: str, device_kind: s
         said = str(error).strip().splitlines()[0].strip()[:300]
         raise ConfigError(f"{setting}: the {what} does not fit the {device_kind}{memory} (the compiler: {said}); "
                           f"{advice}") from None
+
+
+def check_compiled_fits(compiled: jax.stages.Compiled, devices: list, what: str, setting: str, advice: str) -> None:
+    """ConfigError naming `setting`, the GiB `compiled` holds at its peak per device (memory_analysis's
+    arguments, outputs not written in place and temporaries) and the device's memory, when it is over: before
+    the first call, where running it would fail with an allocator's traceback. CPU devices share the host's
+    memory: there the program's bytes count once per device of this process."""
+    device = devices[0]
+    limit = device_memory_bytes(device)
+    memory = compiled.memory_analysis()
+    if limit is None or memory is None:
+        return
+    held = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes)
+    sharing = sum(d.process_index == device.process_index for d in devices) if device.platform == "cpu" else 1
+    if held * sharing > limit:
+        on = f"{sharing} CPU devices on the host's" if sharing > 1 else f"the {device.device_kind}'s"
+        raise ConfigError(f"{setting}: the {what} needs {held / 2**30:,.2f} GiB per device (the compiled program: "
+                          f"arguments, outputs and temporaries), over {on} {limit / 2**30:,.2f} GiB: {advice}")
 
 
 def _group_size(line: str) -> int:

@@ -435,6 +435,19 @@ def test_a_process_that_waits_too_long_for_the_corpus_stops_with_a_clear_error(t
     assert saved_steps(out) == []
 
 
+def test_a_step_too_large_for_the_devices_memory_is_one_line_from_its_compiled_program(tmp_path, corpus):
+    # ~1.7 TB of activations a step: over any host's memory, found in the compiled program before the first step
+    # (it had been an allocator's RESOURCE_EXHAUSTED traceback from inside it).
+    with pytest.raises(ConfigError) as error:
+        run(tmp_path, corpus, batch_size=2_000_000, num_devices=1)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("TrainConfig.batch_size=2000000 x grad_accum=1: the train step "
+                                                      "needs ") and "GiB per device" in message, message
+    assert "--grad_accum" in message and "--model.remat" in message and "fsdp" in message
+    assert not (tmp_path / "run" / "checkpoints").exists() or saved_steps(tmp_path / "run") == []
+    assert logged_steps(tmp_path / "run") == []
+
+
 # ------------------------------------------------------------------------------------------ RunFailed is one line
 
 def test_run_failures_are_one_line_exit_1():

@@ -82,10 +82,10 @@ def test_a_step_that_turns_non_finite_while_the_loop_runs_ahead_is_named_and_not
     # Step 5's input parameters are made NaN on the device (no host sync). Steps 1-3 log at 3 (read after
     # step 4 is dispatched), 4 is saved; 5 turns non-finite; 6 is a log step, read after 7 is dispatched.
     calls = []
-    make_train_step = train_module.make_train_step
+    compiled_step = train_module._compiled_within_memory  # the run's step, compiled before its first call
 
     def poisoned_at_step_5(*args, **kwargs):
-        step = make_train_step(*args, **kwargs)
+        step = compiled_step(*args, **kwargs)
 
         def call(params, opt_state, batch, key):
             calls.append(len(calls) + 1)
@@ -95,7 +95,7 @@ def test_a_step_that_turns_non_finite_while_the_loop_runs_ahead_is_named_and_not
 
         return call
 
-    monkeypatch.setattr(train_module, "make_train_step", poisoned_at_step_5)
+    monkeypatch.setattr(train_module, "_compiled_within_memory", poisoned_at_step_5)
     with pytest.raises(NonFiniteStep, match=r"^step 5 gave a non-finite loss nan, grad norm nan; it was not saved. "
                                             r"The newest checkpoint, step 4 in .*, is finite"):
         run(tmp_path, corpus, max_steps=20, log_interval=3, checkpoint_interval=4)

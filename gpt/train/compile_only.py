@@ -12,12 +12,10 @@ from gpt.hardware import chip_of, parse_topology
 from gpt.model.sharding import replicated
 from gpt.program_report import ProgramReport, compile_within_memory, sharded_bytes
 from gpt.train.step import abstract_train_state, flops_per_token, make_train_step
-from gpt.train.trainer import TrainConfig, mesh_and_model, rows_sharding
+from gpt.train.trainer import FIT_ADVICE, TrainConfig, mesh_and_model, rows_sharding
 
 __all__ = ["compile_train_step", "FIT_ADVICE"]
 
-FIT_ADVICE = ("a smaller --batch_size with a larger --grad_accum, --model.remat, or the parameters and optimizer "
-              "state split over more devices (--mesh fsdp=N)")
 
 
 def compile_train_step(config: TrainConfig, log=print) -> ProgramReport:

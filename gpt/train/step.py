@@ -120,10 +120,18 @@ class TrainStep:
     rates: Callable
     """opt_state -> the learning rates of the step it is about to take."""
     mesh: jax.sharding.Mesh
+    program: jax.stages.Compiled | None = None
+    """`lower(...).compile()` of the arguments every call passes, which calls then run (`with_program`)."""
 
     def __call__(self, params, opt_state, batch_ABT1, key):
         with jax.set_mesh(self.mesh):
-            return self.jitted(params, opt_state, batch_ABT1, key, self.rates(opt_state))
+            step = self.program if self.program is not None else self.jitted
+            return step(params, opt_state, batch_ABT1, key, self.rates(opt_state))
+
+    def with_program(self, program: jax.stages.Compiled) -> TrainStep:
+        """This step, its calls running `program`: compiled once, ahead of the first call (which can then be
+        checked against the device's memory), where the jitted step would compile it again."""
+        return dataclasses.replace(self, program=program)
 
     def lower(self, params, opt_state, batch_ABT1, key) -> jax.stages.Lowered:
         """The step's program for these arguments (arrays, or `jax.ShapeDtypeStruct`s with their shardings)."""

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Annotated
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tyro
 from flax import nnx
@@ -44,6 +45,7 @@ from gpt.data.prepare import CorpusChoice, corpus_identity, default_corpus, prep
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, RunFailed, check_fits_in_memory
 from gpt.hardware import CompileOnlyChoice
+from gpt.program_report import check_compiled_fits, compile_within_memory
 from gpt.model import gpt2
 from gpt.model.config import PRESETS, GPTConfig
 from gpt.model.sharding import (
@@ -63,11 +65,22 @@ from gpt.train.metrics import MetricsWriter
 from gpt.train.optimizer import OptimizerConfig, make_schedule
 from gpt.train.peers import PeerWatch, agree_on_signal, wait_for_all
 from gpt.train.profile import StepTrace, parse_step_range
-from gpt.train.step import flops_per_token, init_train_state, make_eval_step, make_train_step, peak_flops
+from gpt.train.step import (
+    TrainStep,
+    flops_per_token,
+    init_train_state,
+    make_eval_step,
+    make_train_step,
+    peak_flops,
+)
 
 __all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setup", "loop", "Plan", "Run",
-           "mesh_and_model", "rows_sharding"]
+           "mesh_and_model", "rows_sharding", "FIT_ADVICE"]
 
+
+# What to change when a train step does not fit the device's memory.
+FIT_ADVICE = ("a smaller --batch_size with a larger --grad_accum, --model.remat, or the parameters and optimizer "
+              "state split over more devices (--mesh fsdp=N)")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(CorpusChoice, CompileCacheChoice, CompileOnlyChoice):
@@ -456,11 +469,27 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     if start >= end:
         log(f"nothing to train: {checked.out_dir} is at step {start} and this run ends at step {end} (raise "
             f"--max_steps, with --resume_anyway, to train further)")
-    return Run(config, model_config, mesh, checked.identity, data_identity, graphdef, params, opt_state,
-               make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0, mesh=mesh, shardings=shardings,
-                               label_smoothing=config.label_smoothing),
+    train_step = _compiled_within_memory(make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0,
+                                                         mesh=mesh, shardings=shardings,
+                                                         label_smoothing=config.label_smoothing),
+                                         params, opt_state, config, mesh)
+    return Run(config, model_config, mesh, checked.identity, data_identity, graphdef, params, opt_state, train_step,
                make_eval_step(graphdef, mesh), make_schedule(optimizer, optimizer.lr), train_batches, val_batches,
                checkpoints, MetricsWriter(checked.out_dir, resume_step=start, enabled=pid == 0), start, end)
+
+
+def _compiled_within_memory(step: TrainStep, params, opt_state, config: TrainConfig, mesh: Mesh) -> TrainStep:
+    """`step` compiled before its first call, for the run's batch, and checked against the devices' memory: a
+    step that cannot fit is one line naming the GiB it needs and the device's (exit 2), not an allocator's
+    traceback after the first step began."""
+    batch = jax.ShapeDtypeStruct((config.grad_accum, config.batch_size, config.block_size + 1), jnp.int32,
+                                 sharding=rows_sharding(mesh))
+    setting = f"TrainConfig.batch_size={config.batch_size} x grad_accum={config.grad_accum}"
+    devices = list(mesh.devices.flat)
+    program = compile_within_memory(step.lower(params, opt_state, batch, jax.random.key(0)), "train step",
+                                    devices[0].device_kind, setting, f"try {FIT_ADVICE}")
+    check_compiled_fits(program, devices, "train step", setting, f"try {FIT_ADVICE}")
+    return step.with_program(program)
 
 
 def _build_model(config: TrainConfig, model_config: GPTConfig) -> GPT:
