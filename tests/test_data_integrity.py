@@ -107,6 +107,40 @@ def test_a_failed_preparation_leaves_no_partial_shard_and_says_so_in_one_line(tm
     assert not list(out.glob("*.tmp")) and not (out / "meta.json").exists()
 
 
+class _FullDisk:
+    """A shard file on a disk that fills after `room` bytes: its writes fail there, and so does its close,
+    which flushes what its buffer holds (the real file is closed all the same)."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        self.room -= memoryview(data).nbytes
+        if self.room < 0:
+            raise OSError(28, "No space left on device")
+        return self.file.write(data)
+
+    def close(self) -> None:
+        self.file.close()
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def test_a_disk_that_fills_mid_shard_leaves_no_temporary_file(tmp_path, corpus, monkeypatch):
+    def opened(path, *args, **kwargs):
+        file = open(path, *args, **kwargs)
+        return _FullDisk(file, 30_000) if str(path).endswith(".bin.tmp") else file
+
+    monkeypatch.setattr(prepare_module, "open", opened, raising=False)
+    out = tmp_path / "data"
+    with pytest.raises(ConfigError, match="No space left on device") as error:
+        prepare([corpus], out, shard_tokens=100_000, workers=1)
+    assert "\n" not in str(error.value)
+    assert sorted(p.name for p in out.iterdir() if p.name != ".lock") == [], "a .bin.tmp had stayed (its close failed)"
+
+
 def test_an_interrupted_preparation_whose_finished_shard_was_lost_prepares_it_again(tmp_path, corpus, monkeypatch):
     whole = prepare([corpus], tmp_path / "whole", shard_tokens=5_000, workers=1)
     finished = []

@@ -8,6 +8,7 @@ import zipfile
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from gpt import GPT, GPTConfig
@@ -218,8 +219,8 @@ def test_an_export_that_cannot_be_written_is_one_error_and_changes_nothing(tmp_p
     first = gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(0)), tmp_path / "hf")
     before = {p.name: p.read_bytes() for p in first.iterdir()}
 
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+    def disk_full(*args, **kwargs):  # what safetensors raises on a full disk (not an OSError: it had escaped)
+        raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
 
     monkeypatch.setattr(gpt2, "save_file", disk_full)
     with pytest.raises(RunFailed, match="writing the export to '.*hf' failed, and nothing there changed: .*No space"):

@@ -174,9 +174,13 @@ class _ShardWriter:
     def abort(self) -> None:
         """Close and remove the shard being written (after a failure: nothing half-written stays)."""
         if self.file is not None:
-            self.file.close()
-            self._path(len(self.shards)).with_suffix(".bin.tmp").unlink(missing_ok=True)
-            self.file = None
+            file, self.file = self.file, None
+            try:
+                file.close()  # its flush of what it buffered fails again on a full disk: the file goes all the same
+            except OSError:
+                pass
+            finally:
+                self._path(len(self.shards)).with_suffix(".bin.tmp").unlink(missing_ok=True)
 
     def close(self) -> list[dict]:
         """Finish the last (shorter) shard; the list of shards for meta.json."""

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from gpt.errors import ConfigError, MissingInput, RunFailed
@@ -375,7 +376,7 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
             if retired.exists():
                 retired.rename(out_dir)  # the previous export, back where it was
             raise
-    except OSError as e:  # a full disk, say: what was at out_dir is as it was
+    except (OSError, SafetensorError) as e:  # a full disk, say (safetensors' own error): out_dir is as it was
         raise RunFailed(f"writing the export to {str(out_dir)!r} failed, and nothing there changed: {e}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
