@@ -21,7 +21,7 @@ from pathlib import Path
 from gpt.errors import ConfigError
 
 __all__ = ["RunLock", "RunLocked", "identity", "check_identity", "make_dir", "newest_step", "has_checkpoint",
-           "RESUMABLE_FIELDS"]
+           "RESUMABLE_FIELDS", "LOCK_NAME"]
 
 
 def newest_step(out_dir: str | os.PathLike) -> int | None:
@@ -52,6 +52,11 @@ class RunLocked(ConfigError):
     """Another process is training in this out_dir."""
 
 
+LOCK_NAME = ".lock"
+"""The lock file a run's out_dir and a prepared data directory hold from their first write: what marks a
+directory as this package's (never read as a corpus)."""
+
+
 class RunLock:
     """`with RunLock(out_dir):` holds `out_dir` for one run; a second holder gets RunLocked at once.
 
@@ -61,7 +66,7 @@ class RunLock:
 
     def __init__(self, out_dir: str | os.PathLike, enabled: bool = True, role: str = "training run",
                  advice: str = "or use another --out_dir"):
-        self.path = Path(out_dir) / ".lock"
+        self.path = Path(out_dir) / LOCK_NAME
         self.enabled, self.role, self.advice = enabled, role, advice
         self.file = None
 

@@ -283,3 +283,21 @@ def test_a_corpus_prepared_by_the_library_call_is_what_train_reads_without_token
     written = meta.stat().st_mtime_ns
     run(tmp_path, corpus, max_steps=3)
     assert meta.stat().st_mtime_ns == written
+
+
+def test_a_run_directory_inside_a_corpus_directory_is_not_read_as_text(tmp_path, corpus_text):
+    from gpt.data.corpus import expand_inputs
+    from gpt.run_dir import RunLock
+
+    (tmp_path / "notes.txt").write_text(corpus_text[:5_000])
+    for name in ("first", "second"):  # two runs in one directory, each trained with --data .
+        with RunLock(tmp_path / name):
+            (tmp_path / name / "metrics.jsonl").write_text('{"step": 5, "loss": 4.2}\n')
+            (tmp_path / name / "checkpoints" / "5").mkdir(parents=True)
+            (tmp_path / name / "checkpoints" / "5" / "commit_success.txt").write_text("Checkpoint commit was successful")
+            (tmp_path / name / "data").mkdir()
+            with RunLock(tmp_path / name / "data", role="corpus preparation"):
+                (tmp_path / name / "data" / "notes.txt").write_text("a prepared directory's own file")
+    assert expand_inputs([tmp_path]) == [tmp_path / "notes.txt"]  # the runs' markers and metrics had been text
+    with pytest.raises(ConfigError, match="no corpus files found"):
+        expand_inputs([tmp_path / "first"])

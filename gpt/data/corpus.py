@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from gpt.errors import ConfigError, MissingInput
+from gpt.run_dir import LOCK_NAME
 
 __all__ = ["Section", "BadRecords", "expand_inputs", "input_format", "read_sections", "SECTION_CHARS",
            "TEXT_SUFFIXES"]
@@ -133,7 +134,9 @@ def expand_inputs(inputs: Sequence[str | os.PathLike], exclude: Sequence[str | o
 
 def _corpus_files(directory: Path) -> list[Path]:
     """The corpus files under `directory`, in name order, each directory entered once (a symlink back to
-    one above it is not followed again); ConfigError for a directory that cannot be read."""
+    one above it is not followed again), none from a training run's or a preparation's directory (one that
+    holds `LOCK_NAME`: its checkpoint markers, metrics and shards are no one's text); ConfigError for a
+    directory that cannot be read."""
     suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES + (".parquet",)
     files, seen = [], set()
 
@@ -142,7 +145,7 @@ def _corpus_files(directory: Path) -> list[Path]:
 
     for root, dirs, names in os.walk(directory, onerror=unreadable, followlinks=True):
         real = os.path.realpath(root)
-        if real in seen:
+        if real in seen or (Path(root) / LOCK_NAME).exists():  # a run's or a preparation's directory: never text
             dirs[:] = []
             continue
         seen.add(real)
