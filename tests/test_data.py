@@ -13,7 +13,7 @@ import pytest
 
 from gpt.data.corpus import split_sections
 from gpt.data.loader import Batches
-from gpt.data.prepare import in_validation, prepare
+from gpt.data.prepare import STAGING, in_validation, prepare
 from gpt.errors import ConfigError
 from gpt.tokenizer import get_tokenizer
 
@@ -169,15 +169,15 @@ def test_a_preparation_killed_after_its_first_shard_resumes_to_the_same_bytes(tm
     process = subprocess.run([sys.executable, "-c", _KILLED_AFTER_FIRST_SHARD, str(source), str(killed), "300000"],
                              env={**os.environ, "XLA_FLAGS": ""}, capture_output=True, text=True, timeout=120)
     assert process.returncode == -signal.SIGKILL, process.stderr
-    finished = sorted(p.name for p in killed.glob("train_*.bin"))
+    finished = sorted(p.name for p in (killed / STAGING).glob("train_*.bin"))
     assert "meta.json" not in os.listdir(killed) and len(finished) < len(list(whole.glob("train_*.bin")))
-    progress = json.loads((killed / "progress.json").read_text())
+    progress = json.loads((killed / STAGING / "progress.json").read_text())
     assert progress["train"]["next_section"] > 0  # the rerun resumes, it does not start over
 
     meta = prepare([source], killed, val_fraction=0.05, shard_tokens=300_000, workers=1, progress=False)
     assert _shard_bytes(killed) == _shard_bytes(whole)
     assert meta["shards"] == json.loads((whole / "meta.json").read_text())["shards"]
-    assert not (killed / "progress.json").exists()
+    assert not (killed / STAGING).exists()
 
 
 def test_bad_records_are_counted_and_reported_and_a_corpus_of_only_bad_records_is_an_error(tmp_path, capsys):

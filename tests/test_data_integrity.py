@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gpt.data import prepare as prepare_module
-from gpt.data.prepare import prepare
+from gpt.data.prepare import STAGING, prepare
 from gpt.data.shards import ShardHasher, verify_shards
 from gpt.errors import ConfigError
 from gpt.run_dir import RunLock, RunLocked
@@ -104,7 +104,7 @@ def test_a_failed_preparation_leaves_no_partial_shard_and_says_so_in_one_line(tm
     with pytest.raises(ConfigError, match="No space left on device") as error:
         prepare([corpus], out, shard_tokens=2_000, workers=1)
     assert "\n" not in str(error.value) and str(out) in str(error.value)
-    assert not list(out.glob("*.tmp")) and not (out / "meta.json").exists()
+    assert not list(out.rglob("*.tmp")) and not (out / "meta.json").exists()
 
 
 class _FullDisk:
@@ -138,7 +138,19 @@ def test_a_disk_that_fills_mid_shard_leaves_no_temporary_file(tmp_path, corpus, 
     with pytest.raises(ConfigError, match="No space left on device") as error:
         prepare([corpus], out, shard_tokens=100_000, workers=1)
     assert "\n" not in str(error.value)
-    assert sorted(p.name for p in out.iterdir() if p.name != ".lock") == [], "a .bin.tmp had stayed (its close failed)"
+    assert not list(out.rglob("*.bin*")), "a .bin.tmp had stayed (its close failed)"
+
+
+def test_a_preparation_that_fails_leaves_the_previous_one_usable(tmp_path, corpus, corpus_text):
+    out = tmp_path / "data"
+    before = prepare([corpus], out, shard_tokens=20_000, workers=1)
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text(corpus_text[:300])  # one section: no validation split
+    with pytest.raises(ConfigError, match="split of .* is empty"):
+        prepare([tiny], out, shard_tokens=20_000, workers=1)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == files  # its meta.json had been deleted
+    assert verify_shards(out, VOCAB) and before["shards"] == json.loads((out / "meta.json").read_text())["shards"]
 
 
 def test_an_interrupted_preparation_whose_finished_shard_was_lost_prepares_it_again(tmp_path, corpus, monkeypatch):
@@ -157,8 +169,8 @@ def test_an_interrupted_preparation_whose_finished_shard_was_lost_prepares_it_ag
     with pytest.raises(KeyboardInterrupt):
         prepare([corpus], out, shard_tokens=5_000, workers=1)
     monkeypatch.setattr(prepare_module._ShardWriter, "_finish", original)
-    assert (out / "progress.json").is_file() and not list(out.glob("*.tmp"))
-    (out / "train_00000.bin").unlink()
+    assert (out / STAGING / "progress.json").is_file() and not list(out.rglob("*.tmp"))
+    (out / STAGING / "train_00000.bin").unlink()
     meta = prepare([corpus], out, shard_tokens=5_000, workers=1)
     assert meta["shards"] == whole["shards"]  # every shard, checksums and all, as an uninterrupted run's
     verify_shards(out, VOCAB)
@@ -166,8 +178,8 @@ def test_an_interrupted_preparation_whose_finished_shard_was_lost_prepares_it_ag
 
 def test_a_progress_record_that_is_not_json_starts_the_preparation_again(tmp_path, corpus):
     out = tmp_path / "data"
-    out.mkdir()
-    (out / "progress.json").write_text("{not json")
+    (out / STAGING).mkdir(parents=True)
+    (out / STAGING / "progress.json").write_text("{not json")
     (out / "meta.json").write_text("\x00garbage")
     meta = prepare([corpus], out)
     assert meta["train_tokens"] > 0 and json.loads((out / "meta.json").read_text())["shards"] == meta["shards"]
@@ -259,7 +271,7 @@ def test_a_progress_record_changed_in_any_field_starts_the_preparation_again(tmp
     with pytest.raises(KeyboardInterrupt):
         prepare([corpus], tmp_path / "killed", shard_tokens=5_000, workers=1)
     monkeypatch.setattr(prepare_module._ShardWriter, "_finish", original)
-    progress = json.loads((tmp_path / "killed" / "progress.json").read_text())
+    progress = json.loads((tmp_path / "killed" / STAGING / "progress.json").read_text())
     cases = [((), "unchanged")] + [(path, how) for path in _leaves(progress) for how in ("missing", "type", "low", "high")]
     for path, how in cases:
         changed = progress if how == "unchanged" else _changed(progress, path, how)
@@ -268,11 +280,11 @@ def test_a_progress_record_changed_in_any_field_starts_the_preparation_again(tmp
         finished.clear()
         monkeypatch.setattr(prepare_module._ShardWriter, "_finish", lambda self: (finished.append(1), original(self)))
         out = tmp_path / "out"
-        out.mkdir(exist_ok=True)
-        for name in (tmp_path / "killed").glob("*.bin"):
-            (out / name.name).write_bytes(name.read_bytes())
+        (out / STAGING).mkdir(parents=True, exist_ok=True)
+        for name in (tmp_path / "killed" / STAGING).glob("*.bin"):
+            (out / STAGING / name.name).write_bytes(name.read_bytes())
         (out / "meta.json").unlink(missing_ok=True)
-        (out / "progress.json").write_text(json.dumps(changed))
+        (out / STAGING / "progress.json").write_text(json.dumps(changed))
         meta = prepare([corpus], out, shard_tokens=5_000, workers=1)  # a KeyError or TypeError had escaped
         assert meta["shards"] == whole["shards"], (path, how)  # nothing dropped or repeated by a resume point
         shards = len(whole["shards"]["train"]) + len(whole["shards"]["val"])
@@ -424,7 +436,7 @@ def test_a_broken_input_is_one_line_naming_it_and_leaves_nothing_behind(tmp_path
     with pytest.raises(ConfigError, match=f"data input '{path}' cannot be read") as error:
         prepare([path], out)
     assert "\n" not in str(error.value)
-    assert not list(out.glob("*.bin*")) and not (out / "meta.json").exists()
+    assert not list(out.rglob("*.bin*")) and not (out / "meta.json").exists()
 
 
 @pytest.mark.slow

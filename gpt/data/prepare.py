@@ -12,8 +12,10 @@
   skipped.
 - **One writer.** A preparation holds the data directory's lock (`gpt.run_dir.RunLock`, as a training run
   reading it does): a second preparation, or one beside a run, is refused with one line naming the
-  holder. Shards and `meta.json` are written to temporaries and renamed; a failure (a full disk, a bad
-  input) removes the shard it was writing.
+  holder. A preparation writes its shards and `progress.json` in `out_dir/.preparing`, and moves them in
+  (then `meta.json`, written last) only once the whole corpus is prepared: a failure (a full disk, a bad
+  input, a corpus too small to split) removes the shard it was writing and leaves what `out_dir` held
+  usable.
 - **The validation split** is decided per section by its text alone: a section is validation when the
   first 8 bytes of its BLAKE2b hash, read as a fraction of 2**64, fall below `val_fraction`. The same text
   lands in the same split whatever else the corpus holds, so a corpus that grows keeps its validation
@@ -121,6 +123,8 @@ def corpus_identity(corpus_sources: list[dict], val_fraction: float, text_field:
 
 # ------------------------------------------------------------------------------------------ shards
 
+STAGING = ".preparing"
+"""The directory inside out_dir where a preparation writes its shards and progress.json until it is done."""
 _WRITER_FIELDS = {"shards": list, "next_section": int, "next_offset": int}  # a writer's state()
 
 
@@ -274,9 +278,10 @@ def _is_meta(record: dict) -> bool:
     return True
 
 
-def _clear_shards(out_dir: Path) -> None:
-    for pattern in ("train_*.bin*", "val_*.bin*", "train.bin", "val.bin", "progress.json", "meta.json"):
-        for path in out_dir.glob(pattern):
+def _clear_shards(directory: Path) -> None:
+    """Removes a preparation's files (its record first, so that no record outlives its shards)."""
+    for pattern in ("meta.json", "progress.json", "*.json.tmp", "train_*.bin*", "val_*.bin*", "train.bin", "val.bin"):
+        for path in directory.glob(pattern):
             path.unlink()
 
 
@@ -387,28 +392,33 @@ def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_fi
     settings = {"format": _FORMAT_VERSION, "tokenizer": "gpt2", "vocab_size": tokenizer.vocab_size,
                 "dtype": dtype.name, "val_fraction": val_fraction, "text_field": text_field,
                 "shard_tokens": shard_tokens, "section_chars": SECTION_CHARS, "split_rule": SPLIT_RULE}
-    meta_path, progress_path = out_dir / "meta.json", out_dir / "progress.json"
+    meta_path = out_dir / "meta.json"
     if meta_path.is_file():
         meta = _read_state(meta_path)  # a record that is not a preparation's matches nothing: prepared anew
         if _is_meta(meta) and _matches(meta, corpus_sources, settings) and all(
                 (out_dir / s["file"]).is_file() for split in ("train", "val") for s in meta["shards"][split]):
             return meta
+    # The new shards are written apart, and replace what out_dir holds only once the whole corpus is
+    # prepared: a preparation that fails (a corpus too small to split, a full disk) leaves it usable.
+    staging = out_dir / STAGING
+    staging.mkdir(exist_ok=True)
+    progress_path = staging / "progress.json"
     state = _read_progress(progress_path)
     if not _matches(state, corpus_sources, settings):
-        _clear_shards(out_dir)
+        _clear_shards(staging)
         state = {}
 
     def save_progress() -> None:
         record = {**settings, "sources": corpus_sources, **{split: w.state() for split, w in writers.items()}}
-        staging = progress_path.with_suffix(".json.tmp")
-        staging.write_text(json.dumps({**record, "digest": _digest(record)}))
-        staging.replace(progress_path)
+        temporary = progress_path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps({**record, "digest": _digest(record)}))
+        temporary.replace(progress_path)
 
-    writers = {split: _ShardWriter(out_dir, split, dtype, shard_tokens, state.get(split), save_progress)
+    writers = {split: _ShardWriter(staging, split, dtype, shard_tokens, state.get(split), save_progress)
                for split in ("train", "val")}
     if state and not all(writer.on_disk() for writer in writers.values()):  # a finished shard lost or changed
-        _clear_shards(out_dir)
-        writers = {split: _ShardWriter(out_dir, split, dtype, shard_tokens, None, save_progress)
+        _clear_shards(staging)
+        writers = {split: _ShardWriter(staging, split, dtype, shard_tokens, None, save_progress)
                    for split in ("train", "val")}
     try:
         counts, bad = _tokenize(paths, text_field, val_fraction, dtype, writers, workers, progress)
@@ -426,11 +436,22 @@ def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_fi
             "train_tokens": totals["train"], "val_tokens": totals["val"], "documents": counts["documents"],
             "sections": counts["sections"], "replaced_invalid_utf8": counts["replaced_invalid_utf8"],
             "bad_records": {"counts": bad.counts, "first": bad.first}}
-    staging = meta_path.with_suffix(".json.tmp")
-    staging.write_text(json.dumps(meta, indent=1))
-    staging.replace(meta_path)
-    progress_path.unlink(missing_ok=True)
+    _move_in(staging, out_dir, meta)
     return meta
+
+
+def _move_in(staging: Path, out_dir: Path, meta: dict) -> None:
+    """The staged shards into `out_dir`, in place of what it held, and `meta` as its record, written last:
+    a directory with a meta.json holds its shards (a stop between leaves none, and is prepared again)."""
+    _clear_shards(out_dir)  # meta.json first among them
+    for split in ("train", "val"):
+        for shard in meta["shards"][split]:
+            (staging / shard["file"]).replace(out_dir / shard["file"])
+    temporary = out_dir / "meta.json.tmp"
+    temporary.write_text(json.dumps(meta, indent=1))
+    temporary.replace(out_dir / "meta.json")
+    _clear_shards(staging)
+    staging.rmdir()
 
 
 # ------------------------------------------------------------------------------------------ the CLI
