@@ -611,3 +611,24 @@ def test_a_failed_first_save_says_none_was_kept_and_removes_its_partial_director
         assert str(error).endswith("No space left on device") and not partial.exists()
     finally:
         manager.close()
+
+
+def test_a_full_disk_while_metrics_are_written_is_one_line(tmp_path):
+    from gpt.train.metrics import MetricsWriter
+
+    class FullDisk:
+        def write(self, *text):
+            raise OSError(28, "No space left on device")
+
+        flush = close = write
+
+    writer = MetricsWriter(tmp_path, resume_step=0)
+    writer.write({"step": 1, "loss": 4.0})
+    writer.jsonl.close()
+    writer.jsonl = FullDisk()
+    with pytest.raises(RunFailed, match=r"^writing step 2's metrics to .*metrics.jsonl failed \(\[Errno 28\] No space "
+                                        r"left on device\); the run stopped") as error:  # an OSError had escaped
+        writer.write({"step": 2, "loss": 3.9})
+    assert "\n" not in str(error.value)
+    writer.close()  # its last flush fails again: nothing more to say
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1

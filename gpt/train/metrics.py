@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from gpt.errors import RunFailed
+
 __all__ = ["MetricsWriter"]
 
 
@@ -47,16 +49,23 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        for key, value in record.items():
-            if key != "step" and value is not None:
-                self.tensorboard.add_scalar(key, value, record["step"])
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self.tensorboard.add_scalar(key, value, record["step"])
+        except OSError as e:  # a full disk: one line, where a traceback had ended the run
+            raise RunFailed(f"writing step {record.get('step')}'s metrics to {self.path} failed ({e}); the run "
+                            f"stopped, its saved checkpoints intact: make room, then rerun to resume") from None
 
     def close(self) -> None:
         if self.enabled:
-            self.jsonl.close()
-            self.tensorboard.close()
+            for file in (self.jsonl, self.tensorboard):
+                try:
+                    file.close()
+                except OSError:  # its last flush, on the full disk that stopped the run: reported already
+                    pass
 
 
 def _summary_writer_class():
