@@ -4,6 +4,7 @@ the same run, corruption caught with a fallback, failures that say what happened
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -632,3 +633,61 @@ def test_a_full_disk_while_metrics_are_written_is_one_line(tmp_path):
     assert "\n" not in str(error.value)
     writer.close()  # its last flush fails again: nothing more to say
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1
+
+
+def _json_fields(record, path=()) -> list[tuple]:
+    """The path of every field of a JSON record (its checksum lists' first entries only: they are alike)."""
+    paths = [path] if path else []
+    if isinstance(record, dict):
+        for key, value in record.items():
+            paths += _json_fields(value, (*path, key))
+    elif isinstance(record, list) and record:
+        paths += _json_fields(record[0], (*path, 0))
+    return paths
+
+
+def _with_field(record, path: tuple, how: str):
+    """A copy of `record` with the field at `path` missing, of another JSON type, or at an extreme."""
+    record = json.loads(json.dumps(record))
+    *parents, last = path
+    holder = record
+    for key in parents:
+        holder = holder[key]
+    value = holder[last]
+    if how == "missing":
+        if isinstance(holder, list):
+            holder.pop(last)
+        else:
+            del holder[last]
+    elif how == "type":
+        holder[last] = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else [value]
+    else:
+        holder[last] = {"low": -1, "high": 2**64}[how] if isinstance(value, (int, float)) else "x" * 10_000
+    return record
+
+
+@pytest.mark.slow
+def test_every_field_of_a_checkpoints_record_changed_loads_the_same_model_or_is_one_line(trained_run, tmp_path):
+    from gpt.errors import UserError
+
+    newest = max(int(p.name) for p in (trained_run / "checkpoints").iterdir() if p.name.isdigit())
+    record_path = Path("checkpoints") / str(newest) / "metadata" / "metadata"
+    record = json.loads((trained_run / record_path).read_text())
+    want = flat(load_model(trained_run))
+    outcomes = {"loaded": 0, "refused": 0}
+    for path in _json_fields(record):
+        for how in ("missing", "type", "low", "high"):
+            out = tmp_path / "run"
+            if not out.exists():
+                (out / "checkpoints").mkdir(parents=True)
+                shutil.copytree(trained_run / "checkpoints" / str(newest), out / "checkpoints" / str(newest))
+            (out / record_path).write_text(json.dumps(_with_field(record, path, how)))
+            try:
+                got = flat(load_model(out))
+            except UserError as error:  # a TypeError or a hang had been possible
+                assert "\n" not in str(error), (path, how, str(error))
+                outcomes["refused"] += 1
+                continue
+            assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), (path, how)
+            outcomes["loaded"] += 1
+    assert outcomes["refused"] > 40 and outcomes["loaded"] > 10, outcomes
