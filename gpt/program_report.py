@@ -52,18 +52,20 @@ def compile_within_memory(lowered: jax.stages.Lowered, what: str, device_kind: s
                           f"{advice}") from None
 
 
-def check_compiled_fits(compiled: jax.stages.Compiled, devices: list, what: str, setting: str, advice: str) -> None:
+def check_compiled_fits(compiled: jax.stages.Compiled, devices: list, what: str, setting: str, advice: str,
+                        held_already: int = 0) -> None:
     """ConfigError naming `setting`, the GiB `compiled` holds at its peak per device (memory_analysis's
-    arguments, outputs not written in place and temporaries) and the device's memory, when it is over: before
-    the first call, where running it would fail with an allocator's traceback. CPU devices share the host's
-    memory: there the program's bytes count once per device of this process."""
+    arguments, outputs not written in place and temporaries, with `held_already` bytes a device keeps beside
+    them) and the device's memory, when it is over: before the first call, where running it would fail with
+    an allocator's traceback (or, on the CPU, the kernel's OOM killer). CPU devices share the host's memory:
+    there the bytes count once per device of this process."""
     device = devices[0]
     limit = device_memory_bytes(device)
     memory = compiled.memory_analysis()
     if limit is None or memory is None:
         return
     held = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes)
+            + memory.temp_size_in_bytes + held_already)
     sharing = sum(d.process_index == device.process_index for d in devices) if device.platform == "cpu" else 1
     if held * sharing > limit:
         on = f"{sharing} CPU devices on the host's" if sharing > 1 else f"the {device.device_kind}'s"

@@ -316,3 +316,13 @@ def test_an_engines_settings_are_one_dataclass_that_serve_config_extends(model):
     assert (engine.num_slots, engine.cache_length, engine.max_queue, engine.device.draft_tokens) == (2, 32, 5, 3)
     with pytest.raises(TypeError, match="EngineSettings has no field port"):
         Engine(model, port=1)
+
+
+def test_slots_too_many_for_the_devices_memory_are_one_line_before_anything_is_allocated(model):
+    # ~128 GiB of cache: on a CPU the kernel's OOM killer had ended serve.py with no word (exit 137).
+    with pytest.raises(ConfigError) as error:
+        Engine(model, slots=1 << 22, cache_length=64)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"{1 << 22} slots of 64 positions: the decoding slots' cache "
+                                                      "needs "), message
+    assert "GiB per device" in message and "--slots" in message and "--cache_length" in message

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from gpt.hardware import chip_of
 from gpt.inference.decoding import compiled_decode, compiled_init_slots, compiled_prefill, decoding_weights
+from gpt.inference.device_slots import FIT_ADVICE
 from gpt.inference.engine_settings import EngineSettings
 from gpt.model.config import GPTConfig, flops_per_token
 from gpt.model.sharding import abstract, data_parallel_size, param_shardings
@@ -21,8 +22,6 @@ from gpt.program_report import ProgramReport, compile_within_memory, sharded_byt
 
 __all__ = ["compile_engine", "FIT_ADVICE"]
 
-FIT_ADVICE = ("use fewer --slots, a shorter --cache_length or --prefill_chunk, or split the weights and the cache "
-              "over more devices (--mesh tensor=N)")
 
 
 def _abstract_outputs(jitted, *args, **kwargs):

@@ -34,14 +34,20 @@ from gpt.inference.decoding import (
     int8_draft_weights,
 )
 from gpt.inference.request import Request
+from gpt.program_report import check_compiled_fits, sharded_bytes
 from gpt.inference.sampling import SamplingParams
 from gpt.model.sharding import data_parallel_size
 from gpt.model.transformer import GPT
 
-__all__ = ["DeviceSlots"]
+__all__ = ["DeviceSlots", "FIT_ADVICE"]
 
 # A prefill's row that goes nowhere (over a mesh's data axis a prefill and an insert run rows_per_prefill rows).
 PADDING = Request([0], 1, temperature=0.0)
+
+
+# What to change when the slots and the weights do not fit the devices' memory.
+FIT_ADVICE = ("use fewer --slots, a shorter --cache_length or --prefill_chunk, or split the weights and the cache "
+              "over more devices (--mesh tensor=N)")
 
 
 class DeviceSlots:
@@ -70,8 +76,14 @@ cache of its own beside the history) a decode may verify up to `draft_tokens` dr
         with self.on_mesh():
             self.draft_weights = (int8_draft_weights(decoder) if draft == "int8"
                                   else None if drafter is None else drafter.weights)
-            self.slots = compiled_init_slots(self.config, self.num_slots, cache_length, max_stop_tokens,
-                                             self.history, self.draft_config)
+            # The slots come from a program of their own: its output, with the weights beside it, is checked
+            # against the devices' memory before anything is allocated.
+            program = compiled_init_slots.lower(self.config, self.num_slots, cache_length, max_stop_tokens,
+                                                self.history, self.draft_config).compile()
+            devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
+            check_compiled_fits(program, devices, "decoding slots' cache", f"{self.num_slots} slots of {cache_length} "
+                                f"positions", FIT_ADVICE, held_already=sharded_bytes((self.weights, self.draft_weights)))
+            self.slots = program()
 
     def on_mesh(self):
         """A context in which the verbs run over the mesh (none without one)."""
