@@ -51,8 +51,8 @@ from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.model.transformer import GPT, forward
 from gpt.run_dir import has_checkpoint
-from gpt.train.checkpoint import CheckpointManager
 from gpt.tokenizer import get_tokenizer
+from gpt.train.checkpoint import CheckpointManager
 
 __all__ = ["EvalConfig", "evaluate", "windows", "Score"]
 

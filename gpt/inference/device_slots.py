@@ -34,10 +34,10 @@ from gpt.inference.decoding import (
     int8_draft_weights,
 )
 from gpt.inference.request import Request
-from gpt.program_report import check_compiled_fits, sharded_bytes
 from gpt.inference.sampling import SamplingParams
 from gpt.model.sharding import data_parallel_size
 from gpt.model.transformer import GPT
+from gpt.program_report import check_compiled_fits, sharded_bytes
 
 __all__ = ["DeviceSlots", "FIT_ADVICE"]
 

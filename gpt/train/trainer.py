@@ -45,7 +45,6 @@ from gpt.data.prepare import CorpusChoice, corpus_identity, default_corpus, prep
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, RunFailed, check_fits_in_memory
 from gpt.hardware import CompileOnlyChoice
-from gpt.program_report import check_compiled_fits, compile_within_memory
 from gpt.model import gpt2
 from gpt.model.config import PRESETS, GPTConfig
 from gpt.model.sharding import (
@@ -57,6 +56,7 @@ from gpt.model.sharding import (
     parse_mesh,
 )
 from gpt.model.transformer import GPT
+from gpt.program_report import check_compiled_fits, compile_within_memory
 from gpt.run_dir import RunLock, check_identity, identity, newest_step
 from gpt.signals import StopSignals
 from gpt.tokenizer import get_tokenizer
