@@ -18,6 +18,7 @@ from gpt.data.shards import ShardHasher, verify_shards
 from gpt.errors import ConfigError
 from gpt.run_dir import RunLock, RunLocked
 
+from json_fields import HOW, changed, fields
 from training import ROOT, run
 
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
@@ -153,22 +154,28 @@ def test_a_preparation_that_fails_leaves_the_previous_one_usable(tmp_path, corpu
     assert verify_shards(out, VOCAB) and before["shards"] == json.loads((out / "meta.json").read_text())["shards"]
 
 
-def test_an_interrupted_preparation_whose_finished_shard_was_lost_prepares_it_again(tmp_path, corpus, monkeypatch):
-    whole = prepare([corpus], tmp_path / "whole", shard_tokens=5_000, workers=1)
-    finished = []
+def _prepare_killed_after_three_shards(corpus: str, out: Path, monkeypatch) -> None:
+    """A preparation of `corpus` (shards of 5,000 tokens) into `out`, stopped after its third shard, as a
+    kill would stop it: after progress.json recorded that shard."""
     original = prepare_module._ShardWriter._finish
+    finished = []
 
     def killed_after_three_shards(self):
         original(self)
         finished.append(1)
         if len(finished) == 3:
-            raise KeyboardInterrupt  # as a kill would stop it, after progress.json was written
+            raise KeyboardInterrupt
 
-    out = tmp_path / "data"
     monkeypatch.setattr(prepare_module._ShardWriter, "_finish", killed_after_three_shards)
     with pytest.raises(KeyboardInterrupt):
         prepare([corpus], out, shard_tokens=5_000, workers=1)
     monkeypatch.setattr(prepare_module._ShardWriter, "_finish", original)
+
+
+def test_an_interrupted_preparation_whose_finished_shard_was_lost_prepares_it_again(tmp_path, corpus, monkeypatch):
+    whole = prepare([corpus], tmp_path / "whole", shard_tokens=5_000, workers=1)
+    out = tmp_path / "data"
+    _prepare_killed_after_three_shards(corpus, out, monkeypatch)
     assert (out / STAGING / "progress.json").is_file() and not list(out.rglob("*.tmp"))
     (out / STAGING / "train_00000.bin").unlink()
     meta = prepare([corpus], out, shard_tokens=5_000, workers=1)
@@ -187,36 +194,6 @@ def test_a_progress_record_that_is_not_json_starts_the_preparation_again(tmp_pat
 
 # ------------------------------------------------------------------------------------------ the records, fuzzed
 
-def _leaves(record, path=()) -> list[tuple]:
-    """The path (keys and indices) of every field of a JSON record, containers included, outermost first."""
-    paths = [path] if path else []
-    children = record.items() if isinstance(record, dict) else enumerate(record) if isinstance(record, list) else ()
-    for key, value in children:
-        paths += _leaves(value, (*path, key))
-    return paths
-
-
-def _changed(record, path: tuple, how: str):
-    """A deep copy of `record` with the field at `path` removed ("missing"), of another JSON type ("type"),
-    or at an extreme of its type ("low", "high": a count of -1 or 2**64, a text of 100,000 characters)."""
-    record = json.loads(json.dumps(record))
-    *parents, last = path
-    holder = record
-    for key in parents:
-        holder = holder[key]
-    value = holder[last]
-    if how == "missing":
-        del holder[last]
-    elif how == "type":
-        holder[last] = [value] if not isinstance(value, list) else {"0": value}
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            holder[last] = str(value)  # a number as text: the case that had been a ValueError's traceback
-    else:
-        extreme = {"low": -1, "high": 2**64}[how] if isinstance(value, (int, float)) else "x" * 100_000
-        holder[last] = extreme
-    return record
-
-
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, corpus) -> Path:
     out = tmp_path_factory.mktemp("prepared") / "data"
@@ -231,18 +208,18 @@ _FREE_TEXT = {("tokenizer",), ("text_field",), ("split_rule",)}
 @pytest.mark.slow
 def test_every_field_of_meta_json_changed_is_a_one_line_refusal(prepared, tmp_path):
     meta = json.loads((prepared / "meta.json").read_text())
-    cases = [(path, how) for path in _leaves(meta) if path[0] not in ("sources", "bad_records") or len(path) == 1
-             for how in ("missing", "type", "low", "high")]
+    cases = [(path, how) for path in fields(meta) if path[0] not in ("sources", "bad_records") or len(path) == 1
+             for how in HOW]
     refused = 0
     for path, how in cases:
-        changed = _changed(meta, path, how)
-        if changed == meta or (how in ("low", "high") and path in _FREE_TEXT):
+        edited = changed(meta, path, how)
+        if edited == meta or (how in ("low", "high") and path in _FREE_TEXT):
             continue
         data = tmp_path / "data"
         data.mkdir(exist_ok=True)
         for shard in prepared.glob("*.bin"):
             (data / shard.name).write_bytes(shard.read_bytes())
-        (data / "meta.json").write_text(json.dumps(changed))
+        (data / "meta.json").write_text(json.dumps(edited))
         with pytest.raises(ConfigError) as error:  # a TypeError, KeyError or ValueError had escaped
             verify_shards(data, VOCAB)
         assert "\n" not in str(error.value) and str(data / "meta.json") in str(error.value), (path, how)
@@ -258,24 +235,13 @@ def test_every_field_of_meta_json_changed_is_a_one_line_refusal(prepared, tmp_pa
 @pytest.mark.slow
 def test_a_progress_record_changed_in_any_field_starts_the_preparation_again(tmp_path, corpus, monkeypatch):
     whole = prepare([corpus], tmp_path / "whole", shard_tokens=5_000, workers=1)
-    finished = []
-    original = prepare_module._ShardWriter._finish
-
-    def killed_after_three_shards(self):
-        original(self)
-        finished.append(1)
-        if len(finished) == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(prepare_module._ShardWriter, "_finish", killed_after_three_shards)
-    with pytest.raises(KeyboardInterrupt):
-        prepare([corpus], tmp_path / "killed", shard_tokens=5_000, workers=1)
-    monkeypatch.setattr(prepare_module._ShardWriter, "_finish", original)
+    _prepare_killed_after_three_shards(corpus, tmp_path / "killed", monkeypatch)
+    finished, original = [], prepare_module._ShardWriter._finish
     progress = json.loads((tmp_path / "killed" / STAGING / "progress.json").read_text())
-    cases = [((), "unchanged")] + [(path, how) for path in _leaves(progress) for how in ("missing", "type", "low", "high")]
+    cases = [((), "unchanged")] + [(path, how) for path in fields(progress) for how in HOW]
     for path, how in cases:
-        changed = progress if how == "unchanged" else _changed(progress, path, how)
-        if how != "unchanged" and changed == progress:
+        edited = progress if how == "unchanged" else changed(progress, path, how)
+        if how != "unchanged" and edited == progress:
             continue
         finished.clear()
         monkeypatch.setattr(prepare_module._ShardWriter, "_finish", lambda self: (finished.append(1), original(self)))
@@ -284,7 +250,7 @@ def test_a_progress_record_changed_in_any_field_starts_the_preparation_again(tmp
         for name in (tmp_path / "killed" / STAGING).glob("*.bin"):
             (out / STAGING / name.name).write_bytes(name.read_bytes())
         (out / "meta.json").unlink(missing_ok=True)
-        (out / STAGING / "progress.json").write_text(json.dumps(changed))
+        (out / STAGING / "progress.json").write_text(json.dumps(edited))
         meta = prepare([corpus], out, shard_tokens=5_000, workers=1)  # a KeyError or TypeError had escaped
         assert meta["shards"] == whole["shards"], (path, how)  # nothing dropped or repeated by a resume point
         shards = len(whole["shards"]["train"]) + len(whole["shards"]["val"])
