@@ -52,7 +52,6 @@ from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.model.transformer import GPT, forward
 from gpt.run_dir import has_checkpoint
 from gpt.tokenizer import get_tokenizer
-from gpt.train.checkpoint import CheckpointManager
 
 __all__ = ["EvalConfig", "evaluate", "windows", "Score"]
 
@@ -220,6 +219,8 @@ def _score_stream(nll, state, windows_: Iterable[tuple[np.ndarray, int]], contex
 def _check_split(out_dir: Path, split: str, vocab_size: int) -> None:
     """ConfigError when the run's prepared `split` is not intact, or not of the shards it was trained on (a
     preparation of another corpus into its data directory since)."""
+    from gpt.train.checkpoint import CheckpointManager  # here: scoring files never loads the trainer's packages
+
     data_identity = verify_shards(out_dir / "data", vocab_size, (split,))
     checkpoints = CheckpointManager(out_dir, async_save=False)
     try:
