@@ -24,7 +24,7 @@ from typing import NoReturn
 from gpt.signals import StopSignals
 
 __all__ = ["UserError", "ConfigError", "MissingInput", "RunFailed", "cli_main", "exit_on_signals",
-           "check_fits_in_memory"]
+           "check_fits_in_memory", "host_memory_bytes"]
 
 
 class UserError(Exception):
@@ -46,14 +46,19 @@ class RunFailed(RuntimeError):
     """The run stopped on purpose (a non-finite step, a failed save): the CLIs print this line and exit 1."""
 
 
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory; None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
 def check_fits_in_memory(setting: str, nbytes: int, what: str, advice: str) -> None:
     """ConfigError naming `setting` when `nbytes` (what it asks the host to hold) is over half this machine's
     memory: an error now, where allocating it would fail (or swap) after the work began."""
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # not knowable here: nothing to check against
-        return
-    if nbytes > memory // 2:
+    memory = host_memory_bytes()
+    if memory is not None and nbytes > memory // 2:
         raise ConfigError(f"{setting} needs about {nbytes / 2**30:,.1f} GiB for {what}, over half this machine's "
                           f"{memory / 2**30:,.1f} GiB of memory: {advice}")
 

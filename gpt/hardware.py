@@ -15,7 +15,7 @@ import re
 
 import jax
 
-from gpt.errors import ConfigError
+from gpt.errors import ConfigError, host_memory_bytes
 
 __all__ = ["Chip", "CHIPS", "chip_of", "Topology", "TOPOLOGY_FAMILIES", "parse_topology", "topology_help",
            "CompileOnlyChoice", "device_memory_bytes"]
@@ -177,9 +177,6 @@ def device_memory_bytes(device) -> int | None:
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     if device.platform == "cpu":
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            return None
+        return host_memory_bytes()
     chip = chip_of(device.device_kind)
     return chip.memory_bytes if chip else None

@@ -48,7 +48,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gpt.data.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, input_format, read_sections
-from gpt.data.shards import ShardHasher, check_fields, check_meta
+from gpt.data.shards import SHARD_SUM_FIELDS, ShardHasher, check_fields, check_meta
 from gpt.errors import ConfigError, MissingInput
 from gpt.run_dir import RunLock, make_dir
 from gpt.tokenizer import get_tokenizer
@@ -262,7 +262,7 @@ def _read_progress(progress_path: Path) -> dict:
         for split in ("train", "val"):
             check_fields(record.get(split), _WRITER_FIELDS, f"progress.json's {split!r}")
             for shard in record[split]["shards"]:
-                check_fields(shard, {"tokens": int, "sha256": str}, "a shard")
+                check_fields(shard, SHARD_SUM_FIELDS, "a shard")
             if record[split]["next_section"] < 0 or record[split]["next_offset"] < 0:
                 raise ValueError("a resume point below 0")
     except ValueError:

@@ -23,7 +23,7 @@ import numpy as np
 from gpt.errors import ConfigError, MissingInput
 
 __all__ = ["ShardHasher", "read_meta", "check_meta", "check_fields", "is_json_type", "verify_shards", "shards_digest",
-           "SHARD_NAME"]
+           "SHARD_NAME", "SHARD_SUM_FIELDS"]
 
 SHARD_NAME = re.compile(r"^(train|val)_\d{5}\.bin$")
 _BLOCK_TOKENS = 1 << 23  # 16 MiB of uint16 ids a read
@@ -52,7 +52,9 @@ _META_FIELDS = {"format": int, "tokenizer": str, "vocab_size": int, "dtype": str
                 "text_field": str, "shard_tokens": int, "section_chars": int, "split_rule": str, "sources": list,
                 "shards": dict, "train_tokens": int, "val_tokens": int, "documents": int, "sections": int,
                 "replaced_invalid_utf8": int, "bad_records": dict}
-_SHARD_FIELDS = {"file": str, "tokens": int, "sha256": str}
+SHARD_SUM_FIELDS = {"tokens": int, "sha256": str}
+"""What a finished shard's record holds of it (meta.json's, and a preparation's progress.json's)."""
+_SHARD_FIELDS = {"file": str, **SHARD_SUM_FIELDS}
 _DTYPES = ("uint16", "uint32")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _LARGEST = 2**63  # no count on a disk reaches it
