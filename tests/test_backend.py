@@ -1,10 +1,14 @@
 """The CPU-or-GPU choices are one table: each place that differs by backend reads `gpt.model.backend`, so
 that the GPU's row, put in force on a CPU, changes every one of them (and the CPU's row is what runs)."""
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 
+from gpt.errors import ConfigError
 from gpt.inference import decoding, shapes
 from gpt.model import attention, backend, cpu_kernels, few_rows, loss
 from gpt.model.config import GPTConfig
@@ -78,3 +82,20 @@ def test_the_gpu_row_asks_for_cudnns_kernel_at_16_bit_and_falls_back_to_xlas(mon
     asked.clear()
     attention.fused_causal(*(jnp.ones((1, 3, 2, 4), jnp.float16),) * 3)  # refused: falls back
     assert asked == ["cudnn", "xla"]
+
+
+def test_a_process_can_change_cells_of_its_row_and_a_bad_change_is_one_line(monkeypatch):
+    # `GPT_BACKEND_CHOICES`: how bench/gpu_bench.py's variants change the row, each in its own process.
+    monkeypatch.setenv(backend.OVERRIDE_ENV, '{"head_logits": "compute", "kv_page_length": null}')
+    chosen = backend.choices()
+    assert chosen.head_logits == "compute" and chosen.kv_page_length is None
+    assert dataclasses.replace(chosen, head_logits="float32", kv_page_length=128) == backend.CHOICES["cpu"]
+    for text, says in [("{", "must be a JSON object"), ("[1]", "must be a JSON object"),
+                       ('{"fast": true}', "names 'fast', not a backend choice"),
+                       ('{"head_logits": "float16"}', "head_logits cannot be 'float16'"),
+                       ('{"params_cast_once": 1}', "params_cast_once cannot be 1"),
+                       ('{"narrow_decodes": null}', "narrow_decodes cannot be None")]:
+        monkeypatch.setenv(backend.OVERRIDE_ENV, text)
+        with pytest.raises(ConfigError, match=re.escape(says)) as error:
+            backend.choices()
+        assert "\n" not in str(error.value) and backend.OVERRIDE_ENV in str(error.value)

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig
+from gpt.model import backend
 from gpt.model.loss import _chunk_length, lm_head_cross_entropy
 
 
@@ -77,6 +78,65 @@ def test_bfloat16_inputs_give_bfloat16_gradients_close_to_float32():
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
     np.testing.assert_allclose(dx.astype(jnp.float32), ref_dx, atol=2e-2 * float(jnp.abs(ref_dx).max()))
     np.testing.assert_allclose(dtable.astype(jnp.float32), ref_dtable, atol=2e-2 * float(jnp.abs(ref_dtable).max()))
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_a_padded_head_gives_the_unpadded_loss_and_gradients(monkeypatch, smoothing):
+    # The backend's `head_rows_multiple`: the product runs over 128 rows (27 of them zeros), and the padded
+    # logits count neither in the softmax nor in the smoothed targets; the table's gradient keeps V rows.
+    x = jax.random.normal(jax.random.key(0), (B, T, D))
+    table = jax.random.normal(jax.random.key(1), (V, D))
+    targets = jax.random.randint(jax.random.key(2), (B, T), 0, V)
+
+    def loss_and_grads():
+        chunked = lambda x, table: lm_head_cross_entropy(x, table, targets, chunk_bytes=5 * B * V * 4,  # noqa: E731
+                                                         label_smoothing=smoothing)
+        return jax.jit(jax.value_and_grad(chunked, (0, 1)))(x, table), head_product_widths(chunked, x, table)
+
+    (loss, (dx, dtable)), widths = loss_and_grads()
+    monkeypatch.setenv(backend.OVERRIDE_ENV, '{"head_rows_multiple": 128}')
+    (padded_loss, (padded_dx, padded_dtable)), padded_widths = loss_and_grads()
+    assert widths == {V} and padded_widths == {128}
+    assert padded_dtable.shape == (V, D)
+    np.testing.assert_allclose(padded_loss, loss, rtol=1e-6)
+    np.testing.assert_allclose(padded_dx, dx, atol=1e-7)
+    np.testing.assert_allclose(padded_dtable, dtable, atol=1e-7)
+
+
+def head_product_widths(loss, x, table) -> set[int]:
+    """The widths of the logits [M, P] that the head's products (x [M, D] by the table [P, D]) write in the
+    program of `loss`'s gradient."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    yield from walk(inner)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, table).jaxpr
+    return {eqn.outvars[0].aval.shape[-1] for eqn in walk(jaxpr) if eqn.primitive.name == "dot_general"
+            and eqn.params["dimension_numbers"][0] == ((1,), (1,)) and eqn.outvars[0].aval.ndim == 2}
+
+
+def test_bfloat16_logits_stay_within_their_rounding_of_float32_logits(monkeypatch):
+    # The backend's `head_logits="compute"`: the product writes bfloat16 logits; each moves by at most 2^-8 of
+    # the largest, so the loss (a logsumexp minus a logit) by at most twice that.
+    x = jax.random.normal(jax.random.key(0), (B, T, D)).astype(jnp.bfloat16)
+    table = (jax.random.normal(jax.random.key(1), (V, D)) * 0.3).astype(jnp.bfloat16)
+    targets = jax.random.randint(jax.random.key(2), (B, T), 0, V)
+    chunked = lambda x, table: lm_head_cross_entropy(x, table, targets)  # noqa: E731
+    loss, (dx, dtable) = jax.jit(jax.value_and_grad(chunked, (0, 1)))(x, table)
+    monkeypatch.setenv(backend.OVERRIDE_ENV, '{"head_logits": "compute"}')
+    assert "preferred_element_type=bfloat16" in str(jax.make_jaxpr(jax.grad(chunked, (0, 1)))(x, table))
+    low_loss, (low_dx, low_dtable) = jax.jit(jax.value_and_grad(chunked, (0, 1)))(x, table)
+    largest_logit = float(jnp.abs(jnp.einsum("BTD,VD->BTV", x, table, preferred_element_type=jnp.float32)).max())
+    assert loss != low_loss  # the logits were rounded
+    assert abs(float(low_loss) - float(loss)) <= 2 * largest_logit * 2**-8
+    for low, ref in ((low_dx, dx), (low_dtable, dtable)):
+        assert low.dtype == jnp.bfloat16
+        np.testing.assert_allclose(low.astype(jnp.float32), ref.astype(jnp.float32),
+                                   atol=2e-2 * float(jnp.abs(ref.astype(jnp.float32)).max()))
 
 
 def test_chunk_length_prefers_an_exact_split():

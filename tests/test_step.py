@@ -4,14 +4,17 @@ for runs that differ only in their schedule."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
+from gpt.model import backend
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh
 from gpt.model.transformer import GPT
+from gpt.train import step as step_module
 from gpt.train.optimizer import OptimizerConfig, make_optimizer, make_schedule, muon_or_adamw
 from gpt.train.step import init_train_state, make_train_step
 
@@ -126,3 +129,47 @@ def test_runs_that_differ_in_their_schedule_share_one_compiled_step_and_each_kee
     for got, want in zip(after_second, alone):
         np.testing.assert_array_equal(got, want)
     assert any(not np.array_equal(a, b) for a, b in zip(after_first, after_second))  # the schedules differ
+
+
+def test_casting_the_blocks_weights_once_a_step_changes_no_number(monkeypatch):
+    # The backend's `params_cast_once`: the blocks' matrices cast to bfloat16 before the micro-batches' loop
+    # rather than inside it, and every parameter, moment and loss after two steps bit for bit the same.
+    mesh = make_mesh(devices=jax.devices()[:1])
+    config = GPTConfig.preset("tiny", dtype="bfloat16")
+    batches = np.random.default_rng(0).integers(0, 256, (2, 3, 2, 17), dtype=np.int32)  # [step, A, B, T + 1]
+    optimizer = OptimizerConfig(lr=1e-2, warmup_steps=1, max_steps=4)
+
+    def two_steps():
+        """Every array after two steps, and how many matrices the micro-batches' loop casts to bfloat16."""
+        step_module._train_step.cache_clear()
+        jax.clear_caches()
+        graphdef, params, opt_state, shardings = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
+        train = make_train_step(graphdef, optimizer, dropout=False, mesh=mesh, shardings=shardings)
+        with jax.set_mesh(mesh):
+            jaxpr = jax.make_jaxpr(train.jitted)(params, opt_state, batches[0], jax.random.key(0),
+                                                 train.rates(opt_state))
+        loops = [eqn.params["jaxpr"].jaxpr for eqn in walk(jaxpr.jaxpr) if eqn.primitive.name == "scan"]
+        matrices = {shape for a in params["blocks"].values() if a.ndim > 2 for shape in (a.shape, a.shape[1:])}
+        casts = sum(eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == jnp.bfloat16
+                    and eqn.invars[0].aval.shape in matrices for loop in loops for eqn in walk(loop))
+        for batch in batches:
+            params, opt_state, metrics = train(params, opt_state, batch, jax.random.key(0))
+        return [np.asarray(a) for a in jax.tree.leaves((params, opt_state, metrics["loss"]))], casts
+
+    each_micro_batch, casts_in_loop = two_steps()
+    monkeypatch.setenv(backend.OVERRIDE_ENV, '{"params_cast_once": true}')
+    once, casts_in_loop_once = two_steps()
+    assert casts_in_loop > 0 and casts_in_loop_once == 0
+    assert len(once) == len(each_micro_batch)
+    for got, want in zip(once, each_micro_batch):
+        np.testing.assert_array_equal(got, want)
+
+
+def walk(jaxpr):
+    """Every equation of `jaxpr`, and of the programs nested in it (loops, calls), depth first."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from walk(inner)

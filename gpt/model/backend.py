@@ -14,18 +14,35 @@ No TPU has run this code: its row is reasoned from the programs compiled for TPU
 | `narrow_decodes` | decodes compiled for 1, 2, 4, ... rows | for every slot | for every slot | a step over 8 rows costs about twice one over 1 on a CPU, about the same on a GPU ("Serving"); a TPU's matrix units are 128 rows wide |
 | `decode_chunk` | 1: a decode call's loop checks after every step whether to go on | 8 steps unrolled between checks | 1 | a GPU's while loop reads its condition back on the host at every iteration, and waits for it before the next; a CPU's does not, and gains from stopping at once (to be measured on a GPU: "The decode loop in chunks"); a TPU evaluates its loop's condition on the chip, as a CPU does (reasoned, not measured) |
 
+| `head_rows_multiple` | 1: the LM head's rows as they are | 1 | 1 | the loss's product over the head padded with zero rows to a multiple of this (llm.c's 50304 for 50257), their logits left out of the softmax: a matrix unit's tiles divide the padded width. Off until a GPU measures it (`bench/gpu_bench.py --variants padded_vocab`); checkpoints, export and decoding never see the padding |
+| `head_logits` | `float32` | `float32` | `float32` | the dtype the loss's product over the head writes its logits in: `compute` (bfloat16 in training) halves the bytes of the step's largest tensor, its logsumexp still accumulated in float32. Off until a GPU measures it (`--variants bf16_logits`) |
+| `params_cast_once` | off | off | off | the blocks' matrices and biases cast to the compute dtype once a step, before the micro-batches, rather than in every micro-batch's forward: the same numbers (tested bit for bit). Off until a GPU measures it (`--variants cast_once`) |
+
 `choices()` reads the platform of the active mesh's devices, so that a program compiled for a TPU topology on a
-CPU machine takes the TPU's row; with no mesh active, JAX's default backend's.
+CPU machine takes the TPU's row; with no mesh active, JAX's default backend's. A process started with
+`GPT_BACKEND_CHOICES` set to a JSON object (`{"head_logits": "compute"}`) runs with those cells of its row
+changed: how `bench/gpu_bench.py --variants` measures a row's alternatives, each in a process of its own.
+
+XLA's own GPU options are set before JAX starts, so they are a set of environment variables rather than a row's
+cell: `GPU_XLA_OPTIONS`, measured as one variant (`--variants xla_options`) and in force nowhere until it wins.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import os
+import typing
 from typing import Literal
 
 import jax
 
-__all__ = ["BackendChoices", "CHOICES", "choices"]
+from gpt.errors import ConfigError
+
+__all__ = ["BackendChoices", "CHOICES", "choices", "OVERRIDE_ENV", "GPU_XLA_OPTIONS"]
+
+OVERRIDE_ENV = "GPT_BACKEND_CHOICES"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,18 +57,21 @@ class BackendChoices:
     kv_page_length: int | None  # None: the whole cache is one page
     narrow_decodes: bool
     decode_chunk: int  # decode steps run unrolled between two checks of the decode loop's condition
+    head_rows_multiple: int  # the loss's product over the head padded to a multiple of this many rows
+    head_logits: Literal["float32", "compute"]  # the dtype of the loss's logits
+    params_cast_once: bool  # the blocks' weights cast to the compute dtype once a step, not once a micro-batch
 
 
 CHOICES = {
     "cpu": BackendChoices(attention="plain", loss_chunk_bytes=128 << 20, cpu_kernels=True,
                           few_rows_matmul=True, score_rows=128, kv_page_length=128, narrow_decodes=True,
-                          decode_chunk=1),
+                          decode_chunk=1, head_rows_multiple=1, head_logits="float32", params_cast_once=False),
     "gpu": BackendChoices(attention="dot_product", loss_chunk_bytes=1 << 30, cpu_kernels=False,
                           few_rows_matmul=False, score_rows=None, kv_page_length=None, narrow_decodes=False,
-                          decode_chunk=8),
+                          decode_chunk=8, head_rows_multiple=1, head_logits="float32", params_cast_once=False),
     "tpu": BackendChoices(attention="splash", loss_chunk_bytes=256 << 20, cpu_kernels=False,
                           few_rows_matmul=False, score_rows=None, kv_page_length=None, narrow_decodes=False,
-                          decode_chunk=1),
+                          decode_chunk=1, head_rows_multiple=1, head_logits="float32", params_cast_once=False),
 }
 
 
@@ -61,4 +81,46 @@ def choices() -> BackendChoices:
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else getattr(mesh, "abstract_device", None)
     platform = jax.default_backend() if device is None else device.platform
-    return CHOICES.get(platform, dataclasses.replace(CHOICES["gpu"], attention="plain"))
+    row = CHOICES.get(platform, dataclasses.replace(CHOICES["gpu"], attention="plain"))
+    changes = _overrides(os.environ.get(OVERRIDE_ENV, ""))
+    return dataclasses.replace(row, **changes) if changes else row
+
+
+@functools.cache
+def _overrides(text: str) -> dict:
+    """`GPT_BACKEND_CHOICES`' cells, checked against the table's fields and their types (ConfigError else)."""
+    if not text:
+        return {}
+    try:
+        changes = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{OVERRIDE_ENV} must be a JSON object, got {text!r} ({error})") from None
+    if not isinstance(changes, dict):
+        raise ConfigError(f"{OVERRIDE_ENV} must be a JSON object, got {text!r}")
+    names = [field.name for field in dataclasses.fields(BackendChoices)]
+    for name, value in changes.items():
+        if name not in names:
+            raise ConfigError(f"{OVERRIDE_ENV} names {name!r}, not a backend choice (one of {', '.join(names)})")
+        if not _allowed(name, value):
+            raise ConfigError(f"{OVERRIDE_ENV}'s {name} cannot be {value!r} (the GPU's row has "
+                              f"{getattr(CHOICES['gpu'], name)!r})")
+    return changes
+
+
+def _allowed(name: str, value) -> bool:
+    """A value of a choice's Literal, or of a type some row's cell has (so None only where a row has None)."""
+    hint = typing.get_type_hints(BackendChoices)[name]
+    if typing.get_origin(hint) is Literal:
+        return value in typing.get_args(hint)
+    return type(value) in {type(getattr(row, name)) for row in CHOICES.values()}
+
+
+# XLA's GPU options for training, as one set (set before JAX starts): cuBLAS rather than Triton for the products,
+# cuDNN's LayerNorm, O1's latency-hiding scheduler and double-buffered loops, one CUDA stream's worth of
+# connections (the order kernels were queued in), and no command buffers (a training step is a few long kernels).
+GPU_XLA_OPTIONS = {
+    "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=true "
+                 "--xla_gpu_enable_cudnn_layer_norm=true --xla_gpu_enable_command_buffer=",
+    "JAX_OPTIMIZATION_LEVEL": "O1",
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+}

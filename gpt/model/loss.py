@@ -12,6 +12,7 @@ matmuls are the same three as the plain version's; the passes over the logits be
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,15 +42,30 @@ def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax
         scale), each chunk's gradient of its logits to e5m2 before the two backward products.
     Returns:
       the float32 scalar mean loss (nats). Differentiable in x and table.
+
+    The backend table (`gpt.model.backend`) says how the head's product is shaped: its rows padded with zeros
+    to a multiple of `head_rows_multiple` (the padded logits left out of the softmax, the table's gradient
+    cut back to V rows), and its logits written in float32 or in x's dtype (`head_logits`; the reductions
+    over them run in float32 either way).
     """
     B, T, _ = x_BTD.shape
+    chosen = choices()
     if chunk_bytes is None:
-        chunk_bytes = choices().loss_chunk_bytes
+        chunk_bytes = chosen.loss_chunk_bytes
     shards = _batch_shards(B)
     longest = chunk_bytes // (B // shards * table_VD.shape[0] * 4)
+    head = _Head(chosen.head_rows_multiple, chosen.head_logits == "compute", float(label_smoothing), fp8)
     with jax.named_scope("loss"):
-        return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, longest), shards, float(label_smoothing),
-                             fp8)
+        return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, longest), shards, head)
+
+
+class _Head(NamedTuple):
+    """How the loss computes the head's product (static: each value is a program of its own)."""
+
+    rows_multiple: int  # the table padded with zero rows to a multiple of this
+    compute_logits: bool  # logits in x's dtype rather than float32
+    smoothing: float
+    fp8: bool
 
 
 def _batch_shards(B: int) -> int:
@@ -91,79 +107,93 @@ def _chunked_inputs(x_BTD, targets_BT, chunk):
     return _chunks(x_BTD, chunk), _chunks(targets_BT, chunk), _chunks(valid_BT, chunk)
 
 
-def _chunk_loss(x_MD, table_VD, targets_M, valid_M, smoothing):
-    """A chunk's summed loss, and the softmax-minus-target gradient of its logits [M, V] (float32)."""
+def _chunk_loss(x_MD, table_PD, targets_M, valid_M, V, head: _Head):
+    """A chunk's summed loss, and the softmax-minus-target gradient of its logits [M, P] (float32; zero in the
+    P - V padded columns, which the softmax leaves out)."""
+    logits_dtype = x_MD.dtype if head.compute_logits else jnp.float32
     with jax.named_scope("lm_head"):  # the scopes sort a profile's time (bench/step_profile.py)
-        logits_MV = jax.lax.dot_general(x_MD, table_VD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    top_M1 = logits_MV.max(-1, keepdims=True)
-    exp_MV = jnp.exp(logits_MV - top_M1)
-    total_M1 = exp_MV.sum(-1, keepdims=True)
-    target_logit_M = jnp.take_along_axis(logits_MV, targets_M[:, None], axis=-1)[:, 0]
+        logits_MP = jax.lax.dot_general(x_MD, table_PD, (((1,), (1,)), ((), ())), preferred_element_type=logits_dtype)
+    if head.compute_logits:  # XLA would fold the upcast into the product: the barrier keeps its output 16-bit
+        logits_MP = jax.lax.optimization_barrier(logits_MP)
+    logits_MP = logits_MP.astype(jnp.float32)  # fused into the reductions that read it
+    real_P = jnp.arange(logits_MP.shape[-1]) < V
+    if logits_MP.shape[-1] > V:
+        logits_MP = jnp.where(real_P, logits_MP, -jnp.inf)
+    top_M1 = logits_MP.max(-1, keepdims=True)
+    exp_MP = jnp.exp(logits_MP - top_M1)
+    total_M1 = exp_MP.sum(-1, keepdims=True)
+    target_logit_M = jnp.take_along_axis(logits_MP, targets_M[:, None], axis=-1)[:, 0]
     log_total_M = top_M1[:, 0] + jnp.log(total_M1[:, 0])
     loss_M = log_total_M - target_logit_M
-    is_target_MV = jnp.arange(logits_MV.shape[-1]) == targets_M[:, None]
-    dlogits_MV = exp_MV / total_M1 - is_target_MV
-    if smoothing:  # the target distribution (1 - e) one_hot + e / V: e of the mean of -log p over V
-        loss_M = (1 - smoothing) * loss_M + smoothing * (log_total_M - logits_MV.mean(-1))
-        dlogits_MV = exp_MV / total_M1 - ((1 - smoothing) * is_target_MV + smoothing / logits_MV.shape[-1])
+    is_target_MP = jnp.arange(logits_MP.shape[-1]) == targets_M[:, None]
+    dlogits_MP = exp_MP / total_M1 - is_target_MP
+    if head.smoothing:  # the target distribution (1 - e) one_hot + e / V: e of the mean of -log p over V
+        e = head.smoothing
+        mean_logit_M = jnp.where(real_P, logits_MP, 0.0).sum(-1) / V
+        loss_M = (1 - e) * loss_M + e * (log_total_M - mean_logit_M)
+        dlogits_MP = exp_MP / total_M1 - ((1 - e) * is_target_MP + jnp.where(real_P, e / V, 0.0))
     # Padding rows need no mask in the gradient: their x is zero, so they add nothing to the table's
     # gradient, and their rows of x's gradient are cut off.
-    return jnp.where(valid_M, loss_M, 0.0).sum(), dlogits_MV
+    return jnp.where(valid_M, loss_M, 0.0).sum(), dlogits_MP
 
 
-def _fp8_operands(x_BTD, table_VD, fp8):
-    """The head's forward operands: as they are, or each rounded to e4m3."""
-    if not fp8:
-        return x_BTD, table_VD
-    return quantize_dequantize(x_BTD, E4M3), quantize_dequantize(table_VD, E4M3)
+def _head_operands(x_BTD, table_VD, head: _Head):
+    """The head's forward operands: x and the table padded to P rows, as they are or each rounded to e4m3."""
+    V = table_VD.shape[0]
+    table_PD = jnp.pad(table_VD, ((0, -V % head.rows_multiple), (0, 0)))
+    if not head.fp8:
+        return x_BTD, table_PD
+    return quantize_dequantize(x_BTD, E4M3), quantize_dequantize(table_PD, E4M3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _chunked_loss(x_BTD, table_VD, targets_BT, chunk, shards, smoothing, fp8):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked_loss(x_BTD, table_VD, targets_BT, chunk, shards, head: _Head):
     B, T, _ = x_BTD.shape
-    x_BTD, table_VD = _fp8_operands(x_BTD, table_VD, fp8)
+    V = table_VD.shape[0]
+    x_BTD, table_PD = _head_operands(x_BTD, table_VD, head)
 
     def add_chunk(total, xs):
         x_MD, targets_M, valid_M = xs
-        return total + _chunk_loss(x_MD, table_VD, targets_M, valid_M, smoothing)[0], None
+        return total + _chunk_loss(x_MD, table_PD, targets_M, valid_M, V, head)[0], None
 
     xs = _chunked_inputs(x_BTD, targets_BT, chunk)
     total, _ = jax.lax.scan(add_chunk, jnp.zeros((), jnp.float32), xs)
     return total / (B * T)
 
 
-def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards, smoothing, fp8):
+def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards, head: _Head):
     B, T, D = x_BTD.shape
     V = table_VD.shape[0]
     out_dtypes = x_BTD.dtype, table_VD.dtype
-    x_BTD, table_VD = _fp8_operands(x_BTD, table_VD, fp8)
+    x_BTD, table_PD = _head_operands(x_BTD, table_VD, head)
+    P = table_PD.shape[0]
 
     def add_chunk(carry, xs):
-        total, dtable_SVD = carry
+        total, dtable_SPD = carry
         x_MD, targets_M, valid_M = xs
-        loss, dlogits_MV = _chunk_loss(x_MD, table_VD, targets_M, valid_M, smoothing)
-        dlogits_MV = dlogits_MV.astype(x_MD.dtype)
-        if fp8:
-            dlogits_MV = quantize_dequantize(dlogits_MV, E5M2)
+        loss, dlogits_MP = _chunk_loss(x_MD, table_PD, targets_M, valid_M, V, head)
+        dlogits_MP = dlogits_MP.astype(x_MD.dtype)
+        if head.fp8:
+            dlogits_MP = quantize_dequantize(dlogits_MP, E5M2)
         with jax.named_scope("backward"), jax.named_scope("lm_head"):  # the head's backward, done here
-            dx_MD = dlogits_MV @ table_VD
+            dx_MD = dlogits_MP @ table_PD
             # The table's gradient sums over the rows, which are split over `shards` devices: keep one partial
             # sum per shard through the loop and add them up once after it, rather than once per chunk.
             rows = x_MD.shape[0] // shards
-            dtable_SVD = dtable_SVD + jnp.einsum("SmV,SmD->SVD", dlogits_MV.reshape(shards, rows, V),
+            dtable_SPD = dtable_SPD + jnp.einsum("SmP,SmD->SPD", dlogits_MP.reshape(shards, rows, P),
                                                  x_MD.reshape(shards, rows, D), preferred_element_type=jnp.float32)
-        return (total + loss, constrain(dtable_SVD, ("batch", "vocab", None))), dx_MD
+        return (total + loss, constrain(dtable_SPD, ("batch", "vocab", None))), dx_MD
 
     xs = _chunked_inputs(x_BTD, targets_BT, chunk)
-    partial_SVD = constrain(jnp.zeros((shards, V, D), jnp.float32), ("batch", "vocab", None))
-    (total, dtable_SVD), dx_nMD = jax.lax.scan(add_chunk, (jnp.zeros((), jnp.float32), partial_SVD), xs)
+    partial_SPD = constrain(jnp.zeros((shards, P, D), jnp.float32), ("batch", "vocab", None))
+    (total, dtable_SPD), dx_nMD = jax.lax.scan(add_chunk, (jnp.zeros((), jnp.float32), partial_SPD), xs)
     # The gradients of the mean, ready for the backward pass to scale by its cotangent (1 for a loss).
     dx_BTD = (_unchunk(dx_nMD, B, T) / (B * T)).astype(out_dtypes[0])
-    dtable_VD = (dtable_SVD.sum(0) / (B * T)).astype(out_dtypes[1])
+    dtable_VD = (dtable_SPD.sum(0)[:V] / (B * T)).astype(out_dtypes[1])
     return total / (B * T), (dx_BTD, dtable_VD)
 
 
-def _chunked_loss_backward(chunk, shards, smoothing, fp8, residuals, cotangent):
+def _chunked_loss_backward(chunk, shards, head, residuals, cotangent):
     dx_BTD, dtable_VD = residuals
     return (cotangent * dx_BTD).astype(dx_BTD.dtype), (cotangent * dtable_VD).astype(dtable_VD.dtype), None
 

@@ -27,6 +27,7 @@ class BlockWeight:
     init: "normal" (std 0.02, or 0.02 / sqrt(2L) for a projection that writes into the residual stream:
       `residual`), "ones" or "zeros".
     bias: it exists only when `GPTConfig.bias`.
+    norm: a LayerNorm's weight, which the forward reads in float32 (every other weight in the compute dtype).
     inputs: for a matrix, how many leading axes a matmul reduces over (the rest are its outputs); 0 else.
     separate: for a matrix, leading output axes that hold separate matrices (q, k and v), which Muon
       orthogonalizes apart.
@@ -39,6 +40,7 @@ class BlockWeight:
     init: Literal["normal", "ones", "zeros"]
     hf: str
     bias: bool = False
+    norm: bool = False
     residual: bool = False
     inputs: int = 0
     separate: int = 0
@@ -50,16 +52,16 @@ class BlockWeight:
 
 
 BLOCK_WEIGHTS = (  # in the order `Blocks` makes them (the order its random init draws in)
-    BlockWeight("ln1_scale", "D", ("embed",), "ones", "h.{}.ln_1.weight"),
-    BlockWeight("ln1_bias", "D", ("embed",), "zeros", "h.{}.ln_1.bias", bias=True),
+    BlockWeight("ln1_scale", "D", ("embed",), "ones", "h.{}.ln_1.weight", norm=True),
+    BlockWeight("ln1_bias", "D", ("embed",), "zeros", "h.{}.ln_1.bias", bias=True, norm=True),
     BlockWeight("qkv_kernel", "D3NH", ("embed", None, "heads", "head_dim"), "normal", "h.{}.attn.c_attn.weight",
                 inputs=1, separate=1),
     BlockWeight("qkv_bias", "3NH", (None, "heads", "head_dim"), "zeros", "h.{}.attn.c_attn.bias", bias=True),
     BlockWeight("out_kernel", "NHD", ("heads", "head_dim", "embed"), "normal", "h.{}.attn.c_proj.weight",
                 residual=True, inputs=2),
     BlockWeight("out_bias", "D", ("embed",), "zeros", "h.{}.attn.c_proj.bias", bias=True),
-    BlockWeight("ln2_scale", "D", ("embed",), "ones", "h.{}.ln_2.weight"),
-    BlockWeight("ln2_bias", "D", ("embed",), "zeros", "h.{}.ln_2.bias", bias=True),
+    BlockWeight("ln2_scale", "D", ("embed",), "ones", "h.{}.ln_2.weight", norm=True),
+    BlockWeight("ln2_bias", "D", ("embed",), "zeros", "h.{}.ln_2.bias", bias=True, norm=True),
     BlockWeight("fc_kernel", "DF", ("embed", "mlp"), "normal", "h.{}.mlp.c_fc.weight", inputs=1),
     BlockWeight("fc_bias", "F", ("mlp",), "zeros", "h.{}.mlp.c_fc.bias", bias=True),
     BlockWeight("proj_kernel", "FD", ("mlp", "embed"), "normal", "h.{}.mlp.c_proj.weight", residual=True, inputs=1),

@@ -131,8 +131,7 @@ def block(
     attention reads that whole buffer as `mask_BTS` [B, T, S] says (`cache.mask(positions_BT)`, computed
     once per forward by the caller). Without one, attention is plainly causal over the T tokens.
     Returns the block's output [B, T, D] and the updated cache."""
-    dtype = config.compute_dtype
-    cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
+    p = in_compute_dtype(config, p)
     mlp_kernel = Fp8Kernel if config.fp8 and cache is None else lambda kernel: kernel  # the MLP's products
     attn_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
     B, T, _ = x_BTD.shape
@@ -142,21 +141,30 @@ def block(
     # by it (bench/step_profile.py).
     with jax.named_scope("layer_norm"):
         h_BTD = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"], config.layer_norm_epsilon)
-    qkv_bias = None if p["qkv_bias"] is None else cast(p["qkv_bias"]).reshape(3 * N * H)
-    qkv_BTK = _linear("qkv", h_BTD, cast(p["qkv_kernel"]), qkv_bias)
+    qkv_bias = None if p["qkv_bias"] is None else p["qkv_bias"].reshape(3 * N * H)
+    qkv_BTK = _linear("qkv", h_BTD, p["qkv_kernel"], qkv_bias)
     with jax.named_scope("attention"):
         attn_BTNH, cache = _attention(config, qkv_BTK.reshape(B, T, 3, N, H), positions_BT, cache, layer, mask_BTS)
-    out_BTD = _linear("attn_proj", attn_BTNH.reshape(B, T, N * H), cast(p["out_kernel"]), cast(p["out_bias"]))
+    out_BTD = _linear("attn_proj", attn_BTNH.reshape(B, T, N * H), p["out_kernel"], p["out_bias"])
     x_BTD = x_BTD + dropout(out_BTD, config.dropout, attn_key)
 
     with jax.named_scope("layer_norm"):
         h_BTD = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"], config.layer_norm_epsilon)
-    h_BTF = _linear("mlp_up", h_BTD, mlp_kernel(cast(p["fc_kernel"])), cast(p["fc_bias"]))
+    h_BTF = _linear("mlp_up", h_BTD, mlp_kernel(p["fc_kernel"]), p["fc_bias"])
     with jax.named_scope("activation"):
         h_BTF = constrain(ACTIVATIONS[config.activation](h_BTF), ("batch", None, "mlp"))
-    h_BTD = _linear("mlp_down", h_BTF, mlp_kernel(cast(p["proj_kernel"])), cast(p["proj_bias"]))
+    h_BTD = _linear("mlp_down", h_BTF, mlp_kernel(p["proj_kernel"]), p["proj_bias"])
     x_BTD = x_BTD + dropout(h_BTD, config.dropout, mlp_key)
     return constrain(x_BTD, ("batch", None, None)), cache
+
+
+def in_compute_dtype(config: GPTConfig, p: dict) -> dict:
+    """A block's weights (one layer's, or stacked on a layer axis) as its forward reads them: each in the compute
+    dtype but the LayerNorms' (`BlockWeight.norm`), which stay as stored; None stays None. A no-op on weights
+    already cast (the train step may cast them once for all its micro-batches: `params_cast_once`)."""
+    keep = {w.name for w in BLOCK_WEIGHTS if w.norm}
+    dtype = config.compute_dtype
+    return {name: a if a is None or name in keep else a.astype(dtype) for name, a in p.items()}
 
 
 def _linear(scope: str, x_BTD: jax.Array, kernel, bias: jax.Array | None) -> jax.Array:

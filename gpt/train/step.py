@@ -18,9 +18,10 @@ import optax
 from flax import nnx
 
 from gpt.hardware import chip_of
+from gpt.model.backend import choices
 from gpt.model.config import GPTConfig, flops_per_token
 from gpt.model.sharding import abstract, param_shardings, replicated
-from gpt.model.transformer import GPT
+from gpt.model.transformer import GPT, in_compute_dtype
 from gpt.train.optimizer import OptimizerConfig, learning_rates, make_optimizer
 
 __all__ = ["loss_fn", "init_train_state", "abstract_train_state", "make_train_step", "make_eval_step", "all_finite",
@@ -141,8 +142,10 @@ class TrainStep:
 
     def compiled_text(self, params, opt_state, batch_ABT1, key) -> str:
         """The optimized HLO of the program a call with these arguments runs (XLA's names for its ops, which
-        a profile's events carry, with the named scopes of the code each came from)."""
-        return self.lower(params, opt_state, batch_ABT1, key).compile().as_text()
+        a profile's events carry, with the named scopes of the code each came from): that of `program` when the
+        step has one (compiled for the arguments every call passes), else compiled for these."""
+        program = self.program or self.lower(params, opt_state, batch_ABT1, key).compile()
+        return program.as_text()
 
 
 @functools.lru_cache(maxsize=16)
@@ -161,14 +164,15 @@ def _train_step(graphdef, optimizer_without_schedule, dropout, mesh, sharding_le
 
     def step(params, opt_state, batch_ABT1, key, rates):
         optimizer, _ = make_optimizer(optimizer_without_schedule, rates)
+        forward_params = _as_forward_reads(graphdef, params)
 
         def micro(grad_sum, xs):
             batch, micro_key = xs
             loss_and_grad = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch,
                                                                  micro_key if dropout else None, label_smoothing))
-            loss, grads = loss_and_grad(params)
-            with jax.named_scope("accumulate"):
-                return jax.tree.map(jnp.add, grad_sum, grads), loss
+            loss, grads = loss_and_grad(forward_params)
+            with jax.named_scope("accumulate"):  # a gradient of a cast weight is in its compute dtype: summed in
+                return jax.tree.map(lambda total, g: total + g.astype(total.dtype), grad_sum, grads), loss  # float32
 
         accum = batch_ABT1.shape[0]
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -182,6 +186,16 @@ def _train_step(graphdef, optimizer_without_schedule, dropout, mesh, sharding_le
                                    "finite": all_finite(loss, grad_norm, params)}
 
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, replicated(mesh)))
+
+
+def _as_forward_reads(graphdef, params: dict) -> dict:
+    """`params`, with the blocks' weights already in the compute dtype where the backend casts them once a step
+    (`params_cast_once`) rather than in each micro-batch's forward. The gradients are the same numbers: a
+    cast's gradient is the cotangent cast back, which the accumulation does."""
+    if not choices().params_cast_once:
+        return params
+    config = nnx.merge(graphdef, params).config
+    return {**params, "blocks": in_compute_dtype(config, params["blocks"])}
 
 
 @functools.lru_cache(maxsize=16)
