@@ -2,12 +2,14 @@
 # One lent-GPU session's checks and benchmarks, in three device calls (see bench/RESULTS.md, "Training on a GPU").
 #
 #   bash bench/gpu_wheels.sh    # here, first: the wheels of the packages the GPU machine lacks, into .whl/
-#   bash bench/gpu.sh all       # there (carry .whl): tests, sample, serve and check, in one ~10-minute call
+#   bash bench/gpu_peers.sh     # here, for `train`: llm.c's source and cuDNN's frontend headers, into .peers/
+#   bash bench/gpu.sh all       # there (carry .whl, and .peers for train): tests, sample, serve and check, in one ~10-minute call
 #   bash bench/gpu.sh check     # bench/gpu_check.py: cuDNN attention vs the plain path, bf16 vs f32, GPU vs CPU
-#   bash bench/gpu.sh train     # bench/gpu_bench.py: GPT-2 124M training in bfloat16 and FP8 (unrolled, no
-#                               # remat), llm.c (LLMC=path to a train_gpt2cu built with USE_CUDNN=1, carried
-#                               # or built in the same call) and torch.compile beside it, each step profiled
-#                               # (bench/step_profile.py's tables after it); a call of its own (~6 minutes)
+#   bash bench/gpu.sh train     # bench/gpu_bench.py: GPT-2 124M training (unrolled, no remat), its baseline
+#                               # and each variant (gpu_bench's LEVERS, alone and together, FP8), llm.c with
+#                               # cuDNN (built here from a carried .peers: bench/gpu_peers.sh; or LLMC=path to a
+#                               # train_gpt2cu) and torch.compile beside them, the baseline and `all` profiled
+#                               # (bench/step_profile.py's tables after it); a call of its own (~9 minutes)
 #   bash bench/gpu.sh tests     # the engine, generate, model and server tests on the GPU
 #   bash bench/gpu.sh sample    # sample_bench in bfloat16, batch 1 / 8 / 64, torch on CUDA beside it
 #   bash bench/gpu.sh decode    # the same with gpt-fast's recipe beside it too (a static cache under
@@ -27,6 +29,8 @@
 # at its budget leaves what it printed so far in $OUT/<job>.log. Logs go to $OUT. For a short lease, the
 # training job takes gpu_bench's flags and a budget from the environment, e.g. the memory knobs:
 #   TRAIN_ARGS="--scan_layers False True --remat False True --steps 3" TRAIN_BUDGET=220 bash bench/gpu.sh train
+# On a CPU, the train job's whole path at tiny shapes (no GPU, no nvcc; LLMC a stand-in):
+#   TRAIN_ARGS="--smoke --variants baseline all --profile_variants baseline --no-torch" bash bench/gpu.sh train
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -46,6 +50,27 @@ STDLIB_FILES='import pathlib, sysconfig
 root = pathlib.Path(sysconfig.get_paths()["stdlib"])
 print("\n".join(str(p) for p in sorted(root.rglob("*.py")) if not {"site-packages", "dist-packages"} & set(p.parts)))'
 
+# Our baseline and each lever (the likeliest first: the loss's logits are the step's largest tensor), then all of
+# them together and FP8; llm.c right after the baseline, torch last: a budget cut loses the least known first.
+TRAIN_DEFAULT="--scan_layers False --remat False --steps 3 --variants baseline bf16_logits padded_vocab all \
+  xla_options cast_once fp8 --profile_variants baseline all"
+
+build_llmc() {  # llm.c's train_gpt2cu with cuDNN attention, from the carried source (its log in $OUT)
+  echo "== building llm.c ($(tr '\n' ' ' <.peers/VERSIONS 2>/dev/null))"
+  local include=$PWD/.peers/cudnn-frontend/include cudnn
+  # cuDNN's headers and library from the pip package JAX and torch load it from, where it is not the system's
+  # (which has no unversioned libcudnn.so for `-lcudnn`: one is linked in a folder of its own)
+  cudnn=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])" 2>/dev/null) || cudnn=
+  if [ -n "$cudnn" ] && compgen -G "$cudnn/lib/libcudnn.so.*" >/dev/null; then
+    mkdir -p /tmp/llmc-lib && ln -sf "$(ls "$cudnn"/lib/libcudnn.so.* | head -1)" /tmp/llmc-lib/libcudnn.so
+    export LIBRARY_PATH=/tmp/llmc-lib:$cudnn/lib:${LIBRARY_PATH:-} LD_LIBRARY_PATH=$cudnn/lib:${LD_LIBRARY_PATH:-}
+    include="$include -I$cudnn/include"
+  fi
+  timeout 150 make -C .peers/llm.c -j 16 train_gpt2cu USE_CUDNN=1 CUDNN_FRONTEND_PATH="$include" \
+    >"$OUT/llmc_build.log" 2>&1 \
+    || { echo "llm.c did not build (tail of $OUT/llmc_build.log):"; tail -20 "$OUT/llmc_build.log"; return 1; }
+}
+
 jobs=("$@")
 # The check last: its float32 compiles are the slowest part, and a cut-off check loses only its own tail.
 [ "${jobs[*]}" = all ] && jobs=(tests sample serve check)
@@ -54,9 +79,9 @@ for job in "${jobs[@]}"; do
   echo "== $job ($(date -u +%H:%M:%S))"
   case $job in
     check) timeout 110 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
-    train) { timeout "${TRAIN_BUDGET:-450}" python3 bench/gpu_bench.py --json "$OUT/train.json" \
-               --profile_dir "$OUT/profile" ${LLMC:+--llmc "$LLMC"} \
-               ${TRAIN_ARGS:---scan_layers False --remat False --fp8 False True}; code=$?
+    train) { [ -z "${LLMC:-}" ] && [ -d .peers/llm.c ] && build_llmc && LLMC=$PWD/.peers/llm.c/train_gpt2cu
+             timeout "${TRAIN_BUDGET:-380}" python3 bench/gpu_bench.py --json "$OUT/train.json" \
+               --profile_dir "$OUT/profile" ${LLMC:+--llmc "$LLMC"} ${TRAIN_ARGS:-$TRAIN_DEFAULT}; code=$?
              for trace in "$OUT"/profile/*/; do echo "== profile $trace"; python3 bench/step_profile.py "$trace"; done
              (exit $code); } 2>&1 | tee "$OUT/train.log" ;;
     tests) timeout 170 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/test_model.py tests/test_engine.py \

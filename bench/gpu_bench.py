@@ -2,7 +2,8 @@
 
     python bench/gpu_bench.py                 # GPT-2 124M, bfloat16 compute / float32 params, block 1024,
                                               # ~0.5M tokens a step; scan_layers x remat; the torch peer
-    python bench/gpu_bench.py --llmc llm.c/train_gpt2cu --fp8 False True   # llm.c (cuDNN) beside, and FP8
+    python bench/gpu_bench.py --llmc llm.c/train_gpt2cu --variants baseline fp8   # llm.c (cuDNN) beside, and FP8
+    python bench/gpu_bench.py --variants baseline padded_vocab bf16_logits all  # each lever, then them together
     python bench/gpu_bench.py --presets gpt2 gpt2-medium
     python bench/gpu_bench.py --smoke         # the same code at tiny shapes on a CPU (the test suite runs it)
 
@@ -13,6 +14,10 @@ cross-entropy, backward, accumulation, clipping, AdamW) dispatched back to back 
 the peers are llm.c's `train_gpt2cu` built with cuDNN (`bench/llmc_peer.py`: the reference pretraining
 codebase, given by `--llmc PATH`) and nanoGPT's recipe in PyTorch: transformers' GPT2LMHeadModel with SDPA
 (flash) attention, bfloat16 autocast, fused AdamW and `torch.compile`, on the same token batches.
+
+A variant is a set of levers (`LEVERS`, joined by "+"; `all` is every lever but FP8, whose numbers differ), each a
+cell of the backend table's row (`gpt.model.backend`, changed through `GPT_BACKEND_CHOICES`), a field of the
+model's config, or XLA's options, which are set before JAX starts: so every variant runs in a process of its own.
 
 Reported: tokens/s (best of `--rounds` rounds of `--steps` optimizer steps), MFU = tokens/s x
 flops_per_token / peak, with flops_per_token = 6 x matmul parameters + 12 x layers x width x block (the
@@ -50,8 +55,8 @@ class Bench:
     """Micro-batch sizes to try, largest first; the first that fits is used."""
     scan_layers: tuple[bool, ...] = (False, True)
     remat: tuple[bool, ...] = (False, True)
-    fp8: tuple[bool, ...] = (False,)
-    """`GPTConfig.fp8`: the MLP's and the LM head's products in FP8."""
+    variants: tuple[str, ...] = ("baseline",)
+    """Each a lever of `LEVERS`, several joined by "+", `all`, or `baseline` (the table's row as it is)."""
     steps: int = 5
     """Timed optimizer steps per round."""
     rounds: int = 1
@@ -65,6 +70,8 @@ class Bench:
     """Also trace `profile_steps` steps of each of our configurations with JAX's profiler, into a folder of
     this one per configuration (`bench/step_profile.py FOLDER` makes the table)."""
     profile_steps: int = 3
+    profile_variants: tuple[str, ...] | None = None
+    """The variants traced under `profile_dir` (None: every one)."""
     timeout_s: float = 600
     """Per worker process."""
 
@@ -87,7 +94,7 @@ class Job:
     accumulation: int
     scan_layers: bool = False
     remat: bool = False
-    fp8: bool = False
+    variant: str = "baseline"
     steps: int = 4
     rounds: int = 2
     torch_compile: bool = True
@@ -97,11 +104,63 @@ class Job:
     profile_steps: int = 3
 
 
+@dataclasses.dataclass(frozen=True)
+class Lever:
+    """One change to the training step, which a variant turns on."""
+
+    choices: dict = dataclasses.field(default_factory=dict)  # cells of the backend table's row
+    config: dict = dataclasses.field(default_factory=dict)  # fields of the model's config
+    env: dict = dataclasses.field(default_factory=dict)  # environment variables, read as JAX starts
+
+
+def levers() -> dict[str, Lever]:
+    from gpt.model.backend import GPU_XLA_OPTIONS
+
+    return {
+        "padded_vocab": Lever(choices={"head_rows_multiple": 128}),  # the head's 50257 rows as 50304
+        "bf16_logits": Lever(choices={"head_logits": "compute"}),
+        "cast_once": Lever(choices={"params_cast_once": True}),
+        "xla_options": Lever(env=GPU_XLA_OPTIONS),
+        "fp8": Lever(config={"fp8": True}),
+    }
+
+
+def variant_levers(variant: str) -> list[Lever]:
+    """The levers a variant's name turns on ("baseline": none); ValueError naming an unknown one."""
+    known = levers()
+    if variant == "baseline":
+        return []
+    names = [name for part in variant.split("+") for name in ([n for n in known if n != "fp8"] if part == "all"
+                                                                else [part])]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"unknown lever {unknown[0]!r} in variant {variant!r}; levers: {', '.join(known)}, all")
+    return [known[name] for name in dict.fromkeys(names)]
+
+
+def variant_env(variant: str) -> dict[str, str]:
+    """The environment a variant's worker starts with: its levers' variables (XLA_FLAGS appended to the
+    caller's) and the backend choices they change, as `GPT_BACKEND_CHOICES`."""
+    from gpt.model.backend import OVERRIDE_ENV
+
+    env, choices = {}, {}
+    for lever in variant_levers(variant):
+        choices.update(lever.choices)
+        for name, value in lever.env.items():
+            env[name] = f"{os.environ.get(name, '')} {value}".strip() if name == "XLA_FLAGS" else value
+    return {**env, OVERRIDE_ENV: json.dumps(choices)} if choices else env
+
+
+def variant_config(variant: str) -> dict:
+    """The model config's fields that a variant's levers change."""
+    return {name: value for lever in variant_levers(variant) for name, value in lever.config.items()}
+
+
 def model_config(preset: str, block_size: int, **runtime):
     from gpt.model.config import GPTConfig
 
-    if preset == "smoke":
-        return GPTConfig.preset("small", n_layer=2, n_head=2, n_embd=64, block_size=block_size, vocab_size=512,
+    if preset == "smoke":  # a vocabulary that is no multiple of 128, as GPT-2's is not
+        return GPTConfig.preset("small", n_layer=2, n_head=2, n_embd=64, block_size=block_size, vocab_size=500,
                                 **runtime)
     return GPTConfig.preset(preset, block_size=max(block_size, 1024), **runtime)
 
@@ -142,7 +201,7 @@ def jax_worker(job: Job) -> dict:
 
     dtype = "float32" if job.preset == "smoke" else "bfloat16"
     config = model_config(job.preset, job.block_size, dtype=dtype, param_dtype="float32",
-                          scan_layers=job.scan_layers, remat=job.remat, fp8=job.fp8)
+                          scan_layers=job.scan_layers, remat=job.remat, **variant_config(job.variant))
     optimizer = OptimizerConfig(max_steps=10_000)
     mesh = make_mesh(devices=jax.devices()[:1])
     graphdef, params, opt_state, shardings = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
@@ -150,6 +209,9 @@ def jax_worker(job: Job) -> dict:
     batches = [jax.device_put(b) for b in token_batches(job)]
     state = {"params": params, "opt_state": opt_state}
     key = jax.random.key(0)
+    start = time.perf_counter()  # compiled once, as the trainer does: the profile reads the program's text
+    train_step = train_step.with_program(train_step.lower(params, opt_state, batches[0], key).compile())
+    compile_s = time.perf_counter() - start
 
     def step(i: int):
         state["params"], state["opt_state"], metrics = train_step(state["params"], state["opt_state"],
@@ -157,11 +219,23 @@ def jax_worker(job: Job) -> dict:
         return lambda: float(metrics["loss"])
 
     result = timed(step, job)
+    result["first_step_s"] += compile_s
     stats = jax.devices()[0].memory_stats() or {}
     if job.profile_dir:
         trace_steps(job, config, train_step, state, batches, key, step)
     return {**result, "peak_bytes": stats.get("peak_bytes_in_use"), "device": jax.devices()[0].device_kind,
-            "dtype": config.dtype}
+            "dtype": config.dtype, "ran_with": ran_with(config)}
+
+
+def ran_with(config) -> dict:
+    """What the worker's step was built with, of what the levers change: the backend table's row, the model's
+    FP8 and the XLA options it started with."""
+    import jax
+
+    from gpt.model.backend import choices
+
+    return {**dataclasses.asdict(choices()), "fp8": config.fp8, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "optimization_level": str(jax.config.jax_optimization_level)}
 
 
 def trace_steps(job: Job, config, train_step, state: dict, batches, key, step) -> None:
@@ -171,7 +245,7 @@ def trace_steps(job: Job, config, train_step, state: dict, batches, key, step) -
     from gpt.train.checkpoint import config_to_json
     from gpt.train.profile import StepTrace
 
-    name = f"{job.preset}-scan{int(job.scan_layers)}-remat{int(job.remat)}" + ("-fp8" if job.fp8 else "")
+    name = f"{job.preset}-scan{int(job.scan_layers)}-remat{int(job.remat)}-{job.variant}"
     trace = StepTrace(Path(job.profile_dir) / name)
     jax.block_until_ready(state)
     trace.start()
@@ -256,7 +330,8 @@ def worker(job: Job) -> int:
 def run_job(job: Job, timeout_s: float) -> dict | None:
     """The worker's result row, None when the micro-batch does not fit; raises on any other failure."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".92")}
+           "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".92"),
+           **variant_env(job.variant)}
     command = [sys.executable, __file__, "--worker", json.dumps(dataclasses.asdict(job))]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode == OOM_EXIT:
@@ -293,7 +368,7 @@ IMPL_NAMES = {"jax": "gpt (jax)", "llmc": "llm.c (cuDNN)"}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| impl | preset | scan_layers | remat | fp8 | micro-batch x accum | tokens/s | MFU | vs llm.c | "
+    lines = ["| impl | preset | scan_layers | remat | variant | micro-batch x accum | tokens/s | MFU | vs llm.c | "
              "vs torch | first step (s) | peak memory (GiB) |", "| --- " * 12 + "|"]
     peers = {impl: {row["preset"]: row["tokens_per_s"] for row in rows if row["impl"] == impl}
              for impl in ("llmc", "torch")}
@@ -303,49 +378,65 @@ def table(rows: list[dict]) -> str:
         ratios = [f"{row['tokens_per_s'] / peers[peer][row['preset']]:.2f}x" if row["preset"] in peers[peer] else "-"
                   for peer in ("llmc", "torch")]
         memory = f"{row['peak_bytes'] / 2**30:.1f}" if row["peak_bytes"] else "-"
-        knobs = (row["scan_layers"], row["remat"], row["fp8"]) if row["impl"] == "jax" else ("-", "-", "-")
+        knobs = (row["scan_layers"], row["remat"], row["variant"]) if row["impl"] == "jax" else ("-", "-", "-")
         lines.append(f"| {impl} | {row['preset']} | {' | '.join(map(str, knobs))} | {row['micro_batch']} x "
                      f"{row['accumulation']} | {row['tokens_per_s']:,.0f} | {mfu} | {' | '.join(ratios)} | "
                      f"{row['first_step_s']:.1f} | {memory} |")
     return "\n".join(lines)
 
 
-def peer_rows(bench: Bench, preset: str, micro_batch: int) -> list[dict]:
-    """The peers (llm.c where given, then torch) at `micro_batch` (halved until it fits), a row each that ran."""
-    rows = []
+def peer_rows(bench: Bench, preset: str, micro_batch: int, impl: str) -> list[dict]:
+    """The peer `impl` (llm.c where given, torch where asked for) at `micro_batch` (halved until it fits): its row,
+    if it ran."""
+    if (impl == "llmc" and not bench.llmc) or (impl == "torch" and not bench.torch):
+        return []
+    print(f"{impl} {preset}", flush=True)
     sizes = tuple(mb for mb in bench.micro_batches if mb <= micro_batch)
-    for impl in ("llmc", "torch"):
-        if (impl == "llmc" and not bench.llmc) or (impl == "torch" and not bench.torch):
-            continue
-        print(f"{impl} {preset}", flush=True)
+    try:
         row = largest_that_fits(dataclasses.replace(bench, micro_batches=sizes), lambda mb, acc: Job(
             impl, preset, bench.block_size, mb, acc, steps=bench.steps, rounds=bench.rounds,
             torch_compile=bench.torch_compile, llmc=bench.llmc, timeout_s=bench.timeout_s))
-        if row is not None:
-            rows.append(add_rates(row))
-            print("  " + table(rows[-1:]).splitlines()[-1], flush=True)
-    return rows
+    except (RuntimeError, subprocess.TimeoutExpired) as error:  # a peer's failure costs its row, not ours
+        print(f"  {impl} failed: {str(error)[-2000:]}", flush=True)
+        return []
+    if row is None:
+        return []
+    print("  " + table([add_rates(row)]).splitlines()[-1], flush=True)
+    return [add_rates(row)]
 
 
 def main(bench: Bench) -> list[dict]:
     bench = bench.shapes()
+    try:
+        for variant in bench.variants:
+            variant_levers(variant)  # an unknown lever: refused before any worker starts
+    except ValueError as error:
+        sys.exit(f"gpu_bench: {error}")
     rows = []
+
+    def save() -> None:
+        if bench.json:
+            Path(bench.json).write_text(json.dumps(rows, indent=1))
+
     for preset in bench.presets:
-        peers_done = False
-        for scan_layers, remat, fp8 in itertools.product(bench.scan_layers, bench.remat, bench.fp8):
-            print(f"jax {preset} scan_layers={scan_layers} remat={remat} fp8={fp8}", flush=True)
+        first = None
+        for scan_layers, remat, variant in itertools.product(bench.scan_layers, bench.remat, bench.variants):
+            print(f"jax {preset} scan_layers={scan_layers} remat={remat} variant={variant}", flush=True)
             row = largest_that_fits(bench, lambda mb, acc: Job(
-                "jax", preset, bench.block_size, mb, acc, scan_layers, remat, fp8, bench.steps, bench.rounds,
-                profile_dir=bench.profile_dir, profile_steps=bench.profile_steps))
+                "jax", preset, bench.block_size, mb, acc, scan_layers, remat, variant, bench.steps, bench.rounds,
+                profile_dir=bench.profile_dir if variant in (bench.profile_variants or (variant,)) else None,
+                profile_steps=bench.profile_steps))
             if row is None:
                 continue
             rows.append(add_rates(row))
             print("  " + table(rows[-1:]).splitlines()[-1], flush=True)  # kept if a later job is cut off
-            if not peers_done:  # right after our first row: a budget cut never leaves the table without them
-                rows += peer_rows(bench, preset, row["micro_batch"])
-                peers_done = True
-            if bench.json:
-                Path(bench.json).write_text(json.dumps(rows, indent=1))
+            if first is None:  # llm.c, the figure to beat, right after our first row: a budget cut never loses it
+                first = row
+                rows += peer_rows(bench, preset, row["micro_batch"], "llmc")
+            save()
+        if first is not None:  # torch last: ours has been ahead of it since the first measurement
+            rows += peer_rows(bench, preset, first["micro_batch"], "torch")
+            save()
     device = rows[0]["device"] if rows else "?"
     print(f"\n# {device}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; ~{bench.tokens_per_step:,} tokens "
           f"a step, block {bench.block_size}; best of {bench.rounds} rounds of {bench.steps} steps (llm.c: the "

@@ -28,10 +28,10 @@ def test_gpu_bench_smoke_measures_every_configuration_and_the_torch_peer(tmp_pat
         assert row["micro_batch"] * row["accumulation"] * row["block_size"] == 4 * 2 * 64
         assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0
         assert row["first_step_s"] > 0
-    assert "| gpt (jax) | smoke | True | True | False | 4 x 2 |" in done.stdout  # scan_layers, remat, fp8
+    assert "| gpt (jax) | smoke | True | True | baseline | 4 x 2 |" in done.stdout  # scan_layers, remat, variant
     # Each of our configurations traced, and its trace sorted by bench/step_profile.py.
     assert sorted(path.name for path in profiles.iterdir()) == [
-        "smoke-scan0-remat0", "smoke-scan0-remat1", "smoke-scan1-remat0", "smoke-scan1-remat1"]
+        f"smoke-scan{scan}-remat{remat}-baseline" for scan in (0, 1) for remat in (0, 1)]
     for path in profiles.iterdir():
         table = subprocess.run([sys.executable, str(ROOT / "bench" / "step_profile.py"), str(path)], env=ENV,
                                capture_output=True, text=True, timeout=120)
@@ -66,23 +66,41 @@ for step in range(steps):
 
 
 @pytest.mark.slow
-def test_gpu_bench_runs_llmc_on_the_same_shapes_and_fp8_beside_it(tmp_path):
+def test_gpu_bench_runs_llmc_on_the_same_shapes_and_each_variant_with_its_levers(tmp_path):
     fake = tmp_path / "train_gpt2cu"
     fake.write_text(FAKE_LLMC.format(python=sys.executable, bench=str(ROOT / "bench")))
     fake.chmod(0o755)
     rows_path = tmp_path / "rows.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--smoke", "--json", str(rows_path),
-                           "--scan_layers", "False", "--remat", "False", "--fp8", "False", "True", "--no-torch",
-                           "--llmc", str(fake)], env=ENV, capture_output=True, text=True, timeout=600)
+                           "--scan_layers", "False", "--remat", "False", "--variants", "baseline", "all",
+                           "fp8+padded_vocab", "--no-torch", "--llmc", str(fake)], env=ENV, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(rows_path.read_text())
-    assert [(row["impl"], row["fp8"]) for row in rows] == [("jax", False), ("llmc", False), ("jax", True)]
+    assert [(row["impl"], row["variant"]) for row in rows] == [
+        ("jax", "baseline"), ("llmc", "baseline"), ("jax", "all"), ("jax", "fp8+padded_vocab")]
+    # Each worker's step was built with its variant's levers, and only those.
+    baseline, every, fp8_padded = (row["ran_with"] for row in rows if row["impl"] == "jax")
+    levers = {"head_rows_multiple": 128, "head_logits": "compute", "params_cast_once": True}
+    assert {name: baseline[name] for name in levers} == {"head_rows_multiple": 1, "head_logits": "float32",
+                                                          "params_cast_once": False}
+    assert {name: every[name] for name in levers} == levers and not every["fp8"]
+    assert "--xla_gpu_enable_triton_gemm=false" in every["xla_flags"] and every["optimization_level"] == "O1"
+    assert "triton" not in baseline["xla_flags"] and baseline["optimization_level"] != "O1"
+    assert fp8_padded["fp8"] and fp8_padded["head_rows_multiple"] == 128 and fp8_padded["head_logits"] == "float32"
     llmc = rows[1]
     # The smoke's one round of two steps, after llm.c's two warm-up steps (1000 and 900 ms): 800 and 700 ms.
     assert llmc["step_s"] == pytest.approx(0.75) and llmc["first_step_s"] == pytest.approx(1.0)
     assert llmc["device"] == "FakeGPU 80GB" and llmc["micro_batch"] * llmc["accumulation"] == 8
     assert all(math.isfinite(row["tokens_per_s"]) for row in rows)
     assert "| llm.c (cuDNN) | smoke |" in done.stdout and "| 1.00x | - |" in done.stdout
+
+
+def test_gpu_bench_refuses_an_unknown_lever_before_any_worker_starts():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--smoke", "--variants",
+                           "baseline", "all+fast_mode"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1].startswith("gpu_bench: unknown lever 'fast_mode' in variant")
 
 
 @pytest.mark.slow
@@ -103,3 +121,44 @@ def test_the_compiled_static_cache_peer_decodes_the_eager_peers_greedy_tokens(tm
     compiled = bench_torch(str(tmp_path), prompts, 12, 1, "float32", compiled=True)
     assert compiled[2] == eager[2] and len(compiled[2][0]) == 12
     assert compiled[1] > 0 and math.isfinite(compiled[1])
+
+
+# Stands in for `make` on a machine without nvcc: it checks that llm.c is built with cuDNN's attention from the
+# carried headers, and puts the llm.c stand-in where the build would.
+FAKE_MAKE = """#!/usr/bin/env bash
+set -eu
+[ "$1" = -C ] && folder=$2 || exit 2
+[[ " $* " == *" train_gpt2cu "* && " $* " == *" USE_CUDNN=1 "* ]] || exit 2
+[[ " $* " == *" CUDNN_FRONTEND_PATH=$PWD/.peers/cudnn-frontend/include"* ]] || exit 3
+cp {fake_llmc} "$folder/train_gpt2cu"
+"""
+
+
+@pytest.mark.slow
+def test_the_train_call_builds_llmc_from_the_carried_source_and_profiles_the_chosen_variants(tmp_path):
+    # `bash bench/gpu.sh train` as a lent GPU runs it, at tiny shapes on this CPU: llm.c built from .peers,
+    # the variants measured beside it, the traces' tables printed.
+    work, tools = tmp_path / "work", tmp_path / "bin"
+    for folder in (work / ".peers" / "llm.c", work / ".peers" / "cudnn-frontend" / "include", tools):
+        folder.mkdir(parents=True)
+    for name in ("bench", "gpt"):
+        (work / name).symlink_to(ROOT / name)
+    fake_llmc = tmp_path / "train_gpt2cu"
+    fake_llmc.write_text(FAKE_LLMC.format(python=sys.executable, bench=str(ROOT / "bench")))
+    fake_llmc.chmod(0o755)
+    (tools / "make").write_text(FAKE_MAKE.format(fake_llmc=fake_llmc))
+    (tools / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # this environment's Python
+    for tool in ("make", "python3"):
+        (tools / tool).chmod(0o755)
+    out = tmp_path / "out"
+    env = {**ENV, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "OUT": str(out),
+           "TRAIN_ARGS": "--smoke --scan_layers False --remat False --variants baseline all --profile_variants baseline "
+                         "--no-torch"}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "train"], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((out / "train.json").read_text())
+    assert [(row["impl"], row["variant"]) for row in rows] == [("jax", "baseline"), ("llmc", "baseline"),
+                                                               ("jax", "all")]
+    assert [path.name for path in (out / "profile").iterdir()] == ["smoke-scan0-remat0-baseline"]
+    assert "| lm_head bwd |" in done.stdout and "| llm.c (cuDNN) | smoke |" in done.stdout
