@@ -3,6 +3,7 @@
 
     python bench/decode_profile.py --dtype bfloat16 --batch 1     # GPT-2 124M's shape, random weights
     python bench/decode_profile.py --smoke                        # tiny shapes on any device (the suite)
+    python bench/decode_profile.py --variant all+chunk16          # with sample_bench's decode levers
 
 The engine (what `generate`, `sample.py` and `serve.py` run) decodes `batch` prompts of `prompt_tokens`
 for `new_tokens` tokens, once untimed (every program compiled and run) and once traced; the trace
@@ -14,6 +15,7 @@ decode loop's condition read back, and the launches between calls.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +50,9 @@ class Args:
     new_tokens: int = 128
     steps_per_call: int = 1
     """Decode steps a device call (serve.py's default is 1; generate runs all in one call)."""
+    variant: str = "baseline"
+    """sample_bench's decode levers (`decode_levers()`) to run with: this process starts again with them, as
+    XLA reads its flags when it starts."""
 
 
 def decode_program_text(engine: Engine, num_steps: int) -> str:
@@ -58,7 +63,19 @@ def decode_program_text(engine: Engine, num_steps: int) -> str:
                                               np.bool_(False), max_steps=device.max_steps).compile().as_text()
 
 
+def with_variant(args: Args) -> None:
+    """Start this process again with `args.variant`'s levers, unless it runs with them already."""
+    from sample_bench import decode_levers
+
+    levers = decode_levers()
+    levers.check([args.variant])
+    if args.variant != "baseline" and os.environ.get("DECODE_PROFILE_VARIANT") != args.variant:
+        env = {**os.environ, **levers.env(args.variant), "DECODE_PROFILE_VARIANT": args.variant}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main(args: Args) -> str:
+    with_variant(args)
     if args.smoke:
         args = dataclasses.replace(args, preset="tiny", prompt_tokens=8, new_tokens=6)
     config = GPTConfig.preset(args.preset, dtype=args.dtype)

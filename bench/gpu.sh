@@ -12,9 +12,11 @@
 #                               # (bench/step_profile.py's tables after it); a call of its own (~9 minutes)
 #   bash bench/gpu.sh tests     # the engine, generate, model and server tests on the GPU
 #   bash bench/gpu.sh sample    # sample_bench in bfloat16, batch 1 / 8 / 64, torch on CUDA beside it
-#   bash bench/gpu.sh decode    # the same with gpt-fast's recipe beside it too (a static cache under
-#                               # torch.compile(mode="reduce-overhead")), then a decode step's profile
-#                               # (bench/decode_profile.py): its compiles make it a call of its own
+#   bash bench/gpu.sh decode    # the same with each decode variant (sample_bench's decode_levers: chunks of
+#                               # 16 and 32 steps, command buffers, O1, together) and MBU, gpt-fast's recipe
+#                               # beside it too (a static cache under torch.compile(mode="reduce-overhead")),
+#                               # then the best variant's decode step profiled (bench/decode_profile.py): a call
+#                               # of its own (~9 minutes)
 #   bash bench/gpu.sh serve     # serve_bench's load in bfloat16, transformers' continuous batching beside it
 #   bash bench/gpu.sh spec      # speculative decoding in bfloat16 on GPT-2 124M's shapes: generate with each
 #                               # draft at K = 4 and 8, then a server's calls with K fixed and chosen
@@ -31,6 +33,7 @@
 #   TRAIN_ARGS="--scan_layers False True --remat False True --steps 3" TRAIN_BUDGET=220 bash bench/gpu.sh train
 # On a CPU, the train job's whole path at tiny shapes (no GPU, no nvcc; LLMC a stand-in):
 #   TRAIN_ARGS="--smoke --variants baseline all --profile_variants baseline --no-torch" bash bench/gpu.sh train
+#   DECODE_ARGS="--smoke --batches 1 --skip-torch --variants baseline chunk1" PROFILE_ARGS=--smoke bash bench/gpu.sh decode
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -54,6 +57,13 @@ print("\n".join(str(p) for p in sorted(root.rglob("*.py")) if not {"site-package
 # them together and FP8; llm.c right after the baseline, torch last: a budget cut loses the least known first.
 TRAIN_DEFAULT="--scan_layers False --remat False --steps 3 --variants baseline bf16_logits padded_vocab all \
   xla_options cast_once fp8 --profile_variants baseline all"
+
+DECODE_DEFAULT="--dtype bfloat16 --batches 1 8 64 --torch-compile --variants baseline chunk16 chunk32 command_buffers \
+  o1 all+chunk16"
+# The variant of sample_bench's fastest row of ours at batch 1 (its last line: the rows in JSON).
+BEST_VARIANT='import json, sys
+rows = [r for r in json.loads(sys.stdin.read()) if r["batch"] == 1 and r["ran_with"]]
+print(max(rows, key=lambda r: r["tokens_per_s"])["ran_with"]["variant"])'
 
 build_llmc() {  # llm.c's train_gpt2cu with cuDNN attention, from the carried source (its log in $OUT)
   echo "== building llm.c ($(tr '\n' ' ' <.peers/VERSIONS 2>/dev/null))"
@@ -88,8 +98,12 @@ for job in "${jobs[@]}"; do
              tests/test_generate.py tests/test_serve.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     sample) timeout 115 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 2>&1 \
              | grep -v -e "it/s]" -e Warn | tee "$OUT/sample.log" ;;
-    decode) { timeout 380 python3 bench/sample_bench.py --dtype bfloat16 --batches 1 8 64 --torch-compile; code=$?
-              timeout 150 python3 bench/decode_profile.py --dtype bfloat16 --batch 1 --out "$OUT/decode_profile"
+    decode) { timeout 400 python3 bench/sample_bench.py ${DECODE_ARGS:-$DECODE_DEFAULT} | tee "$OUT/decode_rows.log"
+              code=${PIPESTATUS[0]}
+              best=$(tail -1 "$OUT/decode_rows.log" | python3 -c "$BEST_VARIANT" 2>/dev/null || echo baseline)
+              echo "== profile of variant $best"
+              timeout 120 python3 bench/decode_profile.py --batch 1 --variant "$best" --out "$OUT/decode_profile" \
+                ${PROFILE_ARGS:---dtype bfloat16}
               (exit $code); } 2>&1 | grep -v -e "it/s]" -e Warn | tee "$OUT/decode.log" ;;
     serve_wide) { timeout 260 python3 bench/serve_bench.py --dtype bfloat16 --slots 32 --steps-per-call 1 4 \
                     --skip-generate --skip-torch; code=$?

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import tyro
 
+from variants import Lever, Levers
+
 ROOT = Path(__file__).resolve().parents[1]
 OOM_EXIT = 3  # a worker's exit status when its micro-batch does not fit
 
@@ -104,56 +106,18 @@ class Job:
     profile_steps: int = 3
 
 
-@dataclasses.dataclass(frozen=True)
-class Lever:
-    """One change to the training step, which a variant turns on."""
-
-    choices: dict = dataclasses.field(default_factory=dict)  # cells of the backend table's row
-    config: dict = dataclasses.field(default_factory=dict)  # fields of the model's config
-    env: dict = dataclasses.field(default_factory=dict)  # environment variables, read as JAX starts
-
-
-def levers() -> dict[str, Lever]:
+def levers() -> Levers:
+    """The training step's levers; `all` is every one but FP8, whose numbers differ."""
     from gpt.model.backend import GPU_XLA_OPTIONS
 
-    return {
+    known = {
         "padded_vocab": Lever(choices={"head_rows_multiple": 128}),  # the head's 50257 rows as 50304
         "bf16_logits": Lever(choices={"head_logits": "compute"}),
         "cast_once": Lever(choices={"params_cast_once": True}),
         "xla_options": Lever(env=GPU_XLA_OPTIONS),
         "fp8": Lever(config={"fp8": True}),
     }
-
-
-def variant_levers(variant: str) -> list[Lever]:
-    """The levers a variant's name turns on ("baseline": none); ValueError naming an unknown one."""
-    known = levers()
-    if variant == "baseline":
-        return []
-    names = [name for part in variant.split("+") for name in ([n for n in known if n != "fp8"] if part == "all"
-                                                                else [part])]
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        raise ValueError(f"unknown lever {unknown[0]!r} in variant {variant!r}; levers: {', '.join(known)}, all")
-    return [known[name] for name in dict.fromkeys(names)]
-
-
-def variant_env(variant: str) -> dict[str, str]:
-    """The environment a variant's worker starts with: its levers' variables (XLA_FLAGS appended to the
-    caller's) and the backend choices they change, as `GPT_BACKEND_CHOICES`."""
-    from gpt.model.backend import OVERRIDE_ENV
-
-    env, choices = {}, {}
-    for lever in variant_levers(variant):
-        choices.update(lever.choices)
-        for name, value in lever.env.items():
-            env[name] = f"{os.environ.get(name, '')} {value}".strip() if name == "XLA_FLAGS" else value
-    return {**env, OVERRIDE_ENV: json.dumps(choices)} if choices else env
-
-
-def variant_config(variant: str) -> dict:
-    """The model config's fields that a variant's levers change."""
-    return {name: value for lever in variant_levers(variant) for name, value in lever.config.items()}
+    return Levers(known, together=tuple(name for name in known if name != "fp8"))
 
 
 def model_config(preset: str, block_size: int, **runtime):
@@ -201,7 +165,7 @@ def jax_worker(job: Job) -> dict:
 
     dtype = "float32" if job.preset == "smoke" else "bfloat16"
     config = model_config(job.preset, job.block_size, dtype=dtype, param_dtype="float32",
-                          scan_layers=job.scan_layers, remat=job.remat, **variant_config(job.variant))
+                          scan_layers=job.scan_layers, remat=job.remat, **levers().config(job.variant))
     optimizer = OptimizerConfig(max_steps=10_000)
     mesh = make_mesh(devices=jax.devices()[:1])
     graphdef, params, opt_state, shardings = init_train_state(GPT(config, rngs=nnx.Rngs(0)), optimizer, mesh)
@@ -331,7 +295,7 @@ def run_job(job: Job, timeout_s: float) -> dict | None:
     """The worker's result row, None when the micro-batch does not fit; raises on any other failure."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".92"),
-           **variant_env(job.variant)}
+           **levers().env(job.variant)}
     command = [sys.executable, __file__, "--worker", json.dumps(dataclasses.asdict(job))]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode == OOM_EXIT:
@@ -407,11 +371,7 @@ def peer_rows(bench: Bench, preset: str, micro_batch: int, impl: str) -> list[di
 
 def main(bench: Bench) -> list[dict]:
     bench = bench.shapes()
-    try:
-        for variant in bench.variants:
-            variant_levers(variant)  # an unknown lever: refused before any worker starts
-    except ValueError as error:
-        sys.exit(f"gpu_bench: {error}")
+    levers().check(bench.variants)
     rows = []
 
     def save() -> None:

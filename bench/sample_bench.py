@@ -6,10 +6,16 @@ from llama-server; its first-token column is its prefill, there being nothing to
     python bench/sample_bench.py                     # GPT-2 124M shapes, float32, CPU
     python bench/sample_bench.py --quantize none int8 --ctranslate2 --llama-cpp     # the CPU peers
     python bench/sample_bench.py --dtype bfloat16 --batches 1 8 64   # on a GPU (the torch peer too)
+    python bench/sample_bench.py --dtype bfloat16 --variants baseline chunk16 command_buffers all   # decode levers
+    python bench/sample_bench.py --smoke --variants baseline all      # tiny shapes, the code path (the suite)
 
 Random weights at the real gpt2 shapes, a 64-token prompt, 128 new tokens, greedy. For each batch size:
 time to the first token in a fresh process state (compile and our weight layout included, measured
-through streaming), and decode throughput after warm-up (best of --repeats, llama-batched-bench's runs too).
+through streaming), and decode throughput after warm-up (best of --repeats, llama-batched-bench's runs too),
+and for ours the bytes a decode step reads (every weight once, and the KV cache at the decode's mean length) and
+MBU: those bytes x steps a second over the device's rated memory bandwidth (`gpt.hardware.CHIPS`; none for a CPU).
+Each of our variants (`--variants`: `decode_levers()`, as bench/variants.py composes them) runs in a process of
+its own, since XLA reads its flags as it starts. The last line is the rows in JSON.
 Ours decodes through a `gpt.inference.decoding.Decoder` made once per configuration, as the peers load (and
 CTranslate2 converts) once. Prints a Markdown table for bench/RESULTS.md.
 
@@ -21,7 +27,10 @@ minutes, one round's ratio can land anywhere in that spread.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,9 +43,25 @@ from gpt.inference.decoding import Decoder
 from gpt.model import gpt2
 
 from machine import cpu_name
+from variants import Lever, Levers
+
+# XLA's command buffers (CUDA graphs) over every kind of op, loops and conditionals included, from one op up:
+# a decode chunk, its sampler's branches and its loop replay as one graph with no host round trip.
+COMMAND_BUFFERS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL "
+                   "--xla_gpu_graph_min_graph_size=1")
+
+
+def decode_levers() -> Levers:
+    """The decode step's levers: decode steps unrolled between the loop's checks (the backend's `decode_chunk`),
+    command buffers, XLA's O1; `all` is the last two (a chunk length is named alongside: `all+chunk32`)."""
+    known = {f"chunk{n}": Lever(choices={"decode_chunk": n}) for n in (1, 8, 16, 32)}
+    known |= {"command_buffers": Lever(env={"XLA_FLAGS": COMMAND_BUFFERS}),
+              "o1": Lever(env={"JAX_OPTIMIZATION_LEVEL": "O1"})}
+    return Levers(known, together=("command_buffers", "o1"))
 
 
 def bench_ours(directory, prompts, new_tokens, dtype, repeats, quantize="none"):
+    """(first token s, tokens/s, greedy tokens, bytes a decode step reads) of `generate` in this process."""
     model = gpt2.load(directory, dtype=dtype)
     start, first = time.perf_counter(), []
     # Laid out (and quantized) once, as the peers load and convert once; the first token's time includes it.
@@ -47,7 +72,52 @@ def bench_ours(directory, prompts, new_tokens, dtype, repeats, quantize="none"):
     run = lambda: generate(decoder, prompts, new_tokens, temperature=0)  # noqa: E731
     tokens = run()  # compile the non-streaming loop
     best = min(_timed(run) for _ in range(repeats))
-    return ttft, len(prompts) * new_tokens / best, tokens
+    step_bytes = bytes_a_step(decoder, len(prompts), len(prompts[0]) + new_tokens / 2)
+    return ttft, len(prompts) * new_tokens / best, tokens, step_bytes
+
+
+def bytes_a_step(decoder: Decoder, batch: int, mean_length: float) -> float:
+    """What a decode step must read: every weight array once (a tied head is the embedding, counted once), and
+    each row's keys and values over `mean_length` positions in the cache's dtype."""
+    weights = {id(leaf): leaf.nbytes for leaf in jax.tree.leaves(decoder.weights)}
+    config = decoder.config
+    cache = 2 * config.n_layer * batch * mean_length * config.n_embd * config.compute_dtype.itemsize
+    return sum(weights.values()) + cache
+
+
+def ours_in_a_process(variant: str, directory, prompts, new_tokens, dtype, repeats, quantize) -> dict:
+    """`bench_ours` in a worker process started with `variant`'s levers; its row, with the device's name and
+    what the worker's backend row and XLA options were."""
+    job = dict(directory=str(directory), prompts=prompts, new_tokens=new_tokens, dtype=dtype, repeats=repeats,
+               quantize=quantize)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")]),
+           **decode_levers().env(variant)}
+    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    rows = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not rows:
+        raise RuntimeError(f"variant {variant} ({quantize}) failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(rows[-1])
+
+
+def worker(job: dict) -> None:
+    from gpt.model.backend import choices
+
+    ttft, speed, tokens, step_bytes = bench_ours(job["directory"], job["prompts"], job["new_tokens"], job["dtype"],
+                                                 job["repeats"], job["quantize"])
+    ran_with = {"decode_chunk": choices().decode_chunk, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                "optimization_level": str(jax.config.jax_optimization_level)}
+    print("RESULT " + json.dumps({"ttft": ttft, "speed": speed, "tokens": tokens, "step_bytes": step_bytes,
+                                  "device": jax.devices()[0].device_kind, "ran_with": ran_with}), flush=True)
+
+
+def mbu(row: dict, batch: int) -> float | None:
+    """Memory-bandwidth utilization: bytes a step x steps a second over the device's rated bandwidth."""
+    from gpt.hardware import chip_of
+
+    chip = chip_of(row["device"])
+    return None if chip is None else row["step_bytes"] * row["speed"] / batch / chip.memory_bandwidth
 
 
 # The pairs compared round by round with --rounds: each of ours against its peer of the same weights' type.
@@ -155,20 +225,29 @@ def main():
     parser.add_argument("--torch-compile", action="store_true",
                         help="also transformers with a static cache and torch.compile(mode='reduce-overhead')")
     parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "bf16"])
+    parser.add_argument("--variants", nargs="+", default=["baseline"],
+                        help=f"ours with these levers (joined by +; all): {', '.join(decode_levers().known)}")
     parser.add_argument("--ctranslate2", action="store_true", help="also CTranslate2 float32 and int8")
     parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp f32 and q8_0 (built on first use)")
     parser.add_argument("--rounds", type=int, default=1, help="run each batch's comparison this many times in turn")
+    parser.add_argument("--smoke", action="store_true", help="a 2-layer model, short prompts: the code path")
     args = parser.parse_args()
+    decode_levers().check(args.variants)
+    if args.smoke:
+        args.prompt_tokens, args.new_tokens, args.repeats = 8, 8, 1
 
     import torch
     import transformers
 
     torch.manual_seed(0)
-    reference = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    shape = dict(n_layer=2, n_embd=64, n_head=2) if args.smoke else {}
+    reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape))
     print(f"# {cpu_name()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), {time.strftime('%Y-%m-%d')}")
-    print("| batch | impl | first token (s, compile incl.) | tokens/s | vs torch | greedy tokens = ours float32 |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| batch | impl | first token (s, compile incl.) | tokens/s | vs torch | MB a step | MBU "
+          "| greedy tokens = ours float32 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         reference.save_pretrained(Path(tmp))
         del reference
@@ -178,31 +257,43 @@ def main():
         for batch in [batch for batch in args.batches for _ in range(args.rounds)]:
             prompts = np.random.default_rng(batch).integers(0, 50256, (batch, args.prompt_tokens)).tolist()
             theirs = None if args.skip_torch else bench_torch(tmp, prompts, args.new_tokens, args.repeats, args.dtype)[:2]
-            rows, reference_tokens = [], None
+            rows, reference_tokens, ran_with = [], None, {}
             for quantize in args.quantize:
-                jax.clear_caches()  # each configuration's first call pays its own compile
-                ttft, speed, tokens = bench_ours(tmp, prompts, args.new_tokens, args.dtype, args.repeats, quantize)
-                reference_tokens = reference_tokens or (tokens if quantize == "none" else None)
-                rows.append((f"gpt (jax, {args.dtype}, weights {quantize})", ttft, speed, tokens))
+                for variant in args.variants:
+                    row = ours_in_a_process(variant, tmp, prompts, args.new_tokens, args.dtype, args.repeats, quantize)
+                    if reference_tokens is None and quantize == "none":
+                        reference_tokens = row["tokens"]
+                    suffix = "" if variant == "baseline" else f", {variant}"
+                    name = f"gpt (jax, {args.dtype}, weights {quantize}{suffix})"
+                    rows.append((name, row["ttft"], row["speed"], row["tokens"], row["step_bytes"], mbu(row, batch)))
+                    ran_with[name] = {"variant": variant, **row["ran_with"]}
             if args.ctranslate2:
                 for compute_type in ("float32", "int8"):
                     rows.append((f"CTranslate2 ({compute_type})",
-                                 *bench_ctranslate2(tmp, prompts, args.new_tokens, args.repeats, compute_type)))
+                                 *bench_ctranslate2(tmp, prompts, args.new_tokens, args.repeats, compute_type),
+                                 None, None))
             if args.llama_cpp:
                 for outtype in ("f32", "q8_0"):
                     rows.append((f"llama.cpp ({outtype})",
-                                 *bench_llama_cpp(tmp, prompts, args.new_tokens, outtype, args.repeats)))
+                                 *bench_llama_cpp(tmp, prompts, args.new_tokens, outtype, args.repeats), None, None))
             if args.torch_compile:
                 rows.append((f"transformers (torch.compile, static cache, {args.dtype})",
-                             *bench_torch(tmp, prompts, args.new_tokens, args.repeats, args.dtype, compiled=True)))
+                             *bench_torch(tmp, prompts, args.new_tokens, args.repeats, args.dtype, compiled=True),
+                             None, None))
             if theirs:
-                rows.append((f"transformers (torch, {args.dtype})", *theirs, None))
-            for name, ttft, speed, tokens in rows:
+                rows.append((f"transformers (torch, {args.dtype})", *theirs, None, None, None))
+            for name, ttft, speed, tokens, step_bytes, utilization in rows:
                 ratio = f"{speed / theirs[1]:.2f}x" if theirs else "-"
                 same = ("-" if tokens is None or reference_tokens is None else
                         f"{sum(a == b for a, b in zip(tokens, reference_tokens))}/{len(tokens)} rows")
-                print(f"| {batch} | {name} | {ttft:.2f} | {speed:.1f} | {ratio} | {same} |", flush=True)
-            speeds = {name: speed for name, _, speed, _ in rows}
+                megabytes = "-" if step_bytes is None else f"{step_bytes / 1e6:.1f}"
+                shown_mbu = "-" if utilization is None else f"{utilization:.1%}"
+                print(f"| {batch} | {name} | {ttft:.2f} | {speed:.1f} | {ratio} | {megabytes} | {shown_mbu} | {same} |",
+                      flush=True)
+                results.append({"batch": batch, "impl": name, "first_token_s": ttft, "tokens_per_s": speed,
+                                "step_bytes": step_bytes, "mbu": utilization, "same_greedy_tokens": same,
+                                "ran_with": ran_with.get(name)})
+            speeds = {name: speed for name, _, speed, *_ in rows}
             for ours, peer in PAIRS:
                 if ours in speeds and peer in speeds:
                     ratios.setdefault((batch, ours, peer), []).append(speeds[ours] / speeds[peer])
@@ -210,7 +301,11 @@ def main():
         print("\n| batch | ours | peer | ratio per round | median |\n| --- | --- | --- | --- | --- |")
         for (batch, ours, peer), values in ratios.items():
             print(f"| {batch} | {ours} | {peer} | {', '.join(f'{v:.2f}x' for v in values)} | {np.median(values):.2f}x |")
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(json.loads(sys.argv[2]))
+    else:
+        main()

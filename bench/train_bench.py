@@ -25,7 +25,7 @@ from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh
 from gpt.model.transformer import GPT
 from gpt.train.optimizer import OptimizerConfig
-from gpt.train.step import flops_per_token, peak_flops, init_train_state, make_train_step
+from gpt.train.step import flops_per_token, init_train_state, make_train_step, peak_flops
 
 from machine import cpu_name
 

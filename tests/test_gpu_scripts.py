@@ -100,7 +100,7 @@ def test_gpu_bench_refuses_an_unknown_lever_before_any_worker_starts():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--smoke", "--variants",
                            "baseline", "all+fast_mode"], env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.strip().splitlines()[-1].startswith("gpu_bench: unknown lever 'fast_mode' in variant")
+    assert done.stderr.strip().splitlines()[-1].startswith("gpu_bench.py: unknown lever 'fast_mode' in variant")
 
 
 @pytest.mark.slow
@@ -135,9 +135,10 @@ cp {fake_llmc} "$folder/train_gpt2cu"
 
 
 @pytest.mark.slow
-def test_the_train_call_builds_llmc_from_the_carried_source_and_profiles_the_chosen_variants(tmp_path):
-    # `bash bench/gpu.sh train` as a lent GPU runs it, at tiny shapes on this CPU: llm.c built from .peers,
-    # the variants measured beside it, the traces' tables printed.
+def test_the_train_and_decode_calls_run_their_variants_and_profile_the_chosen_ones(tmp_path):
+    # `bash bench/gpu.sh train decode` as a lent GPU runs it, at tiny shapes on this CPU: llm.c built from
+    # .peers, the training variants measured beside it, the traces' tables printed; the decode variants, then
+    # the fastest one's decode step profiled.
     work, tools = tmp_path / "work", tmp_path / "bin"
     for folder in (work / ".peers" / "llm.c", work / ".peers" / "cudnn-frontend" / "include", tools):
         folder.mkdir(parents=True)
@@ -153,12 +154,56 @@ def test_the_train_call_builds_llmc_from_the_carried_source_and_profiles_the_cho
     out = tmp_path / "out"
     env = {**ENV, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "OUT": str(out),
            "TRAIN_ARGS": "--smoke --scan_layers False --remat False --variants baseline all --profile_variants baseline "
-                         "--no-torch"}
-    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "train"], cwd=work, env=env, capture_output=True,
-                          text=True, timeout=900)
+                         "--no-torch",
+           "DECODE_ARGS": "--smoke --batches 1 --skip-torch --variants baseline o1", "PROFILE_ARGS": "--smoke"}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "train", "decode"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads((out / "train.json").read_text())
     assert [(row["impl"], row["variant"]) for row in rows] == [("jax", "baseline"), ("llmc", "baseline"),
                                                                ("jax", "all")]
     assert [path.name for path in (out / "profile").iterdir()] == ["smoke-scan0-remat0-baseline"]
     assert "| lm_head bwd |" in done.stdout and "| llm.c (cuDNN) | smoke |" in done.stdout
+    decode_rows = json.loads((out / "decode_rows.log").read_text().strip().splitlines()[-1])
+    fastest = max(decode_rows, key=lambda row: row["tokens_per_s"])["ran_with"]["variant"]
+    assert f"== profile of variant {fastest}\n" in done.stdout
+    assert "| lm_head fwd |" in done.stdout.split("== profile of variant")[-1]
+
+
+@pytest.mark.slow
+def test_sample_bench_runs_each_decode_variant_with_its_levers_and_the_same_greedy_tokens():
+    # Each variant in a worker of its own, started with its levers; every one decodes the baseline's tokens.
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "sample_bench.py"), "--smoke", "--batches", "2",
+                           "--skip-torch", "--variants", "baseline", "chunk4", "all+chunk16"], env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1 and "unknown lever 'chunk4'" in done.stderr.strip().splitlines()[-1]
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "sample_bench.py"), "--smoke", "--batches", "2",
+                           "--skip-torch", "--variants", "baseline", "chunk1", "all+chunk16"], env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])  # the last line: the rows in JSON
+    assert [row["impl"].split(", weights none")[-1] for row in rows] == [")", ", chunk1)", ", all+chunk16)"]
+    assert all(row["same_greedy_tokens"] == "2/2 rows" and row["tokens_per_s"] > 0 for row in rows)
+    baseline, chunk1, every = (row["ran_with"] for row in rows)
+    assert (baseline["decode_chunk"], chunk1["decode_chunk"], every["decode_chunk"]) == (1, 1, 16)
+    assert "WHILE,CONDITIONAL" in every["xla_flags"] and every["optimization_level"] == "O1"
+    assert "command_buffer" not in baseline["xla_flags"] + chunk1["xla_flags"]
+    assert all(row["step_bytes"] > 0 and row["mbu"] is None for row in rows)  # no rated bandwidth for a CPU
+
+
+def test_a_decode_step_reads_every_weight_once_and_the_cache_at_its_length():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from flax import nnx
+
+    from gpt.inference.decoding import Decoder
+    from gpt.model.config import GPTConfig
+    from gpt.model.transformer import GPT
+
+    from sample_bench import bytes_a_step, mbu
+
+    config = GPTConfig.preset("tiny")
+    decoder = Decoder.of(GPT(config, rngs=nnx.Rngs(0)))
+    cache = 2 * config.n_layer * 3 * 40.5 * config.n_embd * 4  # keys and values, 3 rows of 40.5 positions
+    assert bytes_a_step(decoder, 3, 40.5) == config.num_params() * 4 + cache  # the tied head counted once
+    row = {"device": "NVIDIA H100 80GB HBM3", "step_bytes": 249e6, "speed": 1766.0}
+    assert mbu(row, 1) == pytest.approx(249e6 * 1766 / 3.35e12)  # the issue's batch 1: ~13%
