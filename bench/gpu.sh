@@ -13,10 +13,10 @@
 #   bash bench/gpu.sh tests     # the engine, generate, model and server tests on the GPU
 #   bash bench/gpu.sh sample    # sample_bench in bfloat16, batch 1 / 8 / 64, torch on CUDA beside it
 #   bash bench/gpu.sh decode    # the same with each decode variant (sample_bench's decode_levers: chunks of
-#                               # 16 and 32 steps, command buffers, O1, together) and MBU, gpt-fast's recipe
-#                               # beside it too (a static cache under torch.compile(mode="reduce-overhead")),
-#                               # then the best variant's decode step profiled (bench/decode_profile.py): a call
-#                               # of its own (~9 minutes)
+#                               # 16 and 32 steps, command buffers, O1, attention without a copy of the cache,
+#                               # together) and MBU, gpt-fast's recipe beside it too (a static cache under
+#                               # torch.compile(mode="reduce-overhead")), then the best variant's decode step
+#                               # profiled (bench/decode_profile.py): a call of its own (~9 minutes)
 #   bash bench/gpu.sh serve     # serve_bench's load in bfloat16, transformers' continuous batching beside it
 #   bash bench/gpu.sh spec      # speculative decoding in bfloat16 on GPT-2 124M's shapes: generate with each
 #                               # draft at K = 4 and 8, then a server's calls with K fixed and chosen
@@ -33,7 +33,8 @@
 #   TRAIN_ARGS="--scan_layers False True --remat False True --steps 3" TRAIN_BUDGET=220 bash bench/gpu.sh train
 # On a CPU, the train job's whole path at tiny shapes (no GPU, no nvcc; LLMC a stand-in):
 #   TRAIN_ARGS="--smoke --variants baseline all --profile_variants baseline --no-torch" bash bench/gpu.sh train
-#   DECODE_ARGS="--smoke --batches 1 --skip-torch --variants baseline chunk1" PROFILE_ARGS=--smoke bash bench/gpu.sh decode
+#   DECODE_ARGS="--smoke --batches 1 --skip-torch --variants baseline chunk1" PROFILE_ARGS=--smoke \
+#     bash bench/gpu.sh decode
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -59,7 +60,7 @@ TRAIN_DEFAULT="--scan_layers False --remat False --steps 3 --variants baseline b
   xla_options cast_once fp8 --profile_variants baseline all"
 
 DECODE_DEFAULT="--dtype bfloat16 --batches 1 8 64 --torch-compile --variants baseline chunk16 chunk32 command_buffers \
-  o1 all+chunk16"
+  o1 plain_attention all+chunk16+plain_attention"
 # The variant of sample_bench's fastest row of ours at batch 1 (its last line: the rows in JSON).
 BEST_VARIANT='import json, sys
 rows = [r for r in json.loads(sys.stdin.read()) if r["batch"] == 1 and r["ran_with"]]

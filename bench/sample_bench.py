@@ -53,10 +53,14 @@ COMMAND_BUFFERS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTO
 
 def decode_levers() -> Levers:
     """The decode step's levers: decode steps unrolled between the loop's checks (the backend's `decode_chunk`),
-    command buffers, XLA's O1; `all` is the last two (a chunk length is named alongside: `all+chunk32`)."""
+    command buffers, XLA's O1, attention over the cache without a transposed copy of it; `all` is command
+    buffers and O1 (a chunk length and the attention are named alongside: `all+chunk32+plain_attention`)."""
     known = {f"chunk{n}": Lever(choices={"decode_chunk": n}) for n in (1, 8, 16, 32)}
     known |= {"command_buffers": Lever(env={"XLA_FLAGS": COMMAND_BUFFERS}),
-              "o1": Lever(env={"JAX_OPTIMIZATION_LEVEL": "O1"})}
+              "o1": Lever(env={"JAX_OPTIMIZATION_LEVEL": "O1"}),
+              # The cache read in its own [B * N, S, H] layout by two products, where the GPU's row transposes
+              # all of it for jax.nn.dot_product_attention at every step.
+              "plain_attention": Lever(choices={"attention": "plain"})}
     return Levers(known, together=("command_buffers", "o1"))
 
 
