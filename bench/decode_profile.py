@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import step_profile  # noqa: E402
 
-from gpt.inference import decoding  # noqa: E402
+from gpt.inference import device_slots  # noqa: E402
 from gpt.inference.engine import Engine  # noqa: E402
 from gpt.inference.request import Request  # noqa: E402
 from gpt.model.config import GPTConfig  # noqa: E402
@@ -59,7 +59,7 @@ def decode_program_text(engine: Engine, num_steps: int) -> str:
     """The optimized HLO of the engine's decode call over all of its slots."""
     device = engine.device
     with device.on_mesh():
-        return decoding.compiled_decode.lower(device.config, device.weights, device.slots, np.int32(num_steps),
+        return device_slots.compiled_decode.lower(device.config, device.weights, device.slots, np.int32(num_steps),
                                               np.bool_(False), max_steps=device.max_steps).compile().as_text()
 
 

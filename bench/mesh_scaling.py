@@ -19,7 +19,7 @@ from flax import nnx  # noqa: E402
 
 from gpt.model.config import GPTConfig  # noqa: E402
 from gpt.model.sharding import bytes_per_device, make_mesh  # noqa: E402
-from gpt.model.transformer import GPT  # noqa: E402
+from gpt.model.transformer import GPT, num_params  # noqa: E402
 from gpt.train.optimizer import OptimizerConfig  # noqa: E402
 from gpt.train.step import init_train_state, make_train_step  # noqa: E402
 
@@ -30,7 +30,7 @@ def main() -> None:
     config = GPTConfig.preset("small", n_layer=4, n_head=8, n_embd=256, vocab_size=50304)  # 50304 = 8 x 6288
     optimizer = OptimizerConfig(max_steps=100)
     batch = np.random.default_rng(0).integers(0, 50257, (1, 8, 129), dtype=np.int32)
-    print(f"# {config.num_params():,} params, batch 8 x 128, float32; {jax.device_count()} fake CPU devices "
+    print(f"# {num_params(config):,} params, batch 8 x 128, float32; {jax.device_count()} fake CPU devices "
           f"sharing {os.cpu_count()} cores")
     print("| mesh (data, fsdp, tensor) | ms/step | params + Adam state per device (MiB) | x of one device |")
     print("| --- | --- | --- | --- |")

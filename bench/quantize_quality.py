@@ -3,7 +3,7 @@
     python bench/quantize_quality.py --out_dir out        # the default run's trained model (after python train.py)
     python bench/quantize_quality.py                      # GPT-2 124M shapes, random weights only
 
-For each model and each of int8 and bf16 (weights laid out by `gpt.inference.decoding.decoding_weights`), against
+For each model and each of int8 and bf16 (weights laid out by `gpt.inference.decoder.decoding_weights`), against
 float32: the largest absolute logit difference and the mean KL(float32 || quantized) over the positions
 of --batches validation windows (or random tokens for the random model), the share of 256 greedy tokens
 that agree position by position (4 prompts), and the validation loss of each (trained model only).
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt.generate import generate
-from gpt.inference.decoding import decoding_weights
+from gpt.inference.decoder import decoding_weights
 from gpt.model.transformer import forward, lm_head
 
 from machine import cpu_name

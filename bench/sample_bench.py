@@ -16,7 +16,7 @@ and for ours the bytes a decode step reads (every weight once, and the KV cache 
 MBU: those bytes x steps a second over the device's rated memory bandwidth (`gpt.hardware.CHIPS`; none for a CPU).
 Each of our variants (`--variants`: `decode_levers()`, as bench/variants.py composes them) runs in a process of
 its own, since XLA reads its flags as it starts. The last line is the rows in JSON.
-Ours decodes through a `gpt.inference.decoding.Decoder` made once per configuration, as the peers load (and
+Ours decodes through a `gpt.inference.decoder.Decoder` made once per configuration, as the peers load (and
 CTranslate2 converts) once. Prints a Markdown table for bench/RESULTS.md.
 
 With --rounds R every batch's comparison runs R times in turn (ours, then each peer, again), and a last table
@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from gpt.generate import generate
-from gpt.inference.decoding import Decoder
+from gpt.inference.decoder import Decoder
 from gpt.model import gpt2
 
 from machine import cpu_name

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from gpt.generate import generate
-from gpt.inference.decoding import Decoder
+from gpt.inference.decoder import Decoder
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
 from gpt.loading import load

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The chips' datasheet ratings (gpt.hardware); a device-to-device copy on a lent H100 measured ~3.0e12 B/s.
 from gpt.hardware import chip_of  # noqa: E402
 from gpt.model.config import GPTConfig  # noqa: E402
+from gpt.model.transformer import num_params
 from gpt.train.profile import HLO_FILE, META_FILE  # noqa: E402
 
 GEMM_ROLES = ("qkv", "attn_proj", "mlp_up", "mlp_down", "lm_head")
@@ -254,7 +255,7 @@ def roofline(config: GPTConfig, micro_batch: int, block_size: int, accumulation:
     per_micro["loss"] = (5.0 * M * V, 2.0 * M * V * width)
     per_micro["layer_norm"] = (16.0 * M * D * (2 * L + 1), 5.0 * M * D * width * (2 * L + 1))
     per_micro["activation"] = (20.0 * M * F * L, 5.0 * M * F * width * L)
-    params = config.num_params()
+    params = num_params(config)
     per_micro["grad accumulation"] = (float(params), 12.0 * params)
     work = {name: (flops * accumulation, moved * accumulation) for name, (flops, moved) in per_micro.items()}
     # p, g, m, v read (and g once more for its norm); p, m, v written

@@ -31,6 +31,7 @@ import tyro  # noqa: E402
 from gpt.errors import ConfigError  # noqa: E402
 from gpt.hardware import chip_of, parse_topology  # noqa: E402
 from gpt.model.config import PRESETS, GPTConfig  # noqa: E402
+from gpt.model.transformer import num_params
 from gpt.train.compile_only import compile_train_step  # noqa: E402
 from gpt.train.trainer import TrainConfig  # noqa: E402
 
@@ -56,7 +57,7 @@ def plan_row(model: str, topology: str, plan: Plan) -> dict:
     devices = parse_topology(topology).devices()
     chips, memory = len(devices), chip_of(devices[0].device_kind).memory_bytes
     for mesh, remat in ((f"data={chips}", False), (f"fsdp={chips}", False), (f"fsdp={chips}", True)):
-        if 12 * MODELS[model].num_params() / (1 if mesh.startswith("data") else chips) > memory:
+        if 12 * num_params(MODELS[model]) / (1 if mesh.startswith("data") else chips) > memory:
             continue  # its float32 parameters and Adam moments alone are over the chip's memory: no compile needed
         config = TrainConfig.from_flags(
             model=MODELS[model].replace(dtype="bfloat16", remat=remat), mesh=mesh,
@@ -69,7 +70,7 @@ def plan_row(model: str, topology: str, plan: Plan) -> dict:
             continue
         seconds = report.bound_seconds()
         row = {"model": model, "topology": topology, "mesh": mesh + " + remat" * remat,
-               "params": MODELS[model].num_params(), "devices": report.devices,
+               "params": num_params(MODELS[model]), "devices": report.devices,
                "gib_per_device": report.total_bytes / 2**30, "chip_gib": report.chip.memory_bytes / 2**30,
                "fits": report.fits(), "bound": max(seconds, key=seconds.get),
                "tokens_per_s": report.tokens / max(seconds.values()), "compile_s": time.perf_counter() - start,
@@ -77,7 +78,7 @@ def plan_row(model: str, topology: str, plan: Plan) -> dict:
         print("\n".join(report.lines()), flush=True)
         if report.fits():
             return row
-    return {"model": model, "topology": topology, "mesh": "-", "params": MODELS[model].num_params(), "fits": False}
+    return {"model": model, "topology": topology, "mesh": "-", "params": num_params(MODELS[model]), "fits": False}
 
 
 def table(rows: list[dict]) -> str:

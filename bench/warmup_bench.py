@@ -15,8 +15,7 @@ import jax
 from flax import nnx
 
 from gpt import GPT, GPTConfig
-from gpt.inference.decoding import compiled_programs
-from gpt.inference.engine import Engine
+from gpt.inference.engine import Engine, compiled_programs
 
 
 def main() -> None:

@@ -44,7 +44,7 @@ from gpt.data.loader import shard_paths
 from gpt.data.prepare import TextFieldChoice
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, cli_main
-from gpt.inference.decoding import Decoder
+from gpt.inference.decoder import Decoder
 from gpt.inference.scoring import scored_positions
 from gpt.loading import ModelChoice, load
 from gpt.model.config import GPTConfig

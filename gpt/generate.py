@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from gpt.errors import ConfigError
-from gpt.inference.decoding import Decoder
+from gpt.inference.decoder import Decoder
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request, check_prompts, check_stop_tokens, is_int
 from gpt.inference.sampling import SamplingParams
@@ -66,7 +66,7 @@ def generate(
     """Continue each prompt by up to `max_new_tokens` tokens.
 
     Args:
-      model: a GPT, or a `gpt.inference.decoding.Decoder` of one (its weights laid out for decoding once, for
+      model: a GPT, or a `gpt.inference.decoder.Decoder` of one (its weights laid out for decoding once, for
         every call; a GPT is laid out at each call).
       prompts: token-id lists, of any lengths (rows are independent: a row gives what it gives alone), or
         an integer array [B, T] of equal-length ones.
@@ -80,7 +80,7 @@ def generate(
       seed: the PRNG seed (an integer, taken modulo 2**32); the same seed, prompts and settings give the
         same tokens.
       on_token: called as on_token(row, token) on the host for each new token while the loop runs.
-      quantize: decode with the weights stored as "int8" or "bf16" (`gpt.inference.decoding.decoding_weights`);
+      quantize: decode with the weights stored as "int8" or "bf16" (`gpt.inference.decoder.decoding_weights`);
         "none" (the default) keeps float32. A Decoder's own.
       mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`): rows over data and fsdp, heads and MLP
         over tensor, the cache like the attention. The batch is padded to a multiple of data x fsdp. A

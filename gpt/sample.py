@@ -9,7 +9,7 @@ from pathlib import Path
 from gpt.compilation_cache import CompileCacheChoice
 from gpt.errors import ConfigError, MissingInput, check_fits_in_memory
 from gpt.generate import cache_length_for, generate_text, new_tokens_that_fit
-from gpt.inference.decoding import Decoder
+from gpt.inference.decoder import Decoder
 from gpt.inference.engine_settings import DraftChoice
 from gpt.inference.sampling import SamplingParams
 from gpt.inference.speculation import check_draft, check_draft_model

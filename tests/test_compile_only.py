@@ -10,6 +10,7 @@ import pytest
 from gpt.errors import ConfigError
 from gpt.hardware import CHIPS, chip_of, parse_topology
 from gpt.model.config import GPTConfig
+from gpt.model.transformer import num_params
 from gpt.program_report import collective_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +67,7 @@ WIDE = GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=4, n_embd=51
 
 def test_the_report_holds_the_parameters_and_optimizer_state_exactly(compile_step):
     replicated = compile_step(WIDE, batch_size=8, block_size=64)
-    n = WIDE.num_params()
+    n = num_params(WIDE)
     assert replicated.held["parameters"] == 4 * n  # float32, whole on each of the 8 data-parallel chips
     assert 8 * n <= replicated.held["optimizer state"] <= 8 * n + 64  # Adam's two moments and its step count
     assert replicated.devices == 8 and replicated.device_kind == "TPU v5 lite"

@@ -10,6 +10,7 @@ import pytest
 
 from gpt.generate import generate
 from gpt.inference import decoding
+from gpt.inference.decoder import Decoder
 from gpt.inference.decoding import decode, decode_chunk_length, init_slots
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
@@ -70,7 +71,7 @@ def test_generate_in_chunks_gives_the_same_tokens(model, chunks):
 def test_a_call_of_one_chunk_has_no_loop_and_a_longer_one_checks_once_a_chunk(model, chunks):
     config = model.config
     slots = init_slots(config, 2, 32, 4)
-    weights = decoding.Decoder.of(model).weights
+    weights = Decoder.of(model).weights
 
     def whiles(eqns) -> list:
         return [eqn for eqn in eqns if eqn.primitive.name == "while"]

@@ -5,7 +5,9 @@ import numpy as np
 from flax import nnx
 
 from gpt import GPT, GPTConfig
-from gpt.inference.decoding import Decoder, score_prompt
+from gpt.inference import decoder
+from gpt.inference.decoder import Decoder, decoding_weights
+from gpt.inference.decoding import score_prompt
 from gpt.inference.sampling import TOP_LOGPROBS
 from gpt.model.backend import choices
 
@@ -37,12 +39,11 @@ def test_laying_out_a_deeper_model_compiles_one_program_per_kind_of_matrix():
     """The decoding layout runs one small program per kind of matrix with the layer as an operand, so that
     its compiles do not grow with depth (one program over every layer's matrices took GPT-2 124M's int8
     layout 1.7 s to compile)."""
-    from gpt.inference import decoding
 
     model = GPT(GPTConfig.preset("tiny", n_layer=5, n_embd=40, n_head=4), rngs=nnx.Rngs(0))
-    before = decoding._kernel_layout._cache_size()
-    weights = decoding.decoding_weights(model, "int8")
-    assert decoding._kernel_layout._cache_size() - before == 4  # qkv, out, fc, proj: not 4 x 5
+    before = decoder._kernel_layout._cache_size()
+    weights = decoding_weights(model, "int8")
+    assert decoder._kernel_layout._cache_size() - before == 4  # qkv, out, fc, proj: not 4 x 5
     kernel = model.blocks.fc_kernel[...][3]
     np.testing.assert_allclose(weights.layers[3]["fc_kernel"].dequantize(), kernel.T,
                                atol=float(np.abs(kernel).max()) / 127)

@@ -10,7 +10,8 @@ from flax import nnx
 from gpt import GPT, GPTConfig
 from gpt.errors import ConfigError
 from gpt.generate import generate
-from gpt.inference.decoding import Admission, Decoder, Settings, decode, free, init_slots, insert, prefill
+from gpt.inference.decoder import Decoder
+from gpt.inference.decoding import Admission, Settings, decode, free, init_slots, insert, prefill
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
 from gpt.inference.scheduler import QueueFull

@@ -171,7 +171,7 @@ def test_scoring_never_holds_every_positions_logits_at_once():
 
     from gpt import GPT, GPTConfig
     from gpt.eval import _nll_program
-    from gpt.inference.decoding import Decoder
+    from gpt.inference.decoder import Decoder
 
     config = GPTConfig.preset("tiny", vocab_size=50257, block_size=64)
     decoder = Decoder.of(GPT(config, rngs=nnx.Rngs(0)))

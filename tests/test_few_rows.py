@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig
-from gpt.inference.decoding import decoding_weights
+from gpt.inference.decoder import decoding_weights
 from gpt.model import cpu_kernels
 from gpt.model.few_rows import MAX_KERNEL_ROWS, kernel_int8_product, kernel_product, xla_int8_product
 from gpt.model.layouts import Int8Matrix

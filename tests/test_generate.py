@@ -11,8 +11,7 @@ from flax import nnx
 from gpt import GPT, GPTConfig, KVCache
 from gpt.errors import ConfigError
 from gpt.generate import generate, generate_text
-from gpt.inference.decoding import compiled_programs
-from gpt.inference.engine import Engine
+from gpt.inference.engine import Engine, compiled_programs
 
 POSITIONS = ("learned", "sinusoidal", "rope")
 # The modern recipe's model: rotary positions, QK-norm, relu(x)^2, an untied head, no biases.
@@ -105,11 +104,12 @@ def test_new_weights_are_used_by_the_next_call():
 
 
 def test_compile_count_is_flat_within_a_bucket():
-    from gpt.inference import decoding
+    from gpt.inference import decoding, device_slots
 
     def programs():
-        return {name: getattr(decoding, f"compiled_{name}")._cache_size()
-                for name in ("prefill", "choose_first", "place", "decode")}
+        return {name: getattr(module, f"compiled_{name}")._cache_size()
+                for module, names in ((device_slots, ("prefill", "decode")), (decoding, ("choose_first", "place")))
+                for name in names}
 
     model = scaled_model("rope", rope_theta=5000.0)  # a config no other test compiles for
     before = programs()

@@ -1,5 +1,6 @@
-"""The package's layers hold: import-linter's contract in pyproject.toml (each layer imports only from
-those below it; the packages of one layer not from each other) passes; and each flag is declared once."""
+"""The package's layers hold: import-linter's contracts in pyproject.toml (each layer imports only from
+those below it, the packages of one layer not from each other; a model's config imports nothing of the model)
+pass; and each flag is declared once."""
 
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from training import ROOT
 def test_each_layer_imports_only_from_those_below_it():
     lint = Path(sys.executable).with_name("lint-imports")
     result = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0 and "1 kept, 0 broken" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and "2 kept, 0 broken" in result.stdout, result.stdout + result.stderr
 
 
 def test_no_file_of_the_package_is_ignored_by_git():

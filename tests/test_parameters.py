@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 
 from gpt import GPT, GPTConfig
-from gpt.inference.decoding import decoding_weights
+from gpt.inference.decoder import decoding_weights
 from gpt.model import gpt2
 from gpt.model.config import PRESETS
 from gpt.model.parameters import BLOCK_WEIGHTS, KERNELS, block_weights
+from gpt.model.transformer import num_params
 from gpt.train.optimizer import muon_axes
 from gpt.train.recipes import RECIPES
 
@@ -51,7 +52,7 @@ def test_every_preset_builds_the_tables_weights_and_every_consumer_agrees(config
     for name in set(built) - set(KERNELS):
         assert axes[name] is None
     # The count: every parameter the model makes, a tied head once.
-    assert config.num_params() == sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert num_params(config) == sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

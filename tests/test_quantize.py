@@ -13,8 +13,9 @@ from flax import nnx
 from gpt import GPT, GPTConfig
 from gpt.errors import ConfigError
 from gpt.generate import generate
-from gpt.inference import decoding
-from gpt.inference.decoding import Decoder, compiled_decode, decoding_weights
+from gpt.inference import decoder as decoder_module
+from gpt.inference.decoder import Decoder, decoding_weights
+from gpt.inference.device_slots import compiled_decode
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
 from gpt.model.layouts import Bf16Matrix, Int8Matrix
@@ -140,7 +141,7 @@ def test_a_decoder_is_laid_out_once_for_every_call(monkeypatch):
     expected = generate(model, prompts, 10, temperature=0, quantize="int8")
     decoder = Decoder.of(model, "int8")
     calls = []
-    monkeypatch.setattr(decoding, "decoding_weights", lambda *args: calls.append(args))
+    monkeypatch.setattr(decoder_module, "decoding_weights", lambda *args: calls.append(args))
     assert generate(decoder, prompts, 10, temperature=0) == expected
     assert generate(decoder, prompts[:1], 10, temperature=0, quantize="int8") == expected[:1]
     Engine(decoder, slots=2, cache_length=32)

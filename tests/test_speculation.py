@@ -15,6 +15,7 @@ from gpt import GPT, GPTConfig
 from gpt.errors import ConfigError
 from gpt.generate import generate
 from gpt.inference import decoding, speculation
+from gpt.inference.decoder import Decoder
 from gpt.inference.draft_policy import DraftPolicy, ladder
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
@@ -76,7 +77,7 @@ def test_several_positions_a_row_over_a_paged_cache_and_a_view_equal_one_at_a_ti
     """The verification's forward (K + 1 positions a row, reading the pages or a view of some rows) gives
     the logits and the cache that K + 1 single-position steps give."""
     model = GPT(GPTConfig.preset("tiny", vocab_size=256, block_size=64), rngs=nnx.Rngs(3))
-    config, weights = model.config, decoding.Decoder.of(model).weights
+    config, weights = model.config, Decoder.of(model).weights
     forward = jax.jit(decoding.forward, static_argnames="config")
     tokens = jnp.asarray([[(5 * i + 11 * row) % 256 for i in range(40)] for row in range(3)], jnp.int32)
     cache = KVCache.init(config, 3, 64, page_length=16)

@@ -12,12 +12,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gpt.hardware import chip_of
-from gpt.inference.decoding import compiled_decode, compiled_init_slots, compiled_prefill, decoding_weights
-from gpt.inference.device_slots import FIT_ADVICE
+from gpt.inference.decoder import decoding_weights
+from gpt.inference.device_slots import FIT_ADVICE, compiled_decode, compiled_init_slots, compiled_prefill
 from gpt.inference.engine_settings import EngineSettings
-from gpt.model.config import GPTConfig, flops_per_token
+from gpt.model.config import GPTConfig
 from gpt.model.sharding import abstract, data_parallel_size, param_shardings
-from gpt.model.transformer import GPT
+from gpt.model.transformer import GPT, flops_per_token
 from gpt.program_report import ProgramReport, compile_within_memory, sharded_bytes
 
 __all__ = ["compile_engine", "FIT_ADVICE"]

@@ -1,5 +1,5 @@
-"""The engine's device side: weights laid out for decoding, the slots' state, and four verbs, pure
-functions of pytrees run as jitted programs:
+"""The engine's device side: the slots' state and four verbs, pure functions of pytrees run as jitted
+programs over weights laid out for decoding (`gpt.inference.decoder`):
 
   prefill: a prompt, or the next piece of one, into a `Prefix` (its own cache), scoring the prompt's
     tokens (`PromptScores`) for the rows that ask;
@@ -17,143 +17,27 @@ steps per call.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import Mesh
 
-from gpt.errors import ConfigError
 from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams, choose
 from gpt.inference.scoring import scored_positions, token_scores
 from gpt.inference.speculation import draft_model_drafts, ngram_drafts, stands, weights_drafts
 from gpt.model.backend import choices
 from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
-from gpt.model.layouts import QUANTIZED_LAYOUTS, OutputMajor
-from gpt.model.parameters import KERNELS
-from gpt.model.sharding import shard_state
-from gpt.model.transformer import GPT, Weights, forward, lm_head
+from gpt.model.transformer import Weights, forward, lm_head
 
 NO_TOKEN = -1  # an Emitted entry where a row produced nothing
 
-__all__ = ["NO_TOKEN", "Decoder", "decoding_weights", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
-           "PrefixCacheBlocks", "init_prefix_cache", "save_blocks", "load_prefix", "PREFIX_BLOCK", "init_slots",
-           "init_prefix", "prefill", "insert", "choose_first", "place", "decode", "free", "compiled_programs",
-           "int8_draft_weights"]
+__all__ = ["NO_TOKEN", "Settings", "Slots", "Admission", "Prefix", "PromptScores", "Emitted",
+           "init_slots", "init_prefix", "prefill", "insert", "choose_first", "place", "decode", "free",
+           "decode_chunk_length", "compiled_choose_first", "compiled_place"]
 
 
-
-
-@dataclasses.dataclass(frozen=True)
-class Decoder:
-    """A GPT laid out for decoding, made once (at load) and run by any number of engines and `generate`
-    calls: what `--quantize` chooses.
-
-    Laying out copies (and may quantize) every matrix: for GPT-2 124M on a 2-core CPU about 0.2 s in
-    float32 and 0.4 s in int8, the time of 20 to 35 decode steps. An Engine or `generate` given a GPT lays
-    it out at each construction or call; given a Decoder, never.
-
-    Attributes:
-      config: the model's shape.
-      weights: `decoding_weights(model, quantize)`, sharded over `mesh` when there is one.
-      quantize: "none", "int8" or "bf16".
-      mesh: the device mesh the weights live on, or None for one device.
-    """
-
-    config: GPTConfig
-    weights: Weights
-    quantize: str
-    mesh: Mesh | None
-
-    @classmethod
-    def of(cls, model: GPT | Decoder, quantize: str | None = None, mesh: Mesh | None = None) -> Decoder:
-        """`model` laid out for decoding (quantize None means "none"), or `model` itself when it is a
-        Decoder already, which must then agree with any `quantize` and `mesh` given."""
-        if isinstance(model, Decoder):
-            if quantize is not None and quantize != model.quantize:
-                raise ConfigError(f"quantize={quantize!r} differs from the Decoder's {model.quantize!r}: "
-                                  "make a Decoder with it, or leave quantize out")
-            if mesh is not None and mesh is not model.mesh:
-                raise ConfigError("mesh differs from the Decoder's: make a Decoder over it, or leave mesh out")
-            return model
-        quantize = "none" if quantize is None else quantize
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            if mesh is not None:
-                graphdef, state = nnx.split(model)
-                model = nnx.merge(graphdef, shard_state(model, state, mesh))
-            return cls(model.config, decoding_weights(model, quantize), quantize, mesh)
-
-
-def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
-    """The model's weights laid out for decoding, optionally quantized.
-
-    One dict per layer, so that no stacked array is sliced inside the loop (XLA on CPU copies a layer's
-    slice of a stacked array before each matmul, doubling the weight traffic that bounds a decode step),
-    and every kernel `OutputMajor` ([out, in]: XLA on CPU runs the matrix-vector products of a small batch
-    faster so). Made once per engine by small jitted programs, one per kind of matrix (the layer a traced
-    index), so that the new layout is real memory (inside the decode jit, XLA would fold it away again) and
-    each kind compiles once, not once per layer. Costs one copy of the block weights.
-
-    quantize: "none" keeps float32 (`OutputMajor`); "int8" stores every matrix, the embedding and LM head
-    included, as int8 with a float32 scale per output (`gpt.model.layouts.Int8Matrix`; the embedding
-    lookup rescales the rows it reads, and a tied table is stored once for both uses); "bf16" stores them in
-    bfloat16 (`Bf16Matrix`). Biases, LayerNorms, learned positions and the KV cache stay in the compute
-    dtype, and so do all activations.
-    """
-    if quantize not in ("none", *QUANTIZED_LAYOUTS):
-        raise ConfigError(f"quantize must be one of none, {', '.join(QUANTIZED_LAYOUTS)}; got {quantize!r}")
-    weights = model.weights()
-    layers = []
-    for layer in range(model.config.n_layer):  # each kernel sliced once, by the program that lays it out
-        layers.append({name: _kernel_layout(a, layer, quantize, KERNELS[name].inputs) if name in KERNELS
-                       else None if a is None else _layer_of(a, layer) for name, a in weights.layers.items()})
-    if quantize == "none":
-        return dataclasses.replace(weights, layers=tuple(layers))
-    table = _matrix_layout(weights.embedding, quantize)  # [V, D] is already output-major for the head
-    head = table if model.config.tied_head else _matrix_layout(weights.head.matrix_KD, quantize)
-    return dataclasses.replace(weights, layers=tuple(layers), embedding=table, head=head)
-
-
-def _store(matrix_KD: jax.Array, quantize: str):
-    return QUANTIZED_LAYOUTS[quantize].quantize(matrix_KD) if quantize != "none" else OutputMajor(matrix_KD)
-
-
-@jax.jit
-def _layer_of(stacked: jax.Array, layer: jax.Array) -> jax.Array:
-    """Layer `layer` of a stacked array (a bias or a norm's scale), as an array of its own."""
-    return stacked[layer]
-
-
-@functools.partial(jax.jit, static_argnames=("quantize", "input_axes"))
-def _kernel_layout(stacked: jax.Array, layer: jax.Array, quantize: str, input_axes: int):
-    """Layer `layer` of a stacked kernel ([L, inputs..., outputs...]) as an output-major matrix [K, D] in
-    the `quantize` layout."""
-    kernel = stacked[layer]
-    return _store(kernel.reshape(math.prod(kernel.shape[:input_axes]), -1).T, quantize)
-
-
-_matrix_layout = jax.jit(_store, static_argnames="quantize")
-
-
-def int8_draft_weights(decoder: Decoder) -> Weights:
-    """The decoder's float32 (or bfloat16) weights with every matrix in int8 (`decoding_weights`' "int8"
-    layout), for drafting: its own tokens, a few times faster, that mostly agree with the target's.
-    ConfigError for a decoder whose weights are int8 already."""
-    if decoder.quantize == "int8":
-        raise ConfigError("draft int8 needs the target's weights in float (quantize none or bf16), not int8")
-    float_matrix = lambda a: a.matrix_KD if isinstance(a, OutputMajor) else a.dequantize()  # noqa: E731
-    weights = decoder.weights
-    layers = tuple({name: _matrix_layout(float_matrix(a), "int8") if hasattr(a, "matmul") else a
-                    for name, a in layer.items()} for layer in weights.layers)
-    table = _matrix_layout(weights.embedding if isinstance(weights.embedding, jax.Array)
-                           else weights.embedding.dequantize(), "int8")
-    head = table if decoder.config.tied_head else _matrix_layout(float_matrix(weights.head), "int8")
-    return dataclasses.replace(weights, layers=layers, embedding=table, head=head)
 
 
 @jax.tree_util.register_dataclass
@@ -484,64 +368,6 @@ def free(slots: Slots, free_S: jax.Array) -> Slots:
     return dataclasses.replace(slots, live=slots.live & ~free_S)
 
 
-PREFIX_BLOCK = 16  # positions per block of the prefix cache
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PrefixCacheBlocks:
-    """Keys and values of prompts' blocks of PREFIX_BLOCK positions, kept after their prefills so that a
-    prompt that begins with the same tokens (a multiple-choice item's choices, one context each) runs
-    only the rest. Which block holds what is the host's business (`gpt.inference.prefix_cache_index`).
-
-    k, v: per layer, [blocks * N, PREFIX_BLOCK, H] in the compute dtype: block i is rows i*N .. i*N+N-1.
-    """
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-
-
-def init_prefix_cache(config: GPTConfig, blocks: int) -> PrefixCacheBlocks:
-    """An empty prefix cache of `blocks` blocks."""
-    def layers():
-        return tuple(jnp.zeros((blocks * config.n_head, PREFIX_BLOCK, config.head_dim), config.compute_dtype)
-                     for _ in range(config.n_layer))
-    return PrefixCacheBlocks(k=layers(), v=layers())
-
-
-def save_blocks(cached: PrefixCacheBlocks, prefix: Prefix, starts_M: jax.Array, ids_M: jax.Array) -> PrefixCacheBlocks:
-    """The prefix cache with blocks of row 0 of `prefix` (a one-row Prefix of one page) copied in: the block at
-    position starts_M[m] into cache block ids_M[m] (int32 [M]; an id past the cache's end is skipped)."""
-    heads = prefix.cache.k[0][0].shape[0]  # one row: its N heads
-    rows_MN = (ids_M[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
-
-    def put(cached_layer, page_NCH):
-        blocks_MNBH = jax.vmap(lambda start: jax.lax.dynamic_slice_in_dim(page_NCH, start, PREFIX_BLOCK, axis=1))(starts_M)
-        return cached_layer.at[rows_MN].set(blocks_MNBH.reshape(-1, PREFIX_BLOCK, page_NCH.shape[-1]), mode="drop")
-
-    return PrefixCacheBlocks(k=tuple(put(p, c[0]) for p, c in zip(cached.k, prefix.cache.k)),
-                      v=tuple(put(p, c[0]) for p, c in zip(cached.v, prefix.cache.v)))
-
-
-def load_prefix(config: GPTConfig, cached: PrefixCacheBlocks, ids_M: jax.Array, tokens_C: jax.Array,
-                length: jax.Array) -> Prefix:
-    """A one-row Prefix of C = len(tokens_C) positions whose first `length` hold a prompt's keys and values
-    from prefix cache blocks ids_M (int32 [ceil(C / PREFIX_BLOCK)], block m for positions 16m..16m+15; ids of
-    blocks past `length` may be anything in the cache). tokens_C: int32 [C], the prompt (its first `length`
-    tokens are what the prefix has seen)."""
-    C, heads = tokens_C.shape[0], config.n_head
-    rows_MN = (ids_M[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
-
-    def page(cached_layer):
-        blocks_MNBH = cached_layer[rows_MN].reshape(ids_M.shape[0], heads, PREFIX_BLOCK, -1)
-        return blocks_MNBH.transpose(1, 0, 2, 3).reshape(heads, -1, blocks_MNBH.shape[-1])[:, :C]
-
-    cache = KVCache(k=tuple((page(p),) for p in cached.k), v=tuple((page(p),) for p in cached.v),
-                    lengths=jnp.reshape(length, (1,)).astype(jnp.int32))
-    seen = jnp.zeros((1, config.vocab_size), jnp.bool_).at[0, tokens_C].max(jnp.arange(C) < length)
-    return Prefix(cache=cache, seen=seen, last_hidden=jnp.zeros((1, config.n_embd), config.compute_dtype))
-
-
 def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Array, stop_at_finish: jax.Array,
            max_steps: int, rows_R: jax.Array | None = None, draft_tokens: int = 0,
            draft_weights: Weights | None = None, draft_config: GPTConfig | None = None) -> tuple[Slots, Emitted]:
@@ -759,24 +585,7 @@ def decode_chunk_length(max_steps: int) -> int:
     return max(c for c in range(1, min(choices().decode_chunk, max_steps) + 1) if max_steps % c == 0)
 
 
-# One compiled program per shape; the config is static, the weights, slots and knobs are traced. The
-# slots and a prefix that runs on are donated: their caches are updated in place.
-compiled_prefill = jax.jit(prefill, static_argnames="config", donate_argnames="prefix")
+# `insert`'s two programs (the slots donated: their caches are updated in place); the other verbs' are
+# `gpt.inference.device_slots`'.
 compiled_choose_first = jax.jit(choose_first)
 compiled_place = jax.jit(place, donate_argnames="slots")
-compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps", "draft_tokens", "draft_config"),
-                          donate_argnames="slots")
-compiled_free = jax.jit(free, donate_argnames="slots")
-compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
-compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3, 4, 5))
-compiled_init_prefix_cache = jax.jit(init_prefix_cache, static_argnums=(0, 1))
-compiled_save_blocks = jax.jit(save_blocks, donate_argnames="cached")
-compiled_load_prefix = jax.jit(load_prefix, static_argnames="config")
-
-
-def compiled_programs() -> int:
-    """How many programs the jitted functions that serve requests hold (for tests: none compiles after an
-    engine's warm-up)."""
-    return sum(f._cache_size() for f in (compiled_prefill, compiled_choose_first, compiled_place, compiled_decode,
-                                         compiled_free, compiled_init_prefix, compiled_save_blocks,
-                                         compiled_load_prefix))

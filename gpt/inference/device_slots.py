@@ -18,20 +18,21 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from gpt.inference.decoder import Decoder, int8_draft_weights
 from gpt.inference.decoding import (
     Admission,
-    Decoder,
     Emitted,
     Prefix,
     PromptScores,
     Settings,
-    compiled_decode,
-    compiled_free,
-    compiled_init_prefix,
-    compiled_init_slots,
-    compiled_prefill,
+    compiled_choose_first,
+    compiled_place,
+    decode,
+    free,
+    init_prefix,
+    init_slots,
     insert,
-    int8_draft_weights,
+    prefill,
 )
 from gpt.inference.request import Request
 from gpt.inference.sampling import SamplingParams
@@ -39,7 +40,19 @@ from gpt.model.sharding import data_parallel_size
 from gpt.model.transformer import GPT
 from gpt.program_report import check_compiled_fits, sharded_bytes
 
-__all__ = ["DeviceSlots", "FIT_ADVICE"]
+__all__ = ["DeviceSlots", "FIT_ADVICE", "COMPILED", "compiled_decode", "compiled_init_slots", "compiled_prefill"]
+
+# One compiled program per shape; the config is static, the weights, slots and knobs are traced. The slots and a
+# prefix that runs on are donated: their caches are updated in place.
+compiled_prefill = jax.jit(prefill, static_argnames="config", donate_argnames="prefix")
+compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps", "draft_tokens", "draft_config"),
+                          donate_argnames="slots")
+compiled_free = jax.jit(free, donate_argnames="slots")
+compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
+compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3, 4, 5))
+# The programs that serve requests (`gpt.inference.engine.compiled_programs` counts what they hold).
+COMPILED = (compiled_prefill, compiled_choose_first, compiled_place, compiled_decode, compiled_free,
+            compiled_init_prefix)
 
 # A prefill's row that goes nowhere (over a mesh's data axis a prefill and an insert run rows_per_prefill rows).
 PADDING = Request([0], 1, temperature=0.0)

@@ -40,12 +40,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from gpt.inference import device_slots, prefix_cache
 from gpt.inference.completion import Completion, deliver_prompt_scores
-from gpt.inference.decoding import PREFIX_BLOCK, Decoder, Prefix, Settings, compiled_programs
+from gpt.inference.decoder import Decoder
+from gpt.inference.decoding import Prefix, Settings
 from gpt.inference.device_slots import DeviceSlots
 from gpt.inference.draft_policy import DraftPolicy
 from gpt.inference.engine_settings import EngineSettings
-from gpt.inference.prefix_cache import PrefixCache
+from gpt.inference.prefix_cache import PREFIX_BLOCK, PrefixCache
 from gpt.inference.request import Request, check_request
 from gpt.inference.scheduler import Chunked, Scheduler
 from gpt.inference.shapes import (
@@ -58,7 +60,13 @@ from gpt.inference.shapes import (
 from gpt.model.transformer import GPT
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "compiled_programs"]
+
+
+def compiled_programs() -> int:
+    """How many programs the jitted functions that serve requests hold (for tests: none compiles after an
+    engine's warm-up)."""
+    return sum(f._cache_size() for f in (*device_slots.COMPILED, *prefix_cache.COMPILED))
 
 class Engine:
     """Slots over one KV cache and a bounded queue; see the module docstring.
@@ -69,7 +77,7 @@ class Engine:
       settings: its slots, queue, shapes and draft (`EngineSettings`: a `ServeConfig` is one); `changes`,
         keywords of the same names, change some (`Engine(model, slots=2)`).
       quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
-        (`gpt.inference.decoding.decoding_weights`); a Decoder's own.
+        (`gpt.inference.decoder.decoding_weights`); a Decoder's own.
       mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`); a Decoder's own.
     """
 

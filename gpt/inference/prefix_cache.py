@@ -1,5 +1,5 @@
 """Scored prompts' keys and values kept for later prompts that begin the same: the device's
-`PrefixCacheBlocks` and the host's `PrefixCacheIndex` of it, kept in step.
+`PrefixCacheBlocks` (its programs here) and the host's `PrefixCacheIndex` of it, kept in step.
 
 A scored prompt (`Request.prompt_logprobs`) leaves its whole blocks in the cache after its prefill
 (`keep`); a later one loads what the cache holds of its beginning, with those tokens' scores, and runs only
@@ -8,20 +8,84 @@ the rest (`load`). The choices of a multiple-choice item pay for their shared co
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gpt.inference.completion import Completion
-from gpt.inference.decoding import (
-    PREFIX_BLOCK,
-    Prefix,
-    compiled_init_prefix_cache,
-    compiled_load_prefix,
-    compiled_save_blocks,
-)
+from gpt.inference.decoding import Prefix
 from gpt.inference.device_slots import DeviceSlots
 from gpt.inference.prefix_cache_index import PrefixCacheIndex
+from gpt.model.config import GPTConfig
+from gpt.model.kv_cache import KVCache
 
-__all__ = ["PrefixCache"]
+__all__ = ["PrefixCache", "PrefixCacheBlocks", "PREFIX_BLOCK", "init_prefix_cache", "save_blocks", "load_prefix",
+           "COMPILED"]
+
+PREFIX_BLOCK = 16  # positions per block of the prefix cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheBlocks:
+    """Keys and values of prompts' blocks of PREFIX_BLOCK positions, kept after their prefills so that a
+    prompt that begins with the same tokens (a multiple-choice item's choices, one context each) runs
+    only the rest. Which block holds what is the host's business (`gpt.inference.prefix_cache_index`).
+
+    k, v: per layer, [blocks * N, PREFIX_BLOCK, H] in the compute dtype: block i is rows i*N .. i*N+N-1.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def init_prefix_cache(config: GPTConfig, blocks: int) -> PrefixCacheBlocks:
+    """An empty prefix cache of `blocks` blocks."""
+    def layers():
+        return tuple(jnp.zeros((blocks * config.n_head, PREFIX_BLOCK, config.head_dim), config.compute_dtype)
+                     for _ in range(config.n_layer))
+    return PrefixCacheBlocks(k=layers(), v=layers())
+
+
+def save_blocks(cached: PrefixCacheBlocks, prefix: Prefix, starts_M: jax.Array, ids_M: jax.Array) -> PrefixCacheBlocks:
+    """The prefix cache with blocks of row 0 of `prefix` (a one-row Prefix of one page) copied in: the block at
+    position starts_M[m] into cache block ids_M[m] (int32 [M]; an id past the cache's end is skipped)."""
+    heads = prefix.cache.k[0][0].shape[0]  # one row: its N heads
+    rows_MN = (ids_M[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
+
+    def put(cached_layer, page_NCH):
+        blocks_MNBH = jax.vmap(lambda start: jax.lax.dynamic_slice_in_dim(page_NCH, start, PREFIX_BLOCK, axis=1))(starts_M)
+        return cached_layer.at[rows_MN].set(blocks_MNBH.reshape(-1, PREFIX_BLOCK, page_NCH.shape[-1]), mode="drop")
+
+    return PrefixCacheBlocks(k=tuple(put(p, c[0]) for p, c in zip(cached.k, prefix.cache.k)),
+                      v=tuple(put(p, c[0]) for p, c in zip(cached.v, prefix.cache.v)))
+
+
+def load_prefix(config: GPTConfig, cached: PrefixCacheBlocks, ids_M: jax.Array, tokens_C: jax.Array,
+                length: jax.Array) -> Prefix:
+    """A one-row Prefix of C = len(tokens_C) positions whose first `length` hold a prompt's keys and values
+    from prefix cache blocks ids_M (int32 [ceil(C / PREFIX_BLOCK)], block m for positions 16m..16m+15; ids of
+    blocks past `length` may be anything in the cache). tokens_C: int32 [C], the prompt (its first `length`
+    tokens are what the prefix has seen)."""
+    C, heads = tokens_C.shape[0], config.n_head
+    rows_MN = (ids_M[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
+
+    def page(cached_layer):
+        blocks_MNBH = cached_layer[rows_MN].reshape(ids_M.shape[0], heads, PREFIX_BLOCK, -1)
+        return blocks_MNBH.transpose(1, 0, 2, 3).reshape(heads, -1, blocks_MNBH.shape[-1])[:, :C]
+
+    cache = KVCache(k=tuple((page(p),) for p in cached.k), v=tuple((page(p),) for p in cached.v),
+                    lengths=jnp.reshape(length, (1,)).astype(jnp.int32))
+    seen = jnp.zeros((1, config.vocab_size), jnp.bool_).at[0, tokens_C].max(jnp.arange(C) < length)
+    return Prefix(cache=cache, seen=seen, last_hidden=jnp.zeros((1, config.n_embd), config.compute_dtype))
+
+
+compiled_init_prefix_cache = jax.jit(init_prefix_cache, static_argnums=(0, 1))
+compiled_save_blocks = jax.jit(save_blocks, donate_argnames="cached")
+compiled_load_prefix = jax.jit(load_prefix, static_argnames="config")
+COMPILED = (compiled_save_blocks, compiled_load_prefix)  # the ones a request runs
 
 
 def _blocks(length: int) -> int:

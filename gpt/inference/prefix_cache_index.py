@@ -1,4 +1,4 @@
-"""Which prompt prefixes the prefix cache holds (`gpt.inference.decoding.PrefixCacheBlocks`): the host's index
+"""Which prompt prefixes the prefix cache holds (`gpt.inference.prefix_cache.PrefixCacheBlocks`): the host's index
 of its blocks, with no JAX in it.
 
 A scored prompt (`Request.prompt_logprobs`) leaves its whole blocks of PREFIX_BLOCK tokens in the cache,

@@ -6,12 +6,11 @@ import dataclasses
 import math
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 
 from gpt.errors import ConfigError
 
-__all__ = ["GPTConfig", "PRESETS", "flops_per_token"]
+__all__ = ["GPTConfig", "PRESETS"]
 
 Position = Literal["learned", "sinusoidal", "rope"]
 Activation = Literal["gelu", "relu2"]
@@ -136,24 +135,6 @@ class GPTConfig:
         if name not in PRESETS:
             raise ConfigError(f"unknown GPTConfig preset {name!r}; known presets: {', '.join(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
-
-    def num_params(self) -> int:
-        """Parameter count, of the parameters a GPT of this config makes (shapes only: nothing is allocated);
-        a tied LM head is the token embedding, counted once."""
-        from flax import nnx
-
-        from gpt.model.transformer import GPT  # the model's own parameters, not a restatement of them
-
-        abstract = nnx.eval_shape(lambda: GPT(self, rngs=nnx.Rngs(0)))
-        return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-
-
-def flops_per_token(config: GPTConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters: the LM head is one matmul, a lookup table is none)
-    plus 12 x layers x width x sequence for attention's two matmuls (the PaLM paper's formula, appendix B)."""
-    tables = (config.block_size if config.position == "learned" else 0) + (0 if config.tied_head else config.vocab_size)
-    matmul_params = config.num_params() - tables * config.n_embd
-    return 6 * matmul_params + 12 * config.n_layer * config.n_embd * seq_len
 
 
 PRESETS: dict[str, GPTConfig] = {

@@ -125,5 +125,5 @@ class Bf16Matrix:
         return self.values_KD[ids].astype(jnp.float32)
 
 
-# --quantize: how a decoder stores its matrices (`gpt.inference.decoding.decoding_weights`).
+# --quantize: how a decoder stores its matrices (`gpt.inference.decoder.decoding_weights`).
 QUANTIZED_LAYOUTS = {"int8": Int8Matrix, "bf16": Bf16Matrix}

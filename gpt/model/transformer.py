@@ -31,7 +31,8 @@ from gpt.model.loss import lm_head_cross_entropy
 from gpt.model.parameters import BLOCK_WEIGHTS
 from gpt.model.sharding import constrain
 
-__all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_normalize"]
+__all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_normalize",
+           "in_compute_dtype", "num_params", "flops_per_token"]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -463,3 +464,18 @@ class GPT(nnx.Module):
             if low < 0 or high >= self.config.vocab_size:
                 raise ConfigError(f"token id {low if low < 0 else high} is outside the vocabulary "
                                   f"[0, {self.config.vocab_size})")
+
+
+def num_params(config: GPTConfig) -> int:
+    """Parameter count of the parameters a GPT of `config` makes (shapes only: nothing is allocated); a tied LM
+    head is the token embedding, counted once."""
+    abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def flops_per_token(config: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters: the LM head is one matmul, a lookup table is none)
+    plus 12 x layers x width x sequence for attention's two matmuls (the PaLM paper's formula, appendix B)."""
+    tables = (config.block_size if config.position == "learned" else 0) + (0 if config.tied_head else config.vocab_size)
+    matmul_params = num_params(config) - tables * config.n_embd
+    return 6 * matmul_params + 12 * config.n_layer * config.n_embd * seq_len

@@ -19,9 +19,9 @@ from flax import nnx
 
 from gpt.hardware import chip_of
 from gpt.model.backend import choices
-from gpt.model.config import GPTConfig, flops_per_token
+from gpt.model.config import GPTConfig
 from gpt.model.sharding import abstract, param_shardings, replicated
-from gpt.model.transformer import GPT, in_compute_dtype
+from gpt.model.transformer import GPT, flops_per_token, in_compute_dtype
 from gpt.train.optimizer import OptimizerConfig, learning_rates, make_optimizer
 
 __all__ = ["loss_fn", "init_train_state", "abstract_train_state", "make_train_step", "make_eval_step", "all_finite",

@@ -55,7 +55,7 @@ from gpt.model.sharding import (
     make_mesh,
     parse_mesh,
 )
-from gpt.model.transformer import GPT
+from gpt.model.transformer import GPT, num_params
 from gpt.program_report import check_compiled_fits, compile_within_memory
 from gpt.run_dir import RunLock, check_identity, identity, newest_step
 from gpt.signals import StopSignals
@@ -463,7 +463,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
         params, opt_state = trees["params"], trees["opt_state"]
         log(f"resumed from {checkpoints.directory / str(start)}")
     end = min(config.optim.max_steps, config.stop_after or config.optim.max_steps)
-    log(f"model: {model_config.num_params():,} parameters; data: {meta['train_tokens']:,} train / "
+    log(f"model: {num_params(model_config):,} parameters; data: {meta['train_tokens']:,} train / "
         f"{meta['val_tokens']:,} val tokens; mesh {dict(mesh.shape)}, params + optimizer state "
         f"{max(bytes_per_device((params, opt_state)).values()) / 2**20:.1f} MiB per device; steps {start} -> {end}")
     if start >= end:
