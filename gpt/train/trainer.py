@@ -25,7 +25,6 @@ import dataclasses
 import functools
 import math
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -43,7 +42,7 @@ from gpt.data.loader import Batches
 from gpt.data.prefetch import Prefetch
 from gpt.data.prepare import CorpusChoice, corpus_identity, default_corpus, prepare, sources
 from gpt.data.shards import verify_shards
-from gpt.errors import ConfigError, RunFailed, check_fits_in_memory
+from gpt.errors import ConfigError, check_fits_in_memory
 from gpt.hardware import CompileOnlyChoice
 from gpt.model import gpt2
 from gpt.model.config import PRESETS, GPTConfig
@@ -64,14 +63,13 @@ from gpt.train.checkpoint import CheckpointManager, config_to_json
 from gpt.train.metrics import MetricsWriter
 from gpt.train.optimizer import OptimizerConfig, make_schedule
 from gpt.train.peers import PeerWatch, agree_on_signal, wait_for_all
+from gpt.train.pending_metrics import NonFiniteStep, PendingMetrics
 from gpt.train.profile import StepTrace, parse_step_range
 from gpt.train.step import (
     TrainStep,
-    flops_per_token,
     init_train_state,
     make_eval_step,
     make_train_step,
-    peak_flops,
 )
 
 __all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setup", "loop", "Plan", "Run",
@@ -196,10 +194,6 @@ class TrainConfig(CorpusChoice, CompileCacheChoice, CompileOnlyChoice):
         rest (what a checkpoint records, in the same shape whichever code wrote it)."""
         mine = config_to_json(self)
         return {**{name: value for name, value in mine.items() if name != "optim"}, **mine["optim"]}
-
-
-class NonFiniteStep(RunFailed):
-    """A step's loss, gradient norm or updated parameters were not finite; it was not saved."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,7 +502,7 @@ def loop(run: Run, log=print) -> TrainResult:
     checkpoint). The loop never waits on the host; it waits for the device only to evaluate, to save and
     at the end."""
     config = run.config
-    step, pending, deferred_log, val_loss, stop_signal = run.start, _Pending(run), None, None, None
+    step, pending, deferred_log, val_loss, stop_signal = run.start, PendingMetrics(run), None, None, None
     every = lambda interval: step % interval == 0 or step == run.end  # noqa: E731
     profile = _Profile(run)
     try:
@@ -568,7 +562,7 @@ def _stop_signal(stop: StopSignals, step: int, log_interval: int) -> int | None:
     return agree_on_signal(stop.received) if step % log_interval == 0 else None
 
 
-def _log(run: Run, pending: _Pending, step: int, bar) -> None:
+def _log(run: Run, pending: PendingMetrics, step: int, bar) -> None:
     record = pending.record(step)
     run.writer.write(record)
     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -601,65 +595,3 @@ class _Profile:
                 "block_size": c.block_size, "accumulation": c.grad_accum}, hlo)
             log(f"profile of steps {self.first}-{step - 1} written to {directory}: "
                 f"python bench/step_profile.py {directory}")
-
-
-_STEPS_IN_FLIGHT = 2
-
-
-class _Pending:
-    """The metrics of steps dispatched but not yet read: they stay on the device until the loop must know
-    them (a log record, a save, the end), then are read together, and the first non-finite step among
-    them stops the run."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self.steps: list[tuple[int, dict]] = []  # (step, device metrics), oldest first
-        self.losses: list[float] = []  # read, not yet in a record
-        self.grad_norm: float | None = None
-        self.last_loss: float | None = None
-        self.since, self.steps_timed = time.perf_counter(), 0
-        c = run.config
-        self.tokens_per_step = c.batch_size * c.grad_accum * c.block_size
-        self.flops_per_step = flops_per_token(run.model_config, c.block_size) * self.tokens_per_step
-        self.peak = peak_flops(c.peak_flops)
-
-    def add(self, step: int, metrics: dict) -> None:
-        """Keep `step`'s metrics, and wait (reading nothing) until at most `_STEPS_IN_FLIGHT` steps are
-        queued on the device: it always has the next one, and the batches queued for it stay few."""
-        self.steps.append((step, metrics))
-        if len(self.steps) > _STEPS_IN_FLIGHT:
-            self.steps[-_STEPS_IN_FLIGHT - 1][1]["finite"].block_until_ready()
-
-    def read(self, through: int) -> None:
-        """Read the metrics of every pending step up to `through` (one transfer); raise NonFiniteStep
-        naming the first that was not finite."""
-        due = [(step, metrics) for step, metrics in self.steps if step <= through]
-        self.steps = self.steps[len(due):]
-        for step, values in zip([s for s, _ in due], jax.device_get([m for _, m in due])):
-            if not values["finite"]:
-                self.run.checkpoints.wait()  # a save in flight is of an earlier step, which was finite
-                raise NonFiniteStep(_non_finite_message(step, values, self.run.checkpoints))
-            self.losses.append(float(values["loss"]))
-            self.grad_norm = float(values["grad_norm"])
-        self.steps_timed += len(due)
-
-    def record(self, step: int) -> dict:
-        """The log record of `step`: the mean loss since the last record, the time a step took since then."""
-        self.read(step)
-        now = time.perf_counter()
-        seconds = (now - self.since) / max(self.steps_timed, 1)
-        record = {"step": step, "loss": float(np.mean(self.losses)), "lr": float(self.run.schedule(step - 1)),
-                  "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_step / seconds,
-                  "mfu": self.flops_per_step / seconds / (self.peak * jax.device_count()) if self.peak else None}
-        self.last_loss, self.losses, self.since, self.steps_timed = record["loss"], [], now, 0
-        return record
-
-
-def _non_finite_message(step: int, values: dict, checkpoints: CheckpointManager) -> str:
-    named = {"loss": float(values["loss"]), "grad norm": float(values["grad_norm"])}
-    bad = [f"{name} {value}" for name, value in named.items() if not np.isfinite(value)] or ["updated parameters"]
-    last = checkpoints.latest_step()
-    after = (f"The newest checkpoint, step {last} in {checkpoints.directory}, is finite: resume from it with a "
-             f"lower --lr (and --resume_anyway)" if last is not None else
-             "No checkpoint was saved before it: start again with a lower --lr")
-    return f"step {step} gave a non-finite {', '.join(bad)}; it was not saved. {after}"
