@@ -13,6 +13,8 @@ from gpt import GPT, GPTConfig
 from gpt.model import backend
 from gpt.model.loss import _chunk_length, lm_head_cross_entropy
 
+from jaxprs import walk
+
 
 def reference_loss(x_BTD, table_VD, targets_BT):
     logits = jnp.einsum("BTD,VD->BTV", x_BTD, table_VD, preferred_element_type=jnp.float32)
@@ -106,14 +108,6 @@ def test_a_padded_head_gives_the_unpadded_loss_and_gradients(monkeypatch, smooth
 def head_product_widths(loss, x, table) -> set[int]:
     """The widths of the logits [M, P] that the head's products (x [M, D] by the table [P, D]) write in the
     program of `loss`'s gradient."""
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            yield eqn
-            for param in eqn.params.values():
-                inner = getattr(param, "jaxpr", param)
-                if hasattr(inner, "eqns"):
-                    yield from walk(inner)
-
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, table).jaxpr
     return {eqn.outvars[0].aval.shape[-1] for eqn in walk(jaxpr) if eqn.primitive.name == "dot_general"
             and eqn.params["dimension_numbers"][0] == ((1,), (1,)) and eqn.outvars[0].aval.ndim == 2}

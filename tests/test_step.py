@@ -18,6 +18,8 @@ from gpt.train import step as step_module
 from gpt.train.optimizer import OptimizerConfig, make_optimizer, make_schedule, muon_or_adamw
 from gpt.train.step import init_train_state, make_train_step
 
+from jaxprs import walk
+
 L, D, N, H, F, V = 2, 8, 2, 4, 12, 10
 SHAPES = {"qkv_kernel": (L, D, 3, N, H), "out_kernel": (L, N, H, D), "fc_kernel": (L, D, F),
           "proj_kernel": (L, F, D), "ln1_scale": (L, D)}
@@ -163,13 +165,3 @@ def test_casting_the_blocks_weights_once_a_step_changes_no_number(monkeypatch):
     assert len(once) == len(each_micro_batch)
     for got, want in zip(once, each_micro_batch):
         np.testing.assert_array_equal(got, want)
-
-
-def walk(jaxpr):
-    """Every equation of `jaxpr`, and of the programs nested in it (loops, calls), depth first."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from walk(inner)
