@@ -438,8 +438,9 @@ def test_a_process_that_waits_too_long_for_the_corpus_stops_with_a_clear_error(t
 
 
 def test_a_step_too_large_for_the_devices_memory_is_one_line_from_its_compiled_program(tmp_path, corpus):
-    # ~1.7 TB of activations a step: over any host's memory, found in the compiled program before the first step
-    # (it had been an allocator's RESOURCE_EXHAUSTED traceback from inside it).
+    # ~1.7 TB of activations a step: over any host's memory, found in the program compiled from the state's
+    # shapes before the corpus is prepared (it had been an allocator's RESOURCE_EXHAUSTED traceback from inside
+    # the first step, after a preparation that can take hours).
     with pytest.raises(ConfigError) as error:
         run(tmp_path, corpus, batch_size=2_000_000, num_devices=1)
     message = str(error.value)
@@ -448,6 +449,7 @@ def test_a_step_too_large_for_the_devices_memory_is_one_line_from_its_compiled_p
     assert "--grad_accum" in message and "--model.remat" in message and "fsdp" in message
     assert not (tmp_path / "run" / "checkpoints").exists() or saved_steps(tmp_path / "run") == []
     assert logged_steps(tmp_path / "run") == []
+    assert not list((tmp_path / "run").glob("data/*.bin")) and not (tmp_path / "run" / "data" / "meta.json").exists()
 
 
 # ------------------------------------------------------------------------------------------ RunFailed is one line

@@ -67,6 +67,7 @@ from gpt.train.pending_metrics import NonFiniteStep, PendingMetrics
 from gpt.train.profile import StepTrace, parse_step_range
 from gpt.train.step import (
     TrainStep,
+    abstract_train_state,
     init_train_state,
     make_eval_step,
     make_train_step,
@@ -421,11 +422,19 @@ class Run:
 
 
 def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
-    """Prepare the corpus (process 0; the others wait for it), make the loaders, place the train state on
-    the mesh or restore it from the newest intact checkpoint, and compile the steps."""
+    """Compile the train step from the state's shapes (a step that cannot fit the devices' memory stops the
+    run here, before the corpus's preparation, which can take hours), prepare the corpus (process 0; the others
+    wait for it), make the loaders, and place the train state on the mesh or restore it from the newest intact
+    checkpoint."""
     config, model_config, mesh = checked.config, checked.model_config, checked.mesh
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = checked.out_dir / "data"
+    optimizer = config.optim
+    graphdef, abstract_params, abstract_opt_state, shardings = abstract_train_state(model_config, optimizer, mesh)
+    train_step = _compiled_within_memory(make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0,
+                                                         mesh=mesh, shardings=shardings,
+                                                         label_smoothing=config.label_smoothing),
+                                         abstract_params, abstract_opt_state, config, mesh)
 
     def prepare_corpus() -> dict:  # under the data directory's lock, which the run holds
         return prepare(checked.inputs, data_dir, config.val_fraction, config.text_field,
@@ -447,8 +456,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
 
     # From here on, work is compiled.
-    optimizer = config.optim
-    graphdef, params, opt_state, shardings = init_train_state(_build_model(config, model_config), optimizer, mesh)
+    _, params, opt_state, _ = init_train_state(_build_model(config, model_config), optimizer, mesh)
     restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state},
                                                  {"params": shardings[0], "opt_state": shardings[1]}, log)
     start = 0
@@ -463,10 +471,6 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     if start >= end:
         log(f"nothing to train: {checked.out_dir} is at step {start} and this run ends at step {end} (raise "
             f"--max_steps, with --resume_anyway, to train further)")
-    train_step = _compiled_within_memory(make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0,
-                                                         mesh=mesh, shardings=shardings,
-                                                         label_smoothing=config.label_smoothing),
-                                         params, opt_state, config, mesh)
     return Run(config, model_config, mesh, checked.identity, data_identity, graphdef, params, opt_state, train_step,
                make_eval_step(graphdef, mesh), make_schedule(optimizer, optimizer.lr), train_batches, val_batches,
                checkpoints, MetricsWriter(checked.out_dir, resume_step=start, enabled=pid == 0), start, end)
