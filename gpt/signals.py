@@ -17,9 +17,10 @@ from typing import NoReturn
 __all__ = ["StopSignals"]
 
 
-class _Stopped(BaseException):
-    """Raised by an `at_once` handler. A BaseException, as KeyboardInterrupt is, so that no `except
-    Exception` on the way swallows it; the block that raised it absorbs it."""
+class _Stopped(KeyboardInterrupt):
+    """Raised by an `at_once` handler. A KeyboardInterrupt, so that no `except Exception` on the way swallows
+    it, and so that an event loop's callback it lands in (Orbax's asyncio, during a checkpoint's read) lets it
+    through rather than logging its traceback; the block that raised it absorbs it."""
 
 
 class StopSignals:
