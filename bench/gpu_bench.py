@@ -39,7 +39,7 @@ from pathlib import Path
 
 import tyro
 
-from variants import Lever, Levers
+from variants import Lever, Levers, ran_with, report, run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 OOM_EXIT = 3  # a worker's exit status when its micro-batch does not fit
@@ -188,18 +188,7 @@ def jax_worker(job: Job) -> dict:
     if job.profile_dir:
         trace_steps(job, config, train_step, state, batches, key, step)
     return {**result, "peak_bytes": stats.get("peak_bytes_in_use"), "device": jax.devices()[0].device_kind,
-            "dtype": config.dtype, "ran_with": ran_with(config)}
-
-
-def ran_with(config) -> dict:
-    """What the worker's step was built with, of what the levers change: the backend table's row, the model's
-    FP8 and the XLA options it started with."""
-    import jax
-
-    from gpt.model.backend import choices
-
-    return {**dataclasses.asdict(choices()), "fp8": config.fp8, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "optimization_level": str(jax.config.jax_optimization_level)}
+            "dtype": config.dtype, "ran_with": {**ran_with(), "fp8": config.fp8}}
 
 
 def trace_steps(job: Job, config, train_step, state: dict, batches, key, step) -> None:
@@ -287,23 +276,15 @@ def worker(job: Job) -> int:
         if is_oom(error):
             return OOM_EXIT
         raise
-    print("RESULT " + json.dumps({**dataclasses.asdict(job), **result}), flush=True)
+    report({**dataclasses.asdict(job), **result})
     return 0
 
 
 def run_job(job: Job, timeout_s: float) -> dict | None:
     """The worker's result row, None when the micro-batch does not fit; raises on any other failure."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".92"),
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".92"),
            **levers().env(job.variant)}
-    command = [sys.executable, __file__, "--worker", json.dumps(dataclasses.asdict(job))]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode == OOM_EXIT:
-        return None
-    rows = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not rows:
-        raise RuntimeError(f"{job} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(rows[-1])
+    return run_worker(__file__, dataclasses.asdict(job), env, timeout_s, quiet_exit=OOM_EXIT)
 
 
 def largest_that_fits(bench: Bench, make_job) -> dict | None:
@@ -365,8 +346,9 @@ def peer_rows(bench: Bench, preset: str, micro_batch: int, impl: str) -> list[di
         return []
     if row is None:
         return []
-    print("  " + table([add_rates(row)]).splitlines()[-1], flush=True)
-    return [add_rates(row)]
+    row = add_rates(row)
+    print("  " + table([row]).splitlines()[-1], flush=True)
+    return [row]
 
 
 def main(bench: Bench) -> list[dict]:

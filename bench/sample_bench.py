@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from gpt.inference.decoder import Decoder
 from gpt.model import gpt2
 
 from machine import cpu_name
-from variants import Lever, Levers
+from variants import Lever, Levers, ran_with, report, run_worker
 
 # XLA's command buffers (CUDA graphs) over every kind of op, loops and conditionals included, from one op up:
 # a decode chunk, its sampler's branches and its loop replay as one graph with no host round trip.
@@ -93,27 +92,15 @@ def ours_in_a_process(variant: str, directory, prompts, new_tokens, dtype, repea
     """`bench_ours` in a worker process started with `variant`'s levers; its row, with the device's name and
     what the worker's backend row and XLA options were."""
     job = dict(directory=str(directory), prompts=prompts, new_tokens=new_tokens, dtype=dtype, repeats=repeats,
-               quantize=quantize)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")]),
-           **decode_levers().env(variant)}
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    rows = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not rows:
-        raise RuntimeError(f"variant {variant} ({quantize}) failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(rows[-1])
+               quantize=quantize, variant=variant)
+    return run_worker(__file__, job, decode_levers().env(variant), timeout_s=900)
 
 
 def worker(job: dict) -> None:
-    from gpt.model.backend import choices
-
     ttft, speed, tokens, step_bytes = bench_ours(job["directory"], job["prompts"], job["new_tokens"], job["dtype"],
                                                  job["repeats"], job["quantize"])
-    ran_with = {"decode_chunk": choices().decode_chunk, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                "optimization_level": str(jax.config.jax_optimization_level)}
-    print("RESULT " + json.dumps({"ttft": ttft, "speed": speed, "tokens": tokens, "step_bytes": step_bytes,
-                                  "device": jax.devices()[0].device_kind, "ran_with": ran_with}), flush=True)
+    report({"ttft": ttft, "speed": speed, "tokens": tokens, "step_bytes": step_bytes,
+            "device": jax.devices()[0].device_kind, "ran_with": ran_with()})
 
 
 def mbu(row: dict, batch: int) -> float | None:

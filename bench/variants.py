@@ -3,7 +3,8 @@ call measures every candidate beside the baseline.
 
 A lever changes cells of the backend table's row (`gpt.model.backend`, through `GPT_BACKEND_CHOICES`), fields of
 the model's config, or environment variables that JAX and XLA read as they start (`XLA_FLAGS`,
-`JAX_OPTIMIZATION_LEVEL`): so each variant runs in a process of its own, started with `Levers.env(variant)`.
+`JAX_OPTIMIZATION_LEVEL`): so each variant runs in a process of its own, started with `Levers.env(variant)`
+(`run_worker`), which reports its row and what it ran with (`report`, `ran_with`).
 A variant's name is `baseline` (no lever), a lever's name, several joined by "+", or `all` (the levers
 `together` names: those that can be combined, and whose numbers are the baseline's).
 """
@@ -13,9 +14,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
-__all__ = ["Lever", "Levers"]
+__all__ = ["Lever", "Levers", "run_worker", "report", "ran_with"]
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = "RESULT "  # the line a worker prints its row on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,3 +75,33 @@ class Levers:
                 self.of(variant)
         except ValueError as error:
             raise SystemExit(f"{os.path.basename(sys.argv[0])}: {error}") from None
+
+
+def run_worker(script: str, job: dict, env: dict, timeout_s: float, quiet_exit: int | None = None) -> dict | None:
+    """`python script --worker JOB` with `env` over this process's (the repository first on PYTHONPATH): the row
+    it `report`ed; None when it exits with `quiet_exit` (a benchmark's "does not fit"); RuntimeError with its
+    stderr's tail on any other failure."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env}
+    done = subprocess.run([sys.executable, script, "--worker", json.dumps(job)], env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    if quiet_exit is not None and done.returncode == quiet_exit:
+        return None
+    rows = [line[len(RESULT):] for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if done.returncode != 0 or not rows:
+        raise RuntimeError(f"{job} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(rows[-1])
+
+
+def report(row: dict) -> None:
+    """A worker's row, as `run_worker` reads it."""
+    print(RESULT + json.dumps(row), flush=True)
+
+
+def ran_with() -> dict:
+    """What a worker runs with, of what levers change: its backend row, and the XLA options it started with."""
+    import jax
+
+    from gpt.model.backend import choices
+
+    return {**dataclasses.asdict(choices()), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "optimization_level": str(jax.config.jax_optimization_level)}

@@ -96,24 +96,29 @@ def generate(
     Returns:
       One list of new token ids per prompt.
     """
-    config = model.config
-    prompts = check_prompts(prompts, max_new_tokens, config.vocab_size, config.block_size)
-    max_new_tokens = int(max_new_tokens)  # a numpy integer too
-    SamplingParams.check(temperature, top_k, top_p, min_p, repetition_penalty)
-    stop_tokens = check_stop_tokens(stop_tokens, config.vocab_size)
-    if not is_int(max_batch) or max_batch < 1:
-        raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    repetition_penalty=repetition_penalty)
+    prompts, max_new_tokens, stop_tokens = _checked(model.config, prompts, max_new_tokens, stop_tokens, max_batch,
+                                                    sampling)
     engine = _engine_for(model, prompts, max_new_tokens, len(stop_tokens), on_token is not None, max_batch,
                          quantize=quantize, mesh=mesh, draft=draft, draft_tokens=draft_tokens)
-    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                 repetition_penalty=repetition_penalty, seed=seed, stop_tokens=tuple(stop_tokens),
-                 stop_strings=stop_strings)
+    knobs = dict(sampling, seed=seed, stop_tokens=tuple(stop_tokens), stop_strings=stop_strings)
     completions = [engine.submit(Request(prompt, max_new_tokens, stream=row, **knobs),
                                  None if on_token is None else _streamer(on_token, row))
                    for row, prompt in enumerate(prompts)]
     engine.run(completions)
     return [c.tokens for c in completions]
+
+
+def _checked(config, prompts, max_new_tokens, stop_tokens, max_batch: int, sampling: dict):
+    """A `generate` call's arguments checked (ConfigError naming the first bad one) before anything is laid out or
+    compiled: (the prompts as lists, max_new_tokens as an int, the stop tokens as a list)."""
+    prompts = check_prompts(prompts, max_new_tokens, config.vocab_size, config.block_size)
+    SamplingParams.check(**sampling)
+    stop_tokens = check_stop_tokens(stop_tokens, config.vocab_size)
+    if not is_int(max_batch) or max_batch < 1:
+        raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+    return prompts, int(max_new_tokens), stop_tokens  # a numpy integer too
 
 
 def _streamer(on_token: Callable[[int, int], None], row: int) -> Callable:

@@ -163,9 +163,11 @@ def in_compute_dtype(config: GPTConfig, p: dict) -> dict:
     """A block's weights (one layer's, or stacked on a layer axis) as its forward reads them: each in the compute
     dtype but the LayerNorms' (`BlockWeight.norm`), which stay as stored; None stays None. A no-op on weights
     already cast (the train step may cast them once for all its micro-batches: `params_cast_once`)."""
-    keep = {w.name for w in BLOCK_WEIGHTS if w.norm}
     dtype = config.compute_dtype
-    return {name: a if a is None or name in keep else a.astype(dtype) for name, a in p.items()}
+    return {name: a if a is None or name in _NORMS else a.astype(dtype) for name, a in p.items()}
+
+
+_NORMS = frozenset(w.name for w in BLOCK_WEIGHTS if w.norm)  # the weights a block reads as stored
 
 
 def _linear(scope: str, x_BTD: jax.Array, kernel, bias: jax.Array | None) -> jax.Array:
