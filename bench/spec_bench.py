@@ -87,7 +87,8 @@ def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens, tempe
             engine = Engine(decoder, slots=1, cache_length=len(prompt) + new_tokens, steps_per_call=new_tokens,
                             draft=draft, draft_tokens=draft_tokens)
             engine.run([engine.submit(Request(prompt, new_tokens, temperature=temperature, seed=seed_of(prompt)))])
-            drafted, accepted = drafted + engine.drafts.tokens_drafted, accepted + engine.drafts.drafts_accepted
+            policy = engine.draft_policy
+            drafted, accepted = drafted + policy.tokens_drafted, accepted + policy.drafts_accepted
     return len(prompts) * new_tokens / seconds, accepted / drafted if drafted else None, outputs
 
 
@@ -99,13 +100,13 @@ def bench_engine(decoder, prompts, new_tokens, repeats, draft, draft_tokens, ste
     prompts compiles and measures; the timed passes follow."""
     engine = Engine(decoder, slots=1, cache_length=max(map(len, prompts)) + new_tokens, steps_per_call=steps_per_call,
                     max_queue=1, draft=draft, draft_tokens=draft_tokens)
-    ks = []
-    if engine.drafts is not None:
-        def choose(width, slots, policy=engine.drafts.choose):  # the policy's choice (or the fixed K), kept
-            ks.append(draft_tokens if fixed else policy(width, slots))
+    ks, policy = [], engine.draft_policy
+    if policy is not None:
+        def choose(width, slots, chosen=policy.choose):  # the policy's choice (or the fixed K), kept
+            ks.append(draft_tokens if fixed else chosen(width, slots))
             return ks[-1]
 
-        engine.drafts.choose = choose
+        policy.choose = choose
 
     def run(prompt):
         completion = engine.submit(Request(prompt, new_tokens, temperature=temperature, seed=seed_of(prompt)))
@@ -114,10 +115,10 @@ def bench_engine(decoder, prompts, new_tokens, repeats, draft, draft_tokens, ste
 
     outputs = [run(prompt) for prompt in prompts]
     ks.clear()
-    drafted, accepted = (engine.drafts.tokens_drafted, engine.drafts.drafts_accepted) if engine.drafts else (0, 0)
+    drafted, accepted = (policy.tokens_drafted, policy.drafts_accepted) if policy else (0, 0)
     seconds = sum(timed(functools.partial(run, prompt), repeats) for prompt in prompts)
-    if engine.drafts is not None:
-        drafted, accepted = engine.drafts.tokens_drafted - drafted, engine.drafts.drafts_accepted - accepted
+    if policy is not None:
+        drafted, accepted = policy.tokens_drafted - drafted, policy.drafts_accepted - accepted
     shares = {k: ks.count(k) / len(ks) for k in sorted(set(ks))}
     return len(prompts) * new_tokens / seconds, accepted / drafted if drafted else None, outputs, shares
 

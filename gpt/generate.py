@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from gpt.errors import ConfigError
 from gpt.inference.decoder import Decoder
+from gpt.inference.drafters import Drafter
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request, check_prompts, check_stop_tokens, is_int
 from gpt.inference.sampling import SamplingParams
@@ -60,7 +61,7 @@ def generate(
     quantize: str | None = None,
     mesh: Mesh | None = None,
     max_batch: int = 64,
-    draft: str | GPT | Decoder | None = None,
+    draft: str | GPT | Decoder | Drafter | None = None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens.
@@ -88,9 +89,10 @@ def generate(
       max_batch: the most prompts decoded at once (the engine's slots); the rest wait and enter as rows
         finish. The results do not depend on it: a row gives what it gives alone.
       draft: what drafts each row's next tokens, up to `draft_tokens` of them verified a step
-        (`gpt.inference.speculation`): "ngram", the row's own prompt and output (prompt lookup); "int8",
+        (`gpt.inference.drafters`): "ngram", the row's own prompt and output (prompt lookup); "int8",
         the model's weights in int8; a smaller GPT with the same vocabulary and at least the context the
-        rows need (or its Decoder, laid out once). The same tokens as without a draft, sooner where the
+        rows need (or its Decoder, laid out once); or a Drafter made for `model` before (`make_drafter`,
+        made once for many calls). The same tokens as without a draft, sooner where the
         draft guesses well. None (or "none") decodes without one.
       draft_tokens: the most drafted tokens a step verifies.
     Returns:

@@ -10,9 +10,10 @@ from gpt.compilation_cache import CompileCacheChoice
 from gpt.errors import ConfigError, MissingInput, check_fits_in_memory
 from gpt.generate import cache_length_for, generate_text, new_tokens_that_fit
 from gpt.inference.decoder import Decoder
+from gpt.inference.drafters import make_drafter
 from gpt.inference.engine_settings import DraftChoice
 from gpt.inference.sampling import SamplingParams
-from gpt.inference.speculation import check_draft, check_draft_model
+from gpt.inference.speculation import check_draft
 from gpt.loading import ModelChoice, load, load_draft
 from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.tokenizer import get_tokenizer
@@ -80,11 +81,10 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     max_new_tokens = config.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = new_tokens_that_fit(model.config, start, _DEFAULT_NEW_TOKENS)
-    if not isinstance(draft, str):  # before anything is laid out, over the positions the rows hold, as generate's
-        rows = cache_length_for(model.config, len(get_tokenizer().encode(start)), max_new_tokens)
-        check_draft_model(draft.config, model.config, rows)
-        draft = Decoder.of(draft, config.quantize, mesh)  # laid out once, as the model is
     decoder = Decoder.of(model, config.quantize, mesh)
+    # Made once, for every sample, over the positions the rows hold, as generate's engine makes it.
+    draft = make_drafter(draft, decoder, cache_length_for(model.config, len(get_tokenizer().encode(start)),
+                                                          max_new_tokens))
     texts = []
     for i in range(config.num_samples if config.stream else 1):
         rows = 1 if config.stream else config.num_samples

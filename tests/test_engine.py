@@ -314,7 +314,7 @@ def test_an_engines_settings_are_one_dataclass_that_serve_config_extends(model):
     assert issubclass(SampleConfig, DraftChoice) and issubclass(EngineSettings, DraftChoice)
     assert not draft_fields & (set(vars(SampleConfig)["__annotations__"]) | set(vars(EngineSettings)["__annotations__"]))
     engine = Engine(model, ServeConfig(slots=2, cache_length=32, draft="ngram", draft_tokens=3), max_queue=5)
-    assert (engine.num_slots, engine.cache_length, engine.max_queue, engine.device.draft_tokens) == (2, 32, 5, 3)
+    assert (engine.num_slots, engine.cache_length, engine.max_queue, engine.device.max_draft_tokens) == (2, 32, 5, 3)
     with pytest.raises(TypeError, match="EngineSettings has no field port"):
         Engine(model, port=1)
 

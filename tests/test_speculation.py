@@ -3,6 +3,7 @@ lookup finds, the tokens each gives (those of decoding without a draft, greedy o
 batching), the distribution it samples, a draft model's cache kept up with its rows, and when the engine
 drafts."""
 
+import dataclasses
 import math
 
 import jax
@@ -17,9 +18,10 @@ from gpt.generate import generate
 from gpt.inference import decoding, speculation
 from gpt.inference.decoder import Decoder
 from gpt.inference.draft_policy import DraftPolicy, ladder
+from gpt.inference.drafters import Drafter, make_drafter, ngram_drafts
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
-from gpt.inference.speculation import ngram_drafts, stands
+from gpt.inference.speculation import count_standing
 from gpt.model.kv_cache import KVCache
 
 from serving import decisive_model
@@ -67,10 +69,10 @@ def test_rows_draft_apart_and_the_draft_is_at_most_k():
     assert count.tolist() == [2, 2] and drafts.tolist() == [[1, 2], [7, 9]]
 
 
-def test_stands_counts_the_leading_agreement_within_the_draft():
+def test_count_standing_counts_the_leading_agreement_within_the_draft():
     target = jnp.asarray([[1, 2, 3], [1, 9, 3], [4, 2, 3], [1, 2, 3]])
     drafts = jnp.asarray([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]])
-    assert stands(target, drafts, jnp.asarray([3, 3, 3, 2])).tolist() == [3, 1, 0, 2]
+    assert count_standing(target, drafts, jnp.asarray([3, 3, 3, 2])).tolist() == [3, 1, 0, 2]
 
 
 def test_several_positions_a_row_over_a_paged_cache_and_a_view_equal_one_at_a_time():
@@ -121,7 +123,7 @@ def test_a_draft_gives_the_tokens_of_decoding_without_one(model, smaller, knobs,
 
     def keep(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        self.drafts.choose = lambda width, slots: draft_tokens  # every call drafts (the policy's own tests below)
+        self.draft_policy.choose = lambda width, slots: draft_tokens  # every call drafts (the policy's own tests below)
         engine_drafts.append(self)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -129,10 +131,11 @@ def test_a_draft_gives_the_tokens_of_decoding_without_one(model, smaller, knobs,
         got = generate(model, PROMPTS, 37, draft=draft, draft_tokens=draft_tokens, **knobs)
     assert got == want
     (engine,) = engine_drafts
-    assert engine.drafts.tokens_drafted >= engine.drafts.drafts_accepted and engine.drafts.tokens_drafted > 0
-    assert engine.drafts.drafts_accepted > 0 or knobs["temperature"] > 0 or draft is smaller
+    policy = engine.draft_policy
+    assert policy.tokens_drafted >= policy.drafts_accepted and policy.tokens_drafted > 0
+    assert policy.drafts_accepted > 0 or knobs["temperature"] > 0 or draft is smaller
     if draft is model and knobs == dict(temperature=0.0):
-        assert engine.drafts.drafts_accepted == engine.drafts.tokens_drafted
+        assert policy.drafts_accepted == policy.tokens_drafted
 
 
 @pytest.mark.parametrize("draft", ["ngram", "int8", "itself"])
@@ -175,11 +178,40 @@ def test_a_draft_model_catches_up_with_each_rows_tokens_through_slot_reuse_and_c
     want = generate(model, prompts, 20, temperature=0.0)
     engine = Engine(model, slots=3, cache_length=128, prefill_chunk=32, steps_per_call=3, draft=model,
                     draft_tokens=3)
-    engine.drafts.choose = lambda width, slots: 3
+    engine.draft_policy.choose = lambda width, slots: 3
     completions = [engine.submit(Request(p, 20, temperature=0.0)) for p in prompts]
     engine.run(completions)
     assert [c.tokens for c in completions] == want
-    assert engine.drafts.drafts_accepted == engine.drafts.tokens_drafted > 60
+    assert engine.draft_policy.drafts_accepted == engine.draft_policy.tokens_drafted > 60
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EchoDraft(Drafter):
+    """A drafter of a test's own: guesses each row's last token, `repeats` times over (a pytree: its one
+    array is the decode program's argument)."""
+
+    repeats: jax.Array
+
+    def propose(self, config, slots, draft_tokens):
+        drafts_RK = jnp.broadcast_to(slots.last_token[:, None] * self.repeats, (slots.last_token.shape[0], draft_tokens))
+        return drafts_RK, jnp.full_like(slots.last_token, draft_tokens), slots
+
+
+def test_a_drafter_of_ones_own_plugs_in_by_its_type_alone(model):
+    """A new kind of draft is a Drafter and nothing else: the engine proposes through it, verifies its
+    guesses and gives decoding's tokens; one made by `make_drafter` is made once and taken again as it is."""
+    prompts = [[5, 5, 5, 5], [7, 3, 9, 1, 4, 7, 3]]
+    want = generate(model, prompts, 24, temperature=0.0)
+    engine = Engine(model, slots=2, cache_length=64, steps_per_call=8, draft=EchoDraft(jnp.int32(1)),
+                    draft_tokens=2)
+    engine.draft_policy.choose = lambda width, slots: 2
+    completions = [engine.submit(Request(p, 24, temperature=0.0)) for p in prompts]
+    engine.run(completions)
+    assert [c.tokens for c in completions] == want and engine.draft_policy.tokens_drafted > 0
+    drafter = make_drafter("int8", Decoder.of(model), 64)
+    assert make_drafter(drafter, Decoder.of(model), 64) is drafter
+    assert generate(model, prompts, 24, temperature=0.0, draft=drafter, draft_tokens=2) == want
 
 
 @pytest.mark.parametrize("shape, message", [
@@ -228,7 +260,7 @@ def test_trained_weights_give_the_same_tokens_and_accept_drafts(trained_run, cor
             completions = [engine.submit(Request(p, 24, stream=i, **knobs)) for i, p in enumerate(prompts)]
             engine.run(completions)
             assert [c.tokens for c in completions] == want
-            assert engine.drafts.drafts_accepted > 0
+            assert engine.draft_policy.drafts_accepted > 0
 
 
 def sampled_pairs(model, prompt, draws, **knobs):
@@ -267,7 +299,7 @@ def test_sampling_with_a_draft_draws_from_the_models_distribution(monkeypatch):
         return chi_square_p_value(np.bincount(pairs[:, 0] * 8 + pairs[:, 1], minlength=64).astype(float), expected)
 
     assert p_value() > 1e-3
-    monkeypatch.setattr(decoding, "stands", lambda target, drafts, count: count)  # every draft accepted
+    monkeypatch.setattr(decoding, "count_standing", lambda target, drafts, count: count)  # every draft accepted
     jax.clear_caches()
     try:
         assert p_value() < 1e-6
@@ -364,7 +396,7 @@ def test_the_engine_runs_plain_steps_where_drafts_seldom_stand(model, monkeypatc
     only to probe), and the tokens stay the same."""
     engine = Engine(model, slots=2, cache_length=96, draft="ngram", draft_tokens=2)
     engine.warmup(log=lambda line: None)  # no call below compiles: each is timed as it runs
-    engine.drafts.probe_every = 8  # some probes within the request's 39 calls
+    engine.draft_policy.probe_every = 8  # some probes within the request's 39 calls
     ways = []
     original = engine.device.decode
 
@@ -374,9 +406,9 @@ def test_the_engine_runs_plain_steps_where_drafts_seldom_stand(model, monkeypatc
 
     monkeypatch.setattr(engine.device, "decode", decode)
     for width in engine.decode_widths:
-        for k in engine.drafts.ladder:
+        for k in engine.draft_policy.ladder:
             for _ in range(2):
-                engine.drafts.record(width, k, 0.1 * (1 + 2 * k), 10, np.zeros(engine.num_slots),
+                engine.draft_policy.record(width, k, 0.1 * (1 + 2 * k), 10, np.zeros(engine.num_slots),
                                      *np.zeros((2, engine.num_slots, k)))
     completion = engine.submit(Request([7, 3, 9, 1, 4] * 3, 40, temperature=0.0))
     engine.run([completion])
@@ -395,13 +427,13 @@ def test_every_k_of_the_ladder_changing_from_call_to_call_gives_decodings_tokens
         engine = Engine(model, slots=4, cache_length=64, steps_per_call=2, draft=the_draft(draft, model, smaller),
                         draft_tokens=4)
         calls = iter(ks * 20)
-        engine.drafts.choose = lambda width, slots: next(calls)
+        engine.draft_policy.choose = lambda width, slots: next(calls)
         completions = [engine.submit(Request(p, 30, stream=i, **knobs)) for i, p in enumerate(PROMPTS)]
         engine.run(completions)
         assert [c.tokens for c in completions] == want
-        assert engine.drafts.tokens_drafted > 0
+        assert engine.draft_policy.tokens_drafted > 0
         if draft == "itself" and knobs["temperature"] == 0:
-            assert engine.drafts.drafts_accepted == engine.drafts.tokens_drafted
+            assert engine.draft_policy.drafts_accepted == engine.draft_policy.tokens_drafted
 
 
 def test_a_server_with_a_draft_answers_as_one_without_and_counts_its_drafts(model):
@@ -416,7 +448,7 @@ def test_a_server_with_a_draft_answers_as_one_without_and_counts_its_drafts(mode
     for draft in (None, "ngram"):
         server = Server(model, warmup=False, slots=2, cache_length=64, draft=draft)
         if draft is not None:  # every call with the draft (when the engine drafts is the policy's test)
-            server.engine.drafts.choose = lambda width, slots: server.engine.drafts.ladder[-1]
+            server.engine.draft_policy.choose = lambda width, slots: server.engine.draft_policy.ladder[-1]
         try:
             texts = [server.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, seed=4,
                                                       **knobs).choices[0].text

@@ -28,9 +28,9 @@ class Decoder:
     """A GPT laid out for decoding, made once (at load) and run by any number of engines and `generate`
     calls: what `--quantize` chooses.
 
-    Laying out copies (and may quantize) every matrix: for GPT-2 124M on a 2-core CPU about 0.2 s in
-    float32 and 0.4 s in int8, the time of 20 to 35 decode steps. An Engine or `generate` given a GPT lays
-    it out at each construction or call; given a Decoder, never.
+    Laying out copies (and may quantize) every matrix, the time of tens of decode steps (bench/RESULTS.md,
+    "First token", under "CPU decoding: the few-rows kernels against llama.cpp"). An Engine or `generate`
+    given a GPT lays it out at each construction or call; given a Decoder, never.
 
     Attributes:
       config: the model's shape.
@@ -43,6 +43,10 @@ class Decoder:
     weights: Weights
     quantize: str
     mesh: Mesh | None
+
+    def on_mesh(self):
+        """A context in which programs over these weights run on their mesh (none without one)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     @classmethod
     def of(cls, model: GPT | Decoder, quantize: str | None = None, mesh: Mesh | None = None) -> Decoder:

@@ -23,9 +23,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gpt.inference.drafters import Drafter
 from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams, choose
 from gpt.inference.scoring import scored_positions, token_scores
-from gpt.inference.speculation import draft_model_drafts, ngram_drafts, stands, weights_drafts
+from gpt.inference.speculation import count_standing
 from gpt.model.backend import choices
 from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
@@ -78,9 +79,8 @@ class Slots:
       seen: bool [S, V], tokens in the prompt or output (for the repetition penalty).
       settings: each slot's request's knobs.
       history: int32 [S, C], each slot's tokens at their positions (prompt, output, its last token at
-        its cache's length), where a draft is looked up (`gpt.inference.speculation`) or a draft model
-        reads what it has not run yet; None when the slots decode without either.
-      draft_cache: a draft model's own KV cache (a smaller GPT's), its lengths how many of each slot's
+        its cache's length), for a drafter that `keeps_history` (`gpt.inference.drafters`); None without.
+      draft_cache: a draft model's own KV cache (its `cache_config`), its lengths how many of each slot's
         positions hold the draft's keys and values of the slot's real tokens; None without one.
     """
 
@@ -254,8 +254,8 @@ def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_to
                history: bool = False, draft_config: GPTConfig | None = None) -> Slots:
     """Empty slots (all free) over a zeroed cache of `cache_length` positions per slot, paged on CPU so
     that a decode step reads only the pages its rows have reached (on a GPU, one page that cuDNN's
-    attention reads under the mask); with each slot's `history` when `history` (for a draft), and a cache
-    of the same positions for the draft model of shape `draft_config` when one is given."""
+    attention reads under the mask); with each slot's `history` when `history`, and a cache of the same
+    positions of shape `draft_config` when one is given: what a drafter keeps (`gpt.inference.drafters`)."""
     S = num_slots
     page_length = choices().kv_page_length
     return Slots(
@@ -319,7 +319,7 @@ def choose_first(weights: Weights, last_hidden_bD: jax.Array, seen_bV: jax.Array
 
     Apart from `place`, so that its program is one per row count b, whatever the prompt's length: the
     sampler is most of an insert's compile time, and a program per prompt bucket compiled it again for
-    each (about 0.4 s apiece on a 2-core CPU)."""
+    each (bench/RESULTS.md, "The suite: an insert's sampler compiled once")."""
     b = admission.slots.shape[0]
     # A row chooses its first token when it asked for any: whether it then enters a slot (it does not when
     # that token is its last) is `admission.slots`' business.
@@ -370,7 +370,7 @@ def free(slots: Slots, free_S: jax.Array) -> Slots:
 
 def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Array, stop_at_finish: jax.Array,
            max_steps: int, rows_R: jax.Array | None = None, draft_tokens: int = 0,
-           draft_weights: Weights | None = None, draft_config: GPTConfig | None = None) -> tuple[Slots, Emitted]:
+           drafter: Drafter | None = None) -> tuple[Slots, Emitted]:
     """Up to `num_steps` (<= max_steps, static) decode steps for every live slot, in one while_loop.
 
     The loop ends early when no slot is live, or, with `stop_at_finish`, once any slot finishes (so that
@@ -381,16 +381,14 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Arr
     finished (or a free one) runs on as a free slot does, emitting nothing.
 
     rows_R: int32 [R], distinct slots that hold every live one: the steps run over those R rows alone
-    (on a CPU, a step over 8 rows costs about twice one over 1; `gpt.inference.engine` picks R from the live
-    count). None runs all S slots. Either way the result is [M, S].
+    (on a CPU a step's cost grows with its rows: bench/RESULTS.md, "Decode calls over the live rows only";
+    `gpt.inference.engine` picks R from the live count). None runs all S slots. Either way the result is [M, S].
 
     draft_tokens: K > 0 (static) verifies up to K drafted tokens a row a step (`_verify_step`), which so
-    emits up to K + 1 tokens a row; M is then `emitted_entries(max_steps, K, C)`. The draft: a smaller
-    GPT of shape `draft_config` with weights `draft_weights` over the slots' `draft_cache` when the slots
-    have one; else the weights `draft_weights` (`int8_draft_weights`) over the slots' own cache when given;
-    else each slot's `history` (`ngram_drafts`).
+    emits up to K + 1 tokens a row; M is then `emitted_entries(max_steps, K, C)`. `drafter` proposes them
+    (`gpt.inference.drafters`; the slots keep what it needs: `init_slots`).
     """
-    draft = (draft_tokens, draft_weights, draft_config)
+    draft = (draft_tokens, drafter)
     if rows_R is None:
         return _decode_rows(config, weights, slots, num_steps, stop_at_finish, max_steps, *draft)
     view, out_R = _decode_rows(config, weights, slots.select(rows_R), num_steps, stop_at_finish, max_steps, *draft)
@@ -424,13 +422,12 @@ class _Progress:
 
 
 def _decode_rows(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Array, stop_at_finish: jax.Array,
-                 max_steps: int, draft_tokens: int, draft_weights: Weights | None,
-                 draft_config: GPTConfig | None) -> tuple[Slots, Emitted]:
+                 max_steps: int, draft_tokens: int, drafter: Drafter | None) -> tuple[Slots, Emitted]:
     """`decode`'s loop over every row of `slots` (all of them, or a selection's)."""
     entries = emitted_entries(max_steps, draft_tokens, slots.cache.length)
     live_at_start = slots.live
     step = (functools.partial(_step, config, weights) if draft_tokens == 0
-            else functools.partial(_verify_step, config, weights, draft_tokens, draft_weights, draft_config))
+            else functools.partial(_verify_step, config, weights, draft_tokens, drafter))
 
     def keep_going(p: _Progress):
         finished = jnp.any(live_at_start & ~p.slots.live)
@@ -491,7 +488,7 @@ def _step(config: GPTConfig, weights: Weights, p: _Progress) -> _Progress:
 def _verify_choices(logits_RTV: jax.Array, drafts_RK: jax.Array, count_R: jax.Array, slots: Slots):
     """The target's choice at each of a verification's T = K + 1 positions, as a plain step would make it
     there (the drafts before it seen as the row's own tokens, its PRNG position), all positions at once.
-    Returns how many drafted tokens stand (int32 [R], `stands`), the token each position emits if it is
+    Returns how many drafted tokens stand (int32 [R], `count_standing`), the token each position emits if it is
     reached (its draft where the drafts up to it stand, else the target's: int32 [R, T]), and that
     token's scores (`token_scores`' three, [R, T] and [R, T, J])."""
     R, T, V = logits_RTV.shape
@@ -503,7 +500,7 @@ def _verify_choices(logits_RTV: jax.Array, drafts_RK: jax.Array, count_R: jax.Ar
     generated_M = (slots.generated[:, None] + jnp.arange(T, dtype=jnp.int32)).reshape(R * T)
     logits_MV = logits_RTV.reshape(R * T, V)
     target_RT = choose(logits_MV, seen_RTV.reshape(R * T, V), settings.params, _keys(settings, generated_M)).reshape(R, T)
-    stood_R = stands(target_RT[:, :-1], drafts_RK, count_R)
+    stood_R = count_standing(target_RT[:, :-1], drafts_RK, count_R)
     at_T = jnp.arange(T)[None, :]
     drafts_RT = jnp.concatenate([drafts_RK, drafts_RK[:, :1]], axis=1)  # the last position has no draft
     token_RT = jnp.where(at_T < stood_R[:, None], drafts_RT, target_RT)
@@ -511,41 +508,21 @@ def _verify_choices(logits_RTV: jax.Array, drafts_RK: jax.Array, count_R: jax.Ar
     return stood_R, token_RT, jax.tree.map(lambda a: a.reshape(R, T, *a.shape[1:]), scores)
 
 
-def _verify_step(config: GPTConfig, weights: Weights, K: int, draft_weights: Weights | None,
-                 draft_config: GPTConfig | None, p: _Progress) -> _Progress:
-    """One decode step with a draft: each row's last token and up to K drafted tokens after it (by a draft
-    model over its own cache, `draft_model_drafts`; by `draft_weights` over the target's, `weights_drafts`;
-    or else `ngram_drafts`) through the model at once, the target's own choice at each of those K + 1
-    positions (as a plain step would make it there, its PRNG position included), and the row advanced past
-    the drafts that stand (`stands`) and the target's token after them. The keys and values of drafts that
-    did not stand lie past the row's new length, where the next step writes before any query can see them.
+def _verify_step(config: GPTConfig, weights: Weights, K: int, drafter: Drafter, p: _Progress) -> _Progress:
+    """One decode step with a draft: each row's last token and up to K tokens `drafter` guessed after it
+    through the model at once, the target's own choice at each of those K + 1 positions (as a plain step
+    would make it there, its PRNG position included), and the row advanced past the guesses that stand
+    (`count_standing`) and the target's token after them. The keys and values of guesses that did not stand
+    lie past the row's new length, where the next step writes before any query can see them.
     """
     slots = p.slots
-    if slots.draft_cache is not None:
-        drafts_RK, draft_cache = draft_model_drafts(draft_config, draft_weights, slots.draft_cache, slots.history,
-                                                    slots.cache.lengths, slots.last_token, slots.live, K)
-        drafted = dataclasses.replace(p, slots=dataclasses.replace(slots, draft_cache=draft_cache))
-    elif draft_weights is not None:
-        drafts_RK, cache = weights_drafts(config, draft_weights, slots.cache, slots.last_token, slots.live, K)
-        drafted = dataclasses.replace(p, slots=dataclasses.replace(slots, cache=cache))
-    else:
-        drafts_RK, count_R = ngram_drafts(slots.history, slots.cache.lengths, K)
-        drafted = p
-    if draft_weights is not None:
-        count_R = jnp.full_like(slots.last_token, K)
+    drafts_RK, count_R, drafted = drafter.propose(config, slots, K)
     # No draft past what the request may still emit: each position's output is then inside the cache. (A
     # step where no row has a draft runs all the same: a lax.cond between it and a plain step had XLA's CPU
     # copy the slots' cache each step, 10x a GPT-2 124M step.)
     count_R = jnp.where(slots.live, jnp.minimum(count_R, slots.remaining - 1), 0)
-    verified = _verify(config, weights, drafts_RK, count_R, drafted)
-    if slots.draft_cache is None:
-        return verified
-    # The draft ran the last token and its guesses at positions L .. L + K - 1; those up to the first guess
-    # that did not stand hold the real tokens' keys and values (the new length, at most L + K).
-    ran_R = jnp.minimum(verified.slots.cache.lengths, slots.cache.lengths + K)
-    draft_cache = verified.slots.draft_cache
-    draft_cache = dataclasses.replace(draft_cache, lengths=jnp.where(slots.live, ran_R, draft_cache.lengths))
-    return dataclasses.replace(verified, slots=dataclasses.replace(verified.slots, draft_cache=draft_cache))
+    verified = _verify(config, weights, drafts_RK, count_R, dataclasses.replace(p, slots=drafted))
+    return dataclasses.replace(verified, slots=drafter.settle(slots, verified.slots, K))
 
 
 def _verify(config: GPTConfig, weights: Weights, drafts_RK: jax.Array, count_R: jax.Array, p: _Progress) -> _Progress:

@@ -12,13 +12,12 @@ rows that go nowhere.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from gpt.inference.decoder import Decoder, int8_draft_weights
+from gpt.inference.decoder import Decoder
 from gpt.inference.decoding import (
     Admission,
     Emitted,
@@ -34,10 +33,10 @@ from gpt.inference.decoding import (
     insert,
     prefill,
 )
+from gpt.inference.drafters import Drafter
 from gpt.inference.request import Request
 from gpt.inference.sampling import SamplingParams
 from gpt.model.sharding import data_parallel_size
-from gpt.model.transformer import GPT
 from gpt.program_report import check_compiled_fits, sharded_bytes
 
 __all__ = ["DeviceSlots", "FIT_ADVICE", "COMPILED", "compiled_decode", "compiled_init_slots", "compiled_prefill"]
@@ -45,7 +44,7 @@ __all__ = ["DeviceSlots", "FIT_ADVICE", "COMPILED", "compiled_decode", "compiled
 # One compiled program per shape; the config is static, the weights, slots and knobs are traced. The slots and a
 # prefix that runs on are donated: their caches are updated in place.
 compiled_prefill = jax.jit(prefill, static_argnames="config", donate_argnames="prefix")
-compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps", "draft_tokens", "draft_config"),
+compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps", "draft_tokens"),
                           donate_argnames="slots")
 compiled_free = jax.jit(free, donate_argnames="slots")
 compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
@@ -65,42 +64,38 @@ FIT_ADVICE = ("use fewer --slots, a shorter --cache_length or --prefill_chunk, o
 
 class DeviceSlots:
     """`num_slots` slots of `cache_length` positions over `decoder`'s weights (and mesh, if any), decoded
-`max_steps` steps a call at most (one compiled decode loop); with a `draft` ("ngram": each slot keeps its
-tokens' history; "int8": the weights in int8 draft; a GPT or its Decoder: that smaller GPT drafts, over a
-cache of its own beside the history) a decode may verify up to `draft_tokens` drafted tokens a step
-(`gpt.inference.speculation`).
+`max_steps` steps a call at most (one compiled decode loop); with a `drafter` (`gpt.inference.drafters`:
+the slots keep what it needs) a decode may verify up to `max_draft_tokens` of its guesses a step.
 
     Attributes:
       num_slots: the slots, `num_slots` rounded up to a multiple of rows_per_prefill.
       rows_per_prefill: the rows of every prefill and insert (the mesh's data-parallel size, else 1).
       slots: the device state (`gpt.inference.decoding.Slots`), replaced by each verb that changes it.
+      keeps_history: the slots keep each one's tokens (`Slots.history`), for the drafter.
     """
 
     def __init__(self, decoder: Decoder, num_slots: int, cache_length: int, max_stop_tokens: int, max_steps: int,
-                 draft: str | GPT | Decoder = "none", draft_tokens: int = 0):
-        self.config, self.weights, self.mesh = decoder.config, decoder.weights, decoder.mesh
+                 drafter: Drafter | None = None, max_draft_tokens: int = 0):
+        self.decoder, self.config, self.weights, self.mesh = decoder, decoder.config, decoder.weights, decoder.mesh
         self.rows_per_prefill = data_parallel_size(self.mesh) if self.mesh is not None else 1
         self.num_slots = -(-num_slots // self.rows_per_prefill) * self.rows_per_prefill
-        self.max_stop_tokens, self.max_steps, self.draft_tokens = max_stop_tokens, max_steps, draft_tokens
-        drafter = None if isinstance(draft, str) else Decoder.of(  # a smaller GPT, laid out as the model is
-            draft, None if isinstance(draft, Decoder) else decoder.quantize, decoder.mesh)
-        self.cache_length, self.history = cache_length, draft == "ngram" or drafter is not None
-        self.draft_config = None if drafter is None else drafter.config
+        self.max_stop_tokens, self.max_steps = max_stop_tokens, max_steps
+        self.drafter, self.max_draft_tokens = drafter, max_draft_tokens if drafter is not None else 0
+        self.cache_length, self.keeps_history = cache_length, drafter is not None and drafter.keeps_history
+        draft_config = None if drafter is None else drafter.cache_config
         with self.on_mesh():
-            self.draft_weights = (int8_draft_weights(decoder) if draft == "int8"
-                                  else None if drafter is None else drafter.weights)
             # The slots come from a program of their own: its output, with the weights beside it, is checked
             # against the devices' memory before anything is allocated.
             program = compiled_init_slots.lower(self.config, self.num_slots, cache_length, max_stop_tokens,
-                                                self.history, self.draft_config).compile()
+                                                self.keeps_history, draft_config).compile()
             devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
             check_compiled_fits(program, devices, "decoding slots' cache", f"{self.num_slots} slots of {cache_length} "
-                                f"positions", FIT_ADVICE, held_already=sharded_bytes((self.weights, self.draft_weights)))
+                                f"positions", FIT_ADVICE, held_already=sharded_bytes((self.weights, drafter)))
             self.slots = program()
 
     def on_mesh(self):
         """A context in which the verbs run over the mesh (none without one)."""
-        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        return self.decoder.on_mesh()
 
     def settings(self, request: Request, stops: Sequence[int]) -> Settings:
         """A request's knobs as host scalars (one row of an Admission's settings); `stops`: its stop tokens,
@@ -140,7 +135,7 @@ cache of its own beside the history) a decode may verify up to `draft_tokens` dr
         settings = list(settings) + [self.settings(PADDING, ())] * padding
         rows = self._rows(requests)
         prompt = None
-        if self.history:  # the slots' history begins with the prompt
+        if self.keeps_history:  # the slots' history begins with the prompt
             prompt = _piece(rows, 0, self.cache_length)[0]
         admission = Admission(slots=np.asarray(targets, np.int32),
                               max_tokens=np.asarray([r.max_tokens for r in rows], np.int32),
@@ -152,10 +147,10 @@ cache of its own beside the history) a decode may verify up to `draft_tokens` dr
     def decode(self, num_steps: int, stop_at_finish: bool, width: int, decoding: Sequence[int],
                draft_tokens: int = 0) -> Emitted:
         """Up to `num_steps` (<= max_steps) decode steps over `width` rows that hold the `decoding` slots
-        (the slots' own order past them: distinct rows), each verifying `draft_tokens` (<= the slots'
-        `draft_tokens`; 0: none) drafted tokens a row."""
-        if not 0 <= draft_tokens <= self.draft_tokens:
-            raise ValueError(f"draft_tokens must be in [0, {self.draft_tokens}], got {draft_tokens}")
+        (the slots' own order past them: distinct rows), each verifying `draft_tokens` (<=
+        `max_draft_tokens`; 0: none) drafted tokens a row."""
+        if not 0 <= draft_tokens <= self.max_draft_tokens:
+            raise ValueError(f"draft_tokens must be in [0, {self.max_draft_tokens}], got {draft_tokens}")
         rows_R = None
         if width < self.num_slots:
             rest = [s for s in range(self.num_slots) if s not in decoding]
@@ -164,8 +159,7 @@ cache of its own beside the history) a decode may verify up to `draft_tokens` dr
             self.slots, emitted = compiled_decode(self.config, self.weights, self.slots, np.int32(num_steps),
                                                   np.bool_(stop_at_finish), max_steps=self.max_steps, rows_R=rows_R,
                                                   draft_tokens=draft_tokens,
-                                                  draft_weights=self.draft_weights if draft_tokens else None,
-                                                  draft_config=self.draft_config)
+                                                  drafter=self.drafter if draft_tokens else None)
         return emitted
 
     def free(self, free_S: np.ndarray) -> None:

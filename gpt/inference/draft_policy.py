@@ -1,5 +1,5 @@
 """How many drafted tokens a decode call verifies a step: K from a ladder (0, plain steps, up to the engine's
-`draft_tokens`), whichever is expected to emit the most tokens a second for the slots the call runs.
+most, `max_draft_tokens`), whichever is expected to emit the most tokens a second for the slots the call runs.
 
 A step that verifies K drafted tokens runs the model over K + 1 positions a row and emits the guesses that
 stand plus one. Two things decide which K pays, and they change at different speeds:
@@ -45,13 +45,16 @@ import numpy as np
 __all__ = ["DraftPolicy", "ladder"]
 
 
-def ladder(draft_tokens: int) -> tuple[int, ...]:
-    """The Ks a decode call may verify: 0 (plain steps), then draft_tokens halved until 1, ascending
-    (4: 0, 1, 2, 4; 6: 0, 1, 3, 6). Each is a compiled decode program per width."""
+def ladder(max_draft_tokens: int) -> tuple[int, ...]:
+    """The Ks a decode call may verify: 0 (plain steps), then max_draft_tokens halved until 1, ascending
+    (4: 0, 1, 2, 4; 6: 0, 1, 3, 6). Each is a compiled decode program per width, all of them compiled at
+    warm-up: the Ks between plain steps and the largest are the ones chosen where guesses stand only
+    sometimes (sampled prompt lookup ran K = 1 on 96% of its calls, the int8 draft K = 2 on 31%: bench/
+    RESULTS.md, "Each call's K chosen for its slots"), and one compiled mid-serve would stall every stream."""
     ks = {0}
-    while draft_tokens > 0:
-        ks.add(draft_tokens)
-        draft_tokens //= 2
+    while max_draft_tokens > 0:
+        ks.add(max_draft_tokens)
+        max_draft_tokens //= 2
     return tuple(sorted(ks))
 
 
@@ -67,7 +70,7 @@ class DraftPolicy:
     tokens (`tokens_drafted`) and those that stood (`drafts_accepted`), running totals.
 
     Args:
-      draft_tokens: the largest K (the engine's `draft_tokens`); the others are its `ladder`.
+      max_draft_tokens: the largest K (the engine's settings' `draft_tokens`); the others are its `ladder`.
       num_slots: the engine's slots, whose acceptance is kept apart.
       probe_every: run the K measured longest ago once every this many calls at a width (>= 2).
       window: the calls a cost is the median of (>= 1).
@@ -78,12 +81,12 @@ class DraftPolicy:
 
     PRIOR_WEIGHT = 2.0  # a slot's chance at a guess position counts the engine's recent rate as this many steps
 
-    def __init__(self, draft_tokens: int, num_slots: int, probe_every: int = 64, window: int = 15,
+    def __init__(self, max_draft_tokens: int, num_slots: int, probe_every: int = 64, window: int = 15,
                  memory: float = 0.9, catches_up: bool = False):
         if probe_every < 2 or window < 1 or not 0 <= memory < 1:
             raise ValueError(f"probe_every must be >= 2, window >= 1 and memory in [0, 1), got "
                              f"{probe_every}, {window}, {memory}")
-        self.ladder, self.probe_every, self.window, self.memory = ladder(draft_tokens), probe_every, window, memory
+        self.ladder, self.probe_every, self.window, self.memory = ladder(max_draft_tokens), probe_every, window, memory
         self._costs: dict[tuple[int, int], _Cost] = {}
         self._calls: dict[int, int] = {}
         # At each guess position: the steps that verified it with every guess before it standing, and those at

@@ -11,8 +11,8 @@ Each round (`step`), on the thread that owns the engine, through the device's fo
      too, starting after what the cache holds of its beginning;
   3. one `decode` runs up to `steps_per_call` steps for every live slot (over the fewest compiled rows
      that hold them: `decode_widths`); with a draft, each step verifies K drafted tokens a slot and emits
-     up to K + 1 (`gpt.inference.speculation`), K up to `draft_tokens`, chosen per call from the slots'
-     acceptance rates and the measured cost of each K at this width (`gpt.inference.draft_policy`);
+     up to K + 1 (`gpt.inference.drafters`, `gpt.inference.speculation`), K up to `draft_tokens`, chosen
+     per call from the slots' acceptance rates and the measured cost of each K at this width (`gpt.inference.draft_policy`);
   4. new tokens go to their requests; finished slots become free.
 Requests come and go between rounds, so a short request never waits for a long one to end (continuous
 batching). Every sampling knob is a per-slot array, so no request's settings compile anything; `warmup`
@@ -46,6 +46,7 @@ from gpt.inference.decoder import Decoder
 from gpt.inference.decoding import Prefix, Settings
 from gpt.inference.device_slots import DeviceSlots
 from gpt.inference.draft_policy import DraftPolicy
+from gpt.inference.drafters import make_drafter
 from gpt.inference.engine_settings import EngineSettings
 from gpt.inference.prefix_cache import PREFIX_BLOCK, PrefixCache
 from gpt.inference.request import Request, check_request
@@ -85,12 +86,15 @@ class Engine:
                  mesh: Mesh | None = None, **changes):
         config = model.config
         self.settings = s = EngineSettings.of(settings, **changes).checked(config)
-        self.device = DeviceSlots(Decoder.of(model, quantize, mesh), s.slots, s.cache_length, s.max_stop_tokens,
-                                  s.steps_per_call, s.draft, s.draft_tokens)
-        # how many guesses each call verifies, and the drafts' counts
-        catches_up = self.device.draft_config is not None  # a draft model runs each new prompt in its first call
-        self.drafts = (DraftPolicy(s.draft_tokens, self.device.num_slots, catches_up=catches_up) if s.draft_tokens
-                       else None)
+        decoder = Decoder.of(model, quantize, mesh)
+        drafter = make_drafter(s.draft, decoder, s.cache_length)
+        self.device = DeviceSlots(decoder, s.slots, s.cache_length, s.max_stop_tokens, s.steps_per_call, drafter,
+                                  s.draft_tokens)
+        # How many guesses each call verifies, and the drafts' counts. A draft model runs each new prompt in its
+        # first call after it enters.
+        catches_up = drafter is not None and drafter.cache_config is not None
+        self.draft_policy = (DraftPolicy(s.draft_tokens, self.device.num_slots, catches_up=catches_up)
+                             if drafter is not None else None)
         self.config, self.num_slots, self.cache_length = config, self.device.num_slots, s.cache_length
         self.max_queue, self.steps_per_call, self.max_stop_tokens = s.max_queue, s.steps_per_call, s.max_stop_tokens
         self.prefill_chunk = min(s.prefill_chunk, s.cache_length)
@@ -150,14 +154,14 @@ class Engine:
             return admitted or advanced
         stop_at_finish = bool(self._scheduler.queue)  # someone waits for a slot: come back as soon as one frees
         width = bucket(self.decode_widths, len(decoding))
-        draft_tokens = self.drafts.choose(width, decoding) if self.drafts is not None else 0
+        draft_tokens = self.draft_policy.choose(width, decoding) if self.draft_policy is not None else 0
         start, programs = time.perf_counter(), compiled_programs()
         emitted = self.device.decode(self.steps_per_call, stop_at_finish, width, decoding, draft_tokens)
         self._scheduler.deliver(list(range(self.num_slots)), emitted)
-        if self.drafts is not None:  # what the call cost, and what became of its drafts
-            self.drafts.record(width, draft_tokens, time.perf_counter() - start, int(emitted.steps),
-                               *(np.asarray(a) for a in (emitted.drafted, emitted.reached, emitted.stood)),
-                               compiled=compiled_programs() != programs)
+        if self.draft_policy is not None:  # what the call cost, and what became of its drafts
+            self.draft_policy.record(width, draft_tokens, time.perf_counter() - start, int(emitted.steps),
+                                     *(np.asarray(a) for a in (emitted.drafted, emitted.reached, emitted.stood)),
+                                     compiled=compiled_programs() != programs)
         return True
 
     def run(self, completions: Sequence[Completion]) -> None:
@@ -266,8 +270,8 @@ class Engine:
         asked for at most one token (it never decodes) goes nowhere."""
         completions = [c for _, c in entries]
         slots = self._scheduler.entering([slot for slot, _ in entries], completions)
-        if self.drafts is not None:
-            self.drafts.enter(slots)
+        if self.draft_policy is not None:
+            self.draft_policy.enter(slots)
         return self.device.insert(slots, [c.request for c in completions], [c.settings for c in completions], prefix)
 
     def _advance(self) -> bool:
@@ -297,7 +301,7 @@ def _warmup_programs(engine: Engine) -> list[tuple[str, str, Callable[[], None]]
     """What `Engine.warmup` runs: (kind, what, a function that runs it once)."""
     buckets, chunk, length = engine.prompt_buckets, engine.prefill_chunk, engine.cache_length
     # A decode at each width and K (a step with a draft may emit K + 1 tokens), within the cache.
-    ladder = engine.drafts.ladder if engine.drafts is not None else (0,)
+    ladder = engine.draft_policy.ladder if engine.draft_policy is not None else (0,)
     steps = max(1, min(len(engine.decode_widths) * sum(k + 1 for k in ladder) + 1, length - 1))
     request = Request([0], steps, temperature=0.0, logprobs=1, prompt_logprobs=True)
     entries = [(0, Completion(request, settings=engine.check(request)))]

@@ -8,7 +8,7 @@ import dataclasses
 from gpt.errors import ConfigError
 from gpt.inference.request import is_int
 from gpt.inference.shapes import MIN_PROMPT_BUCKET
-from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft, check_draft_model
+from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft
 from gpt.model.config import GPTConfig
 
 __all__ = ["DraftChoice", "EngineSettings"]
@@ -23,9 +23,10 @@ class DraftChoice:
     guesses stand), at the widths where that has measured faster: ngram from its prompt and output, int8
     by the model's own weights in int8, or a smaller GPT with the same tokenizer: serve.py and sample.py
     load it from this INIT_FROM (a training out_dir, an HF directory, a hub name), the library takes the
-    GPT (or its Decoder) itself (`gpt.inference.speculation`)."""
+    GPT (or its Decoder, or a Drafter made before) itself (`gpt.inference.drafters`)."""
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
-    """The most guessed tokens one step verifies."""
+    """The most guessed tokens one step verifies (each call verifies as many of these as pays:
+    `gpt.inference.draft_policy`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +56,9 @@ class EngineSettings(DraftChoice):
     def checked(self, config: GPTConfig | None = None) -> EngineSettings:
         """These settings with their integers as ints, `cache_length` filled in (None: the model's context)
         and `draft_tokens` 0 without a draft; ConfigError naming the first outside its bound. Without the
-        model's `config` (before a model is loaded), cache_length's upper bound and a draft model's fit
-        (`check_draft_model`) are not checked, and a `draft` that is no kind of draft names a model to load."""
+        model's `config` (before a model is loaded), cache_length's upper bound is not checked, and a `draft`
+        that is no kind of draft names a model to load. A draft model's fit is checked where the engine makes
+        its drafter (`gpt.inference.drafters.make_drafter`)."""
         block_size = None if config is None else config.block_size
         cache_length = block_size if self.cache_length is None else self.cache_length
         if block_size is not None and (not is_int(cache_length) or not 1 <= cache_length <= block_size):
@@ -70,8 +72,6 @@ class EngineSettings(DraftChoice):
             if not is_int(value) or value < lowest.get(name, 1):
                 raise ConfigError(f"Engine {name} must be an integer >= {lowest.get(name, 1)}, got {value!r}")
         draft_tokens = check_draft(self.draft, self.draft_tokens, names_a_model=config is None)
-        if config is not None and draft_tokens and not isinstance(self.draft, str):
-            check_draft_model(self.draft.config, config, cache_length)
         return EngineSettings(**{name: int(getattr(self, name)) for name in numbers},
                               cache_length=None if cache_length is None else int(cache_length),
                               draft=self.draft if draft_tokens else "none", draft_tokens=draft_tokens)

@@ -73,15 +73,15 @@ def xla_few_rows(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:
 
 
 # XLA's CPU dot runs 1 float32 row as a matrix-vector product at the memory's speed, but 2 to 16 rows as a
-# GEMM far from it: on a 2-core AMD EPYC (Zen 4) a chain of GPT-2's block matrices (340 MB in float32) took
-# 12.3 ms for 1 row and 34.1 ms for 8, where `xla_few_rows` took 21.3 ms (`bench/decode_parts.py`). From
-# 64 rows the GEMM wins again.
+# GEMM far from it, which `xla_few_rows` beats (`python bench/decode_parts.py` times the two on a machine;
+# bench/RESULTS.md, "The two parts of a step, each against its alternatives", under "Serving"). From 64 rows
+# the GEMM wins again.
 _XLA_FEW_ROWS = range(2, 17)
 
 
 def at_least_two_rows(x_MD: jax.Array) -> jax.Array:
-    """XLA's CPU dot for int8 or bfloat16 operands falls off its fast path for a single row (GPT-2's block
-    matrices in int8: 113 ms against 7.2 at two rows), so one row runs as two (the second all zeros)."""
+    """XLA's CPU dot for int8 or bfloat16 operands falls off its fast path for a single row (about 10x
+    slower than two: bench/RESULTS.md, "Quantized decoding"), so one row runs as two (the second all zeros)."""
     return jnp.concatenate([x_MD, jnp.zeros_like(x_MD)]) if x_MD.shape[0] == 1 else x_MD
 
 

@@ -37,10 +37,11 @@ class Metrics:
                                                   "client left before its reply)", ["status"], registry=registry)
         prometheus_client.Gauge("gpt_prompt_tokens_reused", "Prompt positions loaded from the prefix cache, not run",
                                 registry=registry).set_function(lambda: engine.prompt_tokens_reused)
+        policy = engine.draft_policy
         prometheus_client.Gauge("gpt_draft_tokens", "Drafted tokens verified (--draft)", registry=registry
-                                ).set_function(lambda: engine.drafts.tokens_drafted if engine.drafts else 0)
+                                ).set_function(lambda: policy.tokens_drafted if policy else 0)
         prometheus_client.Gauge("gpt_draft_tokens_accepted", "Drafted tokens that stood (--draft)", registry=registry
-                                ).set_function(lambda: engine.drafts.drafts_accepted if engine.drafts else 0)
+                                ).set_function(lambda: policy.drafts_accepted if policy else 0)
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
 
