@@ -1,4 +1,4 @@
-"""Corpus preparation speed and memory, side by side on one generated corpus (issue 13's benchmark).
+"""Corpus preparation speed and memory, side by side on one generated corpus.
 
     python bench/data_bench.py --megabytes 1024
 

@@ -65,11 +65,19 @@ def pytest_configure(config):
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 
-# Each module's seconds in the last full run that passed, which the suite records itself (`pytest_sessionfinish`):
-# the modules run longest first, so that both workers end together. Each of the two workers takes the next
-# module (or family, below) when it frees up (xdist's loadscope, with --no-loadscope-reorder), so a long module
-# that came last ran on alone. A module not recorded yet runs first, its time unknown.
+# Each module's seconds in the last full run that passed: the modules run longest first, so that both workers
+# end together. Each of the two workers takes the next module (or family, below) when it frees up (xdist's
+# loadscope, with --no-loadscope-reorder), so a long module that came last ran on alone. A module not recorded
+# yet runs first, its time unknown. The suite records its own runs in pytest's cache (`pytest_sessionfinish`,
+# under DURATIONS_KEY, in the ignored .pytest_cache); DURATIONS, a tracked file, is the order a fresh clone
+# starts from, written only on purpose (`pytest --record-durations`).
 DURATIONS = Path(__file__).with_name("durations.json")
+DURATIONS_KEY = "gpt/durations"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help="after a full run that passes, write each module's seconds to tests/durations.json")
 
 # Modules that compile the same programs (the same model and engine shapes) run on one worker, back to back,
 # as one unit of work, the first module naming it: the server modules' servers warm up once between them
@@ -94,8 +102,12 @@ def pytest_xdist_make_scheduler(config, log):
     return FamilyScheduling(config, log)
 
 
-def recorded_durations() -> dict[str, float]:
-    """{module: seconds} from DURATIONS; empty when it is missing or unreadable."""
+def recorded_durations(config=None) -> dict[str, float]:
+    """{module: seconds}: this checkout's last full run (pytest's cache, when `config` has one), else DURATIONS;
+    empty when neither is there or readable."""
+    cached = config.cache.get(DURATIONS_KEY, None) if getattr(config, "cache", None) is not None else None
+    if isinstance(cached, dict):
+        return cached
     try:
         durations = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
@@ -106,7 +118,7 @@ def recorded_durations() -> dict[str, float]:
 def pytest_collection_modifyitems(config, items):
     """Orders the families of modules longest first by their recorded seconds (unrecorded ones first), each
     family's modules together, keeping each module's tests in their order."""
-    durations, seconds = recorded_durations(), {}
+    durations, seconds = recorded_durations(config), {}
     for name in {item.path.stem for item in items}:
         seconds[family(name)] = seconds.get(family(name), 0.0) + durations.get(name, math.inf)
 
@@ -127,12 +139,16 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     """After a full run that passed (every module, no -k or -m), the controller records each module's
-    seconds in DURATIONS, for the next run's order."""
+    seconds in pytest's cache for the next run's order (and in DURATIONS with --record-durations)."""
     config = session.config
     whole = (not config.option.markexpr and not config.option.keyword
              and [Path(a).resolve() for a in config.args] == [Path(config.rootpath, "tests").resolve()])
     if exitstatus == 0 and whole and not hasattr(config, "workerinput") and _seconds:
-        DURATIONS.write_text(json.dumps({m: round(s, 1) for m, s in sorted(_seconds.items())}, indent=1) + "\n")
+        seconds = {m: round(s, 1) for m, s in sorted(_seconds.items())}
+        if getattr(config, "cache", None) is not None:
+            config.cache.set(DURATIONS_KEY, seconds)
+        if config.getoption("record_durations"):
+            DURATIONS.write_text(json.dumps(seconds, indent=1) + "\n")
 
 
 def pytest_unconfigure(config):

@@ -65,6 +65,7 @@ def compile_step():
 WIDE = GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=4, n_embd=512)
 
 
+@pytest.mark.slow  # a TPU compile of a minute or less on 2 cores (the quick tier keeps one)
 def test_the_report_holds_the_parameters_and_optimizer_state_exactly(compile_step):
     replicated = compile_step(WIDE, batch_size=8, block_size=64)
     n = num_params(WIDE)
@@ -78,6 +79,7 @@ def test_the_report_holds_the_parameters_and_optimizer_state_exactly(compile_ste
     assert sharded.fits() and sharded.chip is CHIPS["TPU v5 lite"]
 
 
+@pytest.mark.slow  # a TPU compile of a minute or less on 2 cores (the quick tier keeps one)
 def test_the_report_counts_the_models_flops_where_xla_sees_all_of_them(compile_step):
     report = compile_step(WIDE, batch_size=8, block_size=64)  # no splash kernel (64 positions), one loss chunk
     hand = report.model_flops / report.devices
@@ -137,6 +139,7 @@ def test_a_program_compiled_for_a_tpu_takes_the_tpu_row_and_its_splash_kernel(v5
     assert "tpu_custom_call" not in masked.as_text()  # under a mask: XLA's attention
 
 
+@pytest.mark.slow  # a TPU compile of a minute or less on 2 cores (the quick tier keeps one)
 def test_the_serving_programs_compile_for_a_tpu_topology(v5e_8):
     from gpt.inference.compile_only import compile_engine
     from gpt.inference.engine_settings import EngineSettings
@@ -152,6 +155,7 @@ def test_the_serving_programs_compile_for_a_tpu_topology(v5e_8):
     assert decode.fits() and decode.tokens == 8 and prefill.tokens == 2 * 32
 
 
+@pytest.mark.slow  # a TPU compile of a minute or less on 2 cores (the quick tier keeps one)
 def test_a_remat_step_with_splash_attention_compiles_for_a_tpu(compile_step):
     # The splash kernel made inside the step's trace held that trace's values, which a remat's backward (tracing
     # the block again) found leaked: the compile failed. 128 positions: splash, on each chip's 2 heads.

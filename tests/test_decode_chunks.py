@@ -52,7 +52,8 @@ def completions(model, steps_per_call: int) -> list[list[int]]:
     return [c.tokens for c in submitted], [c.finish_reason for c in submitted]
 
 
-@pytest.mark.parametrize("chunk, steps_per_call", [(4, 8), (8, 8), (3, 8)])
+@pytest.mark.parametrize("chunk, steps_per_call", [(4, 8), pytest.param(8, 8, marks=pytest.mark.slow),
+                                                    pytest.param(3, 8, marks=pytest.mark.slow)])
 def test_chunks_give_the_step_by_step_loops_tokens_stops_and_lengths(model, chunks, chunk, steps_per_call):
     chunks(1)
     want = completions(model, steps_per_call)
@@ -60,6 +61,7 @@ def test_chunks_give_the_step_by_step_loops_tokens_stops_and_lengths(model, chun
     assert completions(model, steps_per_call) == want
 
 
+@pytest.mark.slow  # a further case of a check the quick tier makes
 def test_generate_in_chunks_gives_the_same_tokens(model, chunks):
     prompts = [[5, 6, 7], list(range(1, 40)), [9]]
     chunks(1)

@@ -148,6 +148,7 @@ def test_a_runs_split_prepared_from_another_corpus_since_is_refused(trained_run,
         evaluate(EvalConfig(init_from=str(out), split="val"))
 
 
+@pytest.mark.slow  # a further case of a check the quick tier makes
 def test_a_mesh_scores_as_one_device_and_int8_costs_little(tmp_path, corpus_text):
     _, directory = random_hf_gpt2(tmp_path, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4, weight_scale=4.0)
     path = tmp_path / "t.txt"

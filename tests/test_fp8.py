@@ -97,6 +97,7 @@ def test_the_lm_heads_loss_in_fp8_is_the_rounded_operands_cross_entropy():
     np.testing.assert_allclose(np.asarray(dtable), dlogits.T @ x8 / (B * T), rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow  # FP8 is a GPU lever, off by default: a training run of it (its products are checked quickly)
 def test_an_fp8_model_trains_its_mlp_and_head_in_fp8_and_decodes_as_before():
     config = GPTConfig.preset("tiny")
     tokens = jax.random.randint(jax.random.key(4), (2, 33), 0, config.vocab_size)

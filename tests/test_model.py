@@ -218,8 +218,9 @@ def _loss_and_grad(config: GPTConfig, tokens, key=None):
 REMAT_MODEL = dict(n_layer=4, n_head=4, n_embd=64, block_size=128, vocab_size=256)
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("dropout, scan_layers", [
+    pytest.param(0.0, False, marks=pytest.mark.slow), (0.0, True), (0.1, False),
+    pytest.param(0.1, True, marks=pytest.mark.slow)])
 def test_remat_gives_the_same_loss_and_gradients(scan_layers, dropout):
     tokens = jax.random.randint(jax.random.key(1), (4, 129), 0, 256)
     key = jax.random.key(2) if dropout else None
@@ -231,7 +232,7 @@ def test_remat_gives_the_same_loss_and_gradients(scan_layers, dropout):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("scan_layers", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_remat_keeps_a_fraction_of_the_activations_scanned_or_unrolled(scan_layers):
     """XLA's peak memory for the step's buffers: remat keeps each block's input and recomputes the rest
     in the backward pass (unrolled as well as scanned: XLA would otherwise hoist the recomputation back

@@ -135,6 +135,7 @@ def test_an_unknown_quantization_is_refused():
         generate(model, [[1, 2]], 4, quantize="int4")
 
 
+@pytest.mark.slow  # a further case of a check the quick tier makes
 def test_a_decoder_is_laid_out_once_for_every_call(monkeypatch):
     model = GPT(GPTConfig.preset("tiny", block_size=128), rngs=nnx.Rngs(0))
     prompts = [[5, 17, 99], list(range(30, 51))]

@@ -93,6 +93,7 @@ def test_train_step_matches_one_device(shape):
     assert_trees_close(params, want_params, atol=2 * LR)
 
 
+@pytest.mark.slow  # a further case of a check the quick tier makes
 def test_the_modern_recipe_trains_on_a_mesh_as_on_one_device():
     # Rotary positions, QK-norm, relu(x)^2, an untied head and no biases, stepped by Muon (the blocks'
     # matrices) and AdamW (the rest). Newton-Schulz normalizes each matrix's momentum as a whole, so its

@@ -1,10 +1,8 @@
-"""Speculative decoding with a prompt-lookup draft, an int8 self-draft and a draft model: the drafts prompt
-lookup finds, the tokens each gives (those of decoding without a draft, greedy or sampled, under continuous
-batching), the distribution it samples, a draft model's cache kept up with its rows, and when the engine
-drafts."""
+"""Speculative decoding's parts, quickly: the drafts prompt lookup finds, which guesses stand, the
+verification's forward, the tokens each kind of draft gives (those of decoding without one; the slower
+cases are marked slow), the refusals, and the draft policy's choices. The engine and server under drafts:
+tests/test_speculation_engine.py."""
 
-import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +16,12 @@ from gpt.generate import generate
 from gpt.inference import decoding, speculation
 from gpt.inference.decoder import Decoder
 from gpt.inference.draft_policy import DraftPolicy, ladder
-from gpt.inference.drafters import Drafter, make_drafter, ngram_drafts
+from gpt.inference.drafters import ngram_drafts
 from gpt.inference.engine import Engine
-from gpt.inference.request import Request
 from gpt.inference.speculation import count_standing
 from gpt.model.kv_cache import KVCache
 
+from drafting import PROMPTS, smaller_draft, the_draft
 from serving import decisive_model
 
 
@@ -34,14 +32,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def smaller():
-    """A draft model: a GPT of another depth and width with the model's vocabulary and context."""
-    return GPT(GPTConfig.preset("tiny", vocab_size=256, block_size=128, n_layer=1, n_embd=16, n_head=2),
-               rngs=nnx.Rngs(9))
-
-
-def the_draft(name, model, smaller):
-    """A parameter's draft: a kind by name, "itself" (the model as its own draft model) or "smaller"."""
-    return dict(itself=model, smaller=smaller).get(name, name)
+    return smaller_draft()
 
 
 def drafts_of(history, draft_tokens=4):
@@ -98,19 +89,23 @@ def test_several_positions_a_row_over_a_paged_cache_and_a_view_equal_one_at_a_ti
         assert jnp.allclose(together, jnp.concatenate(one, axis=1), atol=2e-5)
 
 
-PROMPTS = [  # ragged: a pattern the model may copy, text that does not repeat, a short loop
-    [7, 3, 9, 1, 4, 7, 3, 9, 1, 4, 7, 3], list(range(30, 61)), [5, 6, 5, 6, 5], [200],
-]
-
-
-@pytest.mark.parametrize("knobs", [
+KNOBS = [
     dict(temperature=0.0),
     dict(temperature=0.0, repetition_penalty=1.3),
     dict(temperature=1.0, seed=11),
     dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.05, seed=5),
-])
-@pytest.mark.parametrize("draft, draft_tokens", [("ngram", 1), ("ngram", 4), ("int8", 3), ("itself", 4),
-                                                  ("smaller", 2)])
+]
+DRAFTS = [("ngram", 1), ("ngram", 4), ("int8", 3), ("itself", 4), ("smaller", 2)]
+
+
+def quick(knobs: dict, draft: str, draft_tokens: int) -> bool:
+    """The cases of the quick tier: every kind of draft greedy, and prompt lookup with every knob."""
+    return knobs == KNOBS[0] and draft_tokens > 1 or knobs == KNOBS[-1] and draft == "ngram" and draft_tokens > 1
+
+
+@pytest.mark.parametrize("knobs, draft, draft_tokens", [
+    pytest.param(knobs, draft, k, marks=() if quick(knobs, draft, k) else pytest.mark.slow)
+    for knobs in KNOBS for draft, k in DRAFTS])
 def test_a_draft_gives_the_tokens_of_decoding_without_one(model, smaller, knobs, draft, draft_tokens):
     """Greedy or sampled, the same tokens token for token, on ragged rows with max tokens landing inside
     a draft; drafts were verified, and greedy ones stood (random weights' samples seldom repeat: the
@@ -138,82 +133,6 @@ def test_a_draft_gives_the_tokens_of_decoding_without_one(model, smaller, knobs,
         assert policy.drafts_accepted == policy.tokens_drafted
 
 
-@pytest.mark.parametrize("draft", ["ngram", "int8", "itself"])
-def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model, smaller, draft):
-    """Five requests through two slots (admitted as others end), stop tokens, stop strings and max tokens
-    that land mid-draft, one step or several a call: each request's tokens and finish reason are those
-    without a draft, and nothing compiles after the warm-up."""
-    from gpt.tokenizer import get_tokenizer
-
-    loop = [7, 3, 9, 1, 4] * 3
-    greedy = generate(model, [loop, loop[:7]], 40, temperature=0.0)  # stops chosen from the paths taken
-    stop_string = get_tokenizer().decode([greedy[1][12]])
-    requests = [(loop, 40, dict(temperature=0.0)), (loop, 30, dict(temperature=0.0, stop_tokens=(greedy[0][11],))),
-                (list(range(2, 19)), 23, dict(temperature=0.9, seed=3)),
-                (loop[:7], 30, dict(temperature=0.0, stop_strings=(stop_string,))), ([1, 2, 1, 2], 3, dict(temperature=0.0))]
-
-    def run(draft, steps_per_call):
-        engine = Engine(model, slots=2, cache_length=64, steps_per_call=steps_per_call, prefill_chunk=16,
-                        draft=draft, draft_tokens=3)
-        engine.warmup(log=lambda line: None)
-        compiled = engine.compiled_shapes()
-        submitted = [engine.submit(Request(p, m, **k)) for p, m, k in requests]
-        engine.run(submitted)
-        assert engine.compiled_shapes() == compiled, "compiled after the warm-up"
-        return [(c.tokens, c.finish_reason) for c in submitted]
-
-    want = run(None, 1)
-    assert [reason for _, reason in want] == ["length", "stop", "length", "stop", "length"]
-    for steps_per_call in (1, 4):
-        assert run(the_draft(draft, model, smaller), steps_per_call) == want
-
-
-def test_a_draft_model_catches_up_with_each_rows_tokens_through_slot_reuse_and_chunked_prompts(model):
-    """The model as its own draft model, greedy: six requests through three slots (each slot's draft cache
-    emptied at admission and caught up over its new prompt, prompts of one token to several chunks, decode
-    widths below the slots' as rows end), several steps a call: every guess stands and the tokens are
-    decoding's without a draft. A draft cache that fell behind its row, or ran another row's tokens, would
-    guess from the wrong past."""
-    prompts = [[(7 * i + 3 * n) % 256 for i in range(n)] for n in (1, 40, 75, 3, 33, 90)]
-    want = generate(model, prompts, 20, temperature=0.0)
-    engine = Engine(model, slots=3, cache_length=128, prefill_chunk=32, steps_per_call=3, draft=model,
-                    draft_tokens=3)
-    engine.draft_policy.choose = lambda width, slots: 3
-    completions = [engine.submit(Request(p, 20, temperature=0.0)) for p in prompts]
-    engine.run(completions)
-    assert [c.tokens for c in completions] == want
-    assert engine.draft_policy.drafts_accepted == engine.draft_policy.tokens_drafted > 60
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class EchoDraft(Drafter):
-    """A drafter of a test's own: guesses each row's last token, `repeats` times over (a pytree: its one
-    array is the decode program's argument)."""
-
-    repeats: jax.Array
-
-    def propose(self, config, slots, draft_tokens):
-        drafts_RK = jnp.broadcast_to(slots.last_token[:, None] * self.repeats, (slots.last_token.shape[0], draft_tokens))
-        return drafts_RK, jnp.full_like(slots.last_token, draft_tokens), slots
-
-
-def test_a_drafter_of_ones_own_plugs_in_by_its_type_alone(model):
-    """A new kind of draft is a Drafter and nothing else: the engine proposes through it, verifies its
-    guesses and gives decoding's tokens; one made by `make_drafter` is made once and taken again as it is."""
-    prompts = [[5, 5, 5, 5], [7, 3, 9, 1, 4, 7, 3]]
-    want = generate(model, prompts, 24, temperature=0.0)
-    engine = Engine(model, slots=2, cache_length=64, steps_per_call=8, draft=EchoDraft(jnp.int32(1)),
-                    draft_tokens=2)
-    engine.draft_policy.choose = lambda width, slots: 2
-    completions = [engine.submit(Request(p, 24, temperature=0.0)) for p in prompts]
-    engine.run(completions)
-    assert [c.tokens for c in completions] == want and engine.draft_policy.tokens_drafted > 0
-    drafter = make_drafter("int8", Decoder.of(model), 64)
-    assert make_drafter(drafter, Decoder.of(model), 64) is drafter
-    assert generate(model, prompts, 24, temperature=0.0, draft=drafter, draft_tokens=2) == want
-
-
 @pytest.mark.parametrize("shape, message", [
     (dict(vocab_size=128), "the draft's vocabulary of 128 tokens differs from the model's 256: a draft must share "
                            "the model's tokenizer"),
@@ -225,87 +144,6 @@ def test_a_draft_model_of_another_vocabulary_or_a_shorter_context_is_refused(mod
     with pytest.raises(ConfigError) as e:
         Engine(model, cache_length=64, draft=draft)
     assert str(e.value) == message
-
-
-def test_sample_takes_a_draft_of_a_shorter_context_where_its_rows_fit_as_generate_does(tmp_path):
-    import io
-
-    from gpt.model import gpt2
-    from gpt.sample import SampleConfig, sample
-
-    for name, block_size, seed in (("model", 128, 0), ("draft", 64, 1)):
-        gpt2.save(GPT(GPTConfig.preset("tiny", vocab_size=50257, block_size=block_size), rngs=nnx.Rngs(seed)),
-                  tmp_path / name)
-    greedy = dict(init_from=str(tmp_path / "model"), start="def ", num_samples=2, max_new_tokens=12, temperature=0)
-    plain = sample(SampleConfig(**greedy), io.StringIO())
-    # Each row holds 16 + 16 positions, within the draft's 64 (it had been checked against the model's 128).
-    assert sample(SampleConfig(**greedy, draft=str(tmp_path / "draft"), draft_tokens=3), io.StringIO()) == plain
-    with pytest.raises(ConfigError, match="the draft's context of 64 positions is shorter than the 80 positions"):
-        sample(SampleConfig(**{**greedy, "max_new_tokens": 60}, draft=str(tmp_path / "draft")), io.StringIO())
-
-
-def test_trained_weights_give_the_same_tokens_and_accept_drafts(trained_run, corpus_text):
-    """On the weights of a short training run, continuing source text it saw part of: greedy and sampled
-    tokens equal decoding's without a draft, with either draft, and drafts stand."""
-    from gpt.tokenizer import get_tokenizer
-    from gpt.train.checkpoint import load_model
-
-    trained = load_model(trained_run)
-    text = corpus_text[300_000:301_200]
-    prompts = [get_tokenizer().encode(text[i: i + 400])[:96] for i in (0, 500)]
-    for knobs in (dict(temperature=0.0), dict(temperature=0.7, seed=2)):
-        want = generate(trained, prompts, 24, **knobs)
-        for draft in ("ngram", "int8", trained):
-            engine = Engine(trained, slots=2, cache_length=128, steps_per_call=128, draft=draft)
-            completions = [engine.submit(Request(p, 24, stream=i, **knobs)) for i, p in enumerate(prompts)]
-            engine.run(completions)
-            assert [c.tokens for c in completions] == want
-            assert engine.draft_policy.drafts_accepted > 0
-
-
-def sampled_pairs(model, prompt, draws, **knobs):
-    """The first two tokens of `draws` seeded samples of `prompt`, with a draft (three asked for: a draft
-    is never longer than the tokens a row may still emit, less the one the target adds)."""
-    rows = generate(model, [prompt] * draws, 3, draft="ngram", draft_tokens=3, seed=0, max_batch=256, **knobs)
-    return np.asarray([row[:2] for row in rows])
-
-
-def chi_square_p_value(observed: np.ndarray, expected: np.ndarray) -> float:
-    """Pearson's test of counts against probabilities (cells expected fewer than 5 times pooled), its
-    p-value by Wilson and Hilferty's normal approximation of the chi-square distribution."""
-    expected = expected / expected.sum() * observed.sum()
-    small = expected < 5
-    observed = np.append(observed[~small], observed[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-    statistic = float(np.sum((observed - expected) ** 2 / np.maximum(expected, 1e-12)))
-    k = len(observed) - 1
-    z = ((statistic / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2))
-
-
-def test_sampling_with_a_draft_draws_from_the_models_distribution(monkeypatch):
-    """Over a vocabulary of 8 whose every token is in the prompt (so the second token is always drafted),
-    the joint distribution of the first two sampled tokens over 4000 seeds matches the model's own, and
-    the same test fails when a draft is always accepted."""
-    model = GPT(GPTConfig.preset("tiny", vocab_size=8, block_size=32), rngs=nnx.Rngs(5))
-    nnx.update(model, jax.tree.map(lambda p: p * 3.0 if p.ndim >= 2 else p, nnx.state(model, nnx.Param)))
-    prompt = [0, 1, 2, 3, 4, 5, 6, 7, 3, 1]
-    first = jax.nn.softmax(model(jnp.asarray([prompt]))[0, -1])
-    then = jax.nn.softmax(model(jnp.asarray([prompt + [t] for t in range(8)]))[:, -1], axis=-1)
-    expected = np.asarray(first[:, None] * then).reshape(-1)
-
-    def p_value():
-        pairs = sampled_pairs(model, prompt, 4000, temperature=1.0)
-        return chi_square_p_value(np.bincount(pairs[:, 0] * 8 + pairs[:, 1], minlength=64).astype(float), expected)
-
-    assert p_value() > 1e-3
-    monkeypatch.setattr(decoding, "count_standing", lambda target, drafts, count: count)  # every draft accepted
-    jax.clear_caches()
-    try:
-        assert p_value() < 1e-6
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
 
 
 @pytest.mark.parametrize("draft, draft_tokens, message", [
@@ -389,79 +227,6 @@ def test_a_guess_position_no_call_has_reached_goes_as_the_one_before_it():
     policy.record(1, 2, 1.0, 20, np.asarray([40]), np.asarray([[20, 20]]), np.asarray([[20, 20]]))
     assert (policy.chances([0])[0] > 0.99).all()
     assert policy.expected_tokens([0])[-1] > 8.5  # K = 8: 1 + a_1 + ... + a_1...a_8
-
-
-def test_the_engine_runs_plain_steps_where_drafts_seldom_stand(model, monkeypatch):
-    """With plain steps measured cheaper than any draft at every width, the engine's calls go plain (a draft
-    only to probe), and the tokens stay the same."""
-    engine = Engine(model, slots=2, cache_length=96, draft="ngram", draft_tokens=2)
-    engine.warmup(log=lambda line: None)  # no call below compiles: each is timed as it runs
-    engine.draft_policy.probe_every = 8  # some probes within the request's 39 calls
-    ways = []
-    original = engine.device.decode
-
-    def decode(*args):
-        ways.append(args[-1])
-        return original(*args)
-
-    monkeypatch.setattr(engine.device, "decode", decode)
-    for width in engine.decode_widths:
-        for k in engine.draft_policy.ladder:
-            for _ in range(2):
-                engine.draft_policy.record(width, k, 0.1 * (1 + 2 * k), 10, np.zeros(engine.num_slots),
-                                     *np.zeros((2, engine.num_slots, k)))
-    completion = engine.submit(Request([7, 3, 9, 1, 4] * 3, 40, temperature=0.0))
-    engine.run([completion])
-    assert completion.tokens == generate(model, [[7, 3, 9, 1, 4] * 3], 40, temperature=0.0)[0]
-    assert ways.count(0) > len(ways) - ways.count(0) >= 1
-
-
-@pytest.mark.parametrize("draft", ["ngram", "int8", "itself", "smaller"])
-def test_every_k_of_the_ladder_changing_from_call_to_call_gives_decodings_tokens(model, smaller, draft):
-    """Calls that verify 4, 0, 1, 2, 4, 2... guesses in turn (a draft model's cache kept through each), greedy
-    and sampled, ragged rows: the tokens of decoding without a draft; the model as its own draft model has
-    every greedy guess stand whatever the K."""
-    ks = [4, 0, 1, 2, 4, 2, 1, 0]
-    for knobs in (dict(temperature=0.0), dict(temperature=0.9, top_k=30, seed=3)):
-        want = generate(model, PROMPTS, 30, **knobs)
-        engine = Engine(model, slots=4, cache_length=64, steps_per_call=2, draft=the_draft(draft, model, smaller),
-                        draft_tokens=4)
-        calls = iter(ks * 20)
-        engine.draft_policy.choose = lambda width, slots: next(calls)
-        completions = [engine.submit(Request(p, 30, stream=i, **knobs)) for i, p in enumerate(PROMPTS)]
-        engine.run(completions)
-        assert [c.tokens for c in completions] == want
-        assert engine.draft_policy.tokens_drafted > 0
-        if draft == "itself" and knobs["temperature"] == 0:
-            assert engine.draft_policy.drafts_accepted == engine.draft_policy.tokens_drafted
-
-
-def test_a_server_with_a_draft_answers_as_one_without_and_counts_its_drafts(model):
-    """serve.py's engine with --draft ngram: completions (greedy and seeded) equal those of a server
-    without one, and /metrics counts the drafted tokens and those that stood."""
-    import httpx
-
-    from serving import Server
-
-    prompt = PROMPTS[2]  # one whose greedy path (on these weights) drafts tokens that stand
-    replies = []
-    for draft in (None, "ngram"):
-        server = Server(model, warmup=False, slots=2, cache_length=64, draft=draft)
-        if draft is not None:  # every call with the draft (when the engine drafts is the policy's test)
-            server.engine.draft_policy.choose = lambda width, slots: server.engine.draft_policy.ladder[-1]
-        try:
-            texts = [server.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, seed=4,
-                                                      **knobs).choices[0].text
-                     for knobs in (dict(temperature=0), dict(temperature=0.9, top_p=0.95))]
-            metrics = dict(line.split() for line in httpx.get(server.url + "/metrics").text.splitlines()
-                           if line.startswith("gpt_draft_tokens"))
-        finally:
-            server.stop()
-        replies.append((texts, metrics))
-    assert replies[1][0] == replies[0][0]
-    assert replies[0][1] == {"gpt_draft_tokens": "0.0", "gpt_draft_tokens_accepted": "0.0"}
-    drafted, accepted = (float(replies[1][1][name]) for name in ("gpt_draft_tokens", "gpt_draft_tokens_accepted"))
-    assert drafted >= accepted > 0
 
 
 def test_an_int8_draft_needs_float_weights(model):

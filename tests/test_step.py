@@ -133,6 +133,7 @@ def test_runs_that_differ_in_their_schedule_share_one_compiled_step_and_each_kee
     assert any(not np.array_equal(a, b) for a, b in zip(after_first, after_second))  # the schedules differ
 
 
+@pytest.mark.slow  # a GPU lever, off by default: two full steps compiled each way
 def test_casting_the_blocks_weights_once_a_step_changes_no_number(monkeypatch):
     # The backend's `params_cast_once`: the blocks' matrices cast to bfloat16 before the micro-batches' loop
     # rather than inside it, and every parameter, moment and loss after two steps bit for bit the same.

@@ -37,3 +37,23 @@ def test_a_module_never_recorded_runs_first_and_an_unreadable_record_keeps_name_
     collected = items("test_b", "test_a")
     conftest.pytest_collection_modifyitems(None, collected)
     assert [item.name for item in collected] == ["test_a::0", "test_a::1", "test_b::0", "test_b::1"]
+
+
+def test_a_run_records_its_seconds_in_pytests_cache_and_the_tracked_file_only_when_asked(monkeypatch, tmp_path):
+    tracked = tmp_path / "durations.json"
+    tracked.write_text('{"test_a": 1.0}')
+    monkeypatch.setattr(conftest, "DURATIONS", tracked)
+    monkeypatch.setattr(conftest, "_seconds", {"test_a": 7.04, "test_b": 2.0})
+    cache = {}
+
+    def config(record):
+        return SimpleNamespace(option=SimpleNamespace(markexpr="", keyword=""), args=[str(tmp_path / "tests")],
+                               rootpath=tmp_path, cache=SimpleNamespace(get=cache.get, set=cache.__setitem__),
+                               getoption=lambda name: record)
+
+    assert conftest.recorded_durations(config(False)) == {"test_a": 1.0}  # a fresh clone: the tracked order
+    conftest.pytest_sessionfinish(SimpleNamespace(config=config(False)), 0)
+    assert tracked.read_text() == '{"test_a": 1.0}'  # a run leaves the tracked file as it was
+    assert conftest.recorded_durations(config(False)) == {"test_a": 7.0, "test_b": 2.0}  # and orders the next
+    conftest.pytest_sessionfinish(SimpleNamespace(config=config(True)), 0)
+    assert json.loads(tracked.read_text()) == {"test_a": 7.0, "test_b": 2.0}
