@@ -13,7 +13,7 @@ from gpt import GPT, GPTConfig
 from gpt.inference.decoder import decoding_weights
 from gpt.model import gpt2
 from gpt.model.config import PRESETS
-from gpt.model.parameters import BLOCK_WEIGHTS, KERNELS, block_weights
+from gpt.model.parameters import KERNELS, block_weights
 from gpt.model.transformer import num_params
 from gpt.train.optimizer import muon_axes
 from gpt.train.recipes import RECIPES
@@ -39,9 +39,11 @@ def test_every_preset_builds_the_tables_weights_and_every_consumer_agrees(config
         param = built[w.name]
         assert param.shape == (config.n_layer, *w.dims(config)) and len(w.axes) == len(w.shape)
         assert param.get_metadata()["axes"] == ("layers", *w.axes)
-    # GPT-2's checkpoint names: one per block weight, each once.
-    hf_names = [hf for path, hf, per_layer in gpt2._TABLE if per_layer]
-    assert hf_names == [w.hf for w in BLOCK_WEIGHTS] and len(set(hf_names)) == len(hf_names)
+    # GPT-2's checkpoint names: one per block weight the model has, each once, each shaped as its letters say.
+    hf = [(name, shape) for path, name, per_layer, shape in gpt2._table(config) if per_layer]
+    assert [name for name, _ in hf] == [w.hf for w in declared] and len(set(hf)) == len(hf)
+    for (_, shape), w in zip(hf, declared):
+        assert math.prod(shape) == math.prod(w.dims(config)) and (len(shape) == 2) == bool(w.inputs)
     # Muon: the layer axis, the separate matrices, the inputs and the outputs are all of a kernel's axes, once.
     axes = muon_axes({name: jax.ShapeDtypeStruct(param.shape, param.dtype) for name, param in built.items()})
     for name, w in KERNELS.items():

@@ -28,7 +28,7 @@ from safetensors.numpy import load_file, save_file
 
 from gpt.errors import ConfigError, MissingInput, RunFailed
 from gpt.model.config import GPTConfig
-from gpt.model.parameters import BLOCK_WEIGHTS
+from gpt.model.parameters import block_weights
 from gpt.model.transformer import GPT
 from gpt.tokenizer import hf_tokenizer_files
 
@@ -36,30 +36,23 @@ __all__ = ["load", "save", "config_from_hf", "resolve"]
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
-# (our parameter path, Hugging Face name with {} for the layer, is it per layer): the model's own weights,
-# then each block weight's as `gpt.model.parameters` declares it.
-_TABLE = (
-    ("wte", "wte.weight", False),
-    ("wpe", "wpe.weight", False),
-    ("lnf_scale", "ln_f.weight", False),
-    ("lnf_bias", "ln_f.bias", False),
-    *((f"blocks.{w.name}", w.hf, True) for w in BLOCK_WEIGHTS),
+# The model's own weights: (our parameter path, Hugging Face name, its shape there). The block weights' are
+# `gpt.model.parameters`' (`_table`).
+_MODEL_WEIGHTS = (
+    ("wte", "wte.weight", lambda c: (c.vocab_size, c.n_embd)),
+    ("wpe", "wpe.weight", lambda c: (c.block_size, c.n_embd)),
+    ("lnf_scale", "ln_f.weight", lambda c: (c.n_embd,)),
+    ("lnf_bias", "ln_f.bias", lambda c: (c.n_embd,)),
 )
 # Buffers that older checkpoints carry (the causal mask) and the tied LM head: not parameters of ours.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
-def _hf_shape(config: GPTConfig, hf_name: str) -> tuple[int, ...]:
-    D, F = config.n_embd, config.mlp_dim
-    shapes = {
-        "wte.weight": (config.vocab_size, D), "wpe.weight": (config.block_size, D),
-        "c_attn.weight": (D, 3 * D), "c_attn.bias": (3 * D,), "mlp.c_fc.weight": (D, F), "c_fc.bias": (F,),
-        "attn.c_proj.weight": (D, D), "mlp.c_proj.weight": (F, D),
-    }
-    for suffix, shape in shapes.items():
-        if hf_name.endswith(suffix):
-            return shape
-    return (D,)  # LayerNorm scales and biases, and the output-projection biases
+def _table(config: GPTConfig) -> list[tuple[str, str, bool, tuple[int, ...]]]:
+    """(our parameter path, Hugging Face name with {} for the layer, is it per layer, its Hugging Face shape)
+    for every weight a model of `config` has: the model's own, then each block weight's."""
+    return [(path, hf, False, shape(config)) for path, hf, shape in _MODEL_WEIGHTS] + [
+        (f"blocks.{w.name}", w.hf, True, w.hf_dims(config)) for w in block_weights(config)]
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -282,13 +275,13 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
         del tensors[name]
 
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-    for path, hf_name, per_layer in _TABLE:
+    for path, hf_name, per_layer, expected in _table(config):
         names = [hf_name.format(i) for i in range(config.n_layer)] if per_layer else [hf_name]
         arrays = []
         for name in names:
             if name not in tensors:
                 raise ConfigError(f"{directory}: missing tensor {name!r}")
-            array, expected = tensors.pop(name), _hf_shape(config, name)
+            array = tensors.pop(name)
             if array.shape != expected:
                 raise ConfigError(f"{directory}: tensor {name!r} has shape {array.shape}, expected {expected}")
             arrays.append(array)
@@ -343,14 +336,13 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
     hf_config = config_to_hf(config)
     _check_export_destination(out_dir)
     tensors = {}
-    for path, hf_name, per_layer in _TABLE:
+    for path, hf_name, per_layer, shape in _table(config):
         value = np.asarray(_param(model, path)[...], dtype=np.float32)
         if per_layer:
             for i in range(config.n_layer):
-                name = hf_name.format(i)
-                tensors[f"transformer.{name}"] = np.ascontiguousarray(value[i].reshape(_hf_shape(config, name)))
+                tensors[f"transformer.{hf_name.format(i)}"] = np.ascontiguousarray(value[i].reshape(shape))
         else:
-            tensors[f"transformer.{hf_name}"] = np.ascontiguousarray(value.reshape(_hf_shape(config, hf_name)))
+            tensors[f"transformer.{hf_name}"] = np.ascontiguousarray(value.reshape(shape))
 
     umask = os.umask(0)
     os.umask(umask)

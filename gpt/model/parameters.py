@@ -1,5 +1,5 @@
 """Every weight of a decoder block, declared once: its shape, logical axes, init, the axes its matmul reduces
-over, and its name in a Hugging Face GPT-2 checkpoint. `Blocks` builds its parameters from this table, and
+over, when a model has it, and its name and shape in a Hugging Face GPT-2 checkpoint. `Blocks` builds its parameters from this table, and
 GPT-2's import and export, Muon's matrix axes, decoding's kernel layout and the tests read it; nothing else
 restates a block weight's facts.
 
@@ -10,6 +10,7 @@ H head dim, F MLP width.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from gpt.model.config import GPTConfig
@@ -26,12 +27,12 @@ class BlockWeight:
     axes: its logical axis names (`gpt.model.sharding.RULES`), one per letter (None: not sharded).
     init: "normal" (std 0.02, or 0.02 / sqrt(2L) for a projection that writes into the residual stream:
       `residual`), "ones" or "zeros".
-    bias: it exists only when `GPTConfig.bias`.
+    when: the `GPTConfig` flag it exists under ("" for every model), e.g. "bias" (`exists`).
     norm: a LayerNorm's weight, which the forward reads in float32 (every other weight in the compute dtype).
     inputs: for a matrix, how many leading axes a matmul reduces over (the rest are its outputs); 0 else.
     separate: for a matrix, leading output axes that hold separate matrices (q, k and v), which Muon
       orthogonalizes apart.
-    hf: its name in a Hugging Face GPT-2 checkpoint, {} for the layer.
+    hf: its name in a Hugging Face GPT-2 checkpoint, {} for the layer (its shape there: `hf_dims`).
     """
 
     name: str
@@ -39,7 +40,7 @@ class BlockWeight:
     axes: tuple[str | None, ...]
     init: Literal["normal", "ones", "zeros"]
     hf: str
-    bias: bool = False
+    when: str = ""
     norm: bool = False
     residual: bool = False
     inputs: int = 0
@@ -50,27 +51,39 @@ class BlockWeight:
         size = {"D": config.n_embd, "N": config.n_head, "H": config.head_dim, "F": config.mlp_dim, "3": 3}
         return tuple(size[letter] for letter in self.shape)
 
+    def exists(self, config: GPTConfig) -> bool:
+        """Whether a model of `config` has this weight (the one place that says so)."""
+        return not self.when or bool(getattr(config, self.when))
+
+    def hf_dims(self, config: GPTConfig) -> tuple[int, ...]:
+        """Its shape in a Hugging Face GPT-2 checkpoint, from its letters: a matrix as [inputs, outputs]
+        (GPT-2's Conv1D), anything else flat."""
+        dims = self.dims(config)
+        if not self.inputs:
+            return (math.prod(dims),)
+        return math.prod(dims[: self.inputs]), math.prod(dims[self.inputs:])
+
 
 BLOCK_WEIGHTS = (  # in the order `Blocks` makes them (the order its random init draws in)
     BlockWeight("ln1_scale", "D", ("embed",), "ones", "h.{}.ln_1.weight", norm=True),
-    BlockWeight("ln1_bias", "D", ("embed",), "zeros", "h.{}.ln_1.bias", bias=True, norm=True),
+    BlockWeight("ln1_bias", "D", ("embed",), "zeros", "h.{}.ln_1.bias", when="bias", norm=True),
     BlockWeight("qkv_kernel", "D3NH", ("embed", None, "heads", "head_dim"), "normal", "h.{}.attn.c_attn.weight",
                 inputs=1, separate=1),
-    BlockWeight("qkv_bias", "3NH", (None, "heads", "head_dim"), "zeros", "h.{}.attn.c_attn.bias", bias=True),
+    BlockWeight("qkv_bias", "3NH", (None, "heads", "head_dim"), "zeros", "h.{}.attn.c_attn.bias", when="bias"),
     BlockWeight("out_kernel", "NHD", ("heads", "head_dim", "embed"), "normal", "h.{}.attn.c_proj.weight",
                 residual=True, inputs=2),
-    BlockWeight("out_bias", "D", ("embed",), "zeros", "h.{}.attn.c_proj.bias", bias=True),
+    BlockWeight("out_bias", "D", ("embed",), "zeros", "h.{}.attn.c_proj.bias", when="bias"),
     BlockWeight("ln2_scale", "D", ("embed",), "ones", "h.{}.ln_2.weight", norm=True),
-    BlockWeight("ln2_bias", "D", ("embed",), "zeros", "h.{}.ln_2.bias", bias=True, norm=True),
+    BlockWeight("ln2_bias", "D", ("embed",), "zeros", "h.{}.ln_2.bias", when="bias", norm=True),
     BlockWeight("fc_kernel", "DF", ("embed", "mlp"), "normal", "h.{}.mlp.c_fc.weight", inputs=1),
-    BlockWeight("fc_bias", "F", ("mlp",), "zeros", "h.{}.mlp.c_fc.bias", bias=True),
+    BlockWeight("fc_bias", "F", ("mlp",), "zeros", "h.{}.mlp.c_fc.bias", when="bias"),
     BlockWeight("proj_kernel", "FD", ("mlp", "embed"), "normal", "h.{}.mlp.c_proj.weight", residual=True, inputs=1),
-    BlockWeight("proj_bias", "D", ("embed",), "zeros", "h.{}.mlp.c_proj.bias", bias=True),
+    BlockWeight("proj_bias", "D", ("embed",), "zeros", "h.{}.mlp.c_proj.bias", when="bias"),
 )
 
 KERNELS = {w.name: w for w in BLOCK_WEIGHTS if w.inputs}  # the matrices, by name
 
 
 def block_weights(config: GPTConfig) -> tuple[BlockWeight, ...]:
-    """The block weights a model of `config` has (biases only with `config.bias`)."""
-    return tuple(w for w in BLOCK_WEIGHTS if config.bias or not w.bias)
+    """The block weights a model of `config` has (`BlockWeight.exists`)."""
+    return tuple(w for w in BLOCK_WEIGHTS if w.exists(config))

@@ -90,7 +90,7 @@ class Blocks(nnx.Module):
         self.config = config
         for w in BLOCK_WEIGHTS:  # each as `gpt.model.parameters` declares it, in its order
             shape, axes = (L, *w.dims(config)), ("layers", *w.axes)
-            if w.bias and not config.bias:
+            if not w.exists(config):
                 param = None
             elif w.init == "normal":
                 # GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2L).
