@@ -21,18 +21,10 @@ from gpt.inference.engine import Engine
 from gpt.inference.speculation import count_standing
 from gpt.model.kv_cache import KVCache
 
-from drafting import PROMPTS, smaller_draft, the_draft
-from serving import decisive_model
+import drafting
+from drafting import PROMPTS, the_draft
 
-
-@pytest.fixture(scope="module")
-def model():
-    return decisive_model(vocab_size=256)
-
-
-@pytest.fixture(scope="module")
-def smaller():
-    return smaller_draft()
+model, smaller = drafting.model, drafting.smaller  # the module fixtures, shared
 
 
 def drafts_of(history, draft_tokens=4):

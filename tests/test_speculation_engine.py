@@ -21,20 +21,11 @@ from gpt.inference.drafters import Drafter, make_drafter
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
 
-from drafting import PROMPTS, smaller_draft, the_draft
-from serving import decisive_model
+import drafting
+from drafting import PROMPTS, the_draft
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def model():
-    return decisive_model(vocab_size=256)
-
-
-@pytest.fixture(scope="module")
-def smaller():
-    return smaller_draft()
+model, smaller = drafting.model, drafting.smaller  # the module fixtures, shared
 
 
 @pytest.mark.parametrize("draft", ["ngram", "int8", "itself"])

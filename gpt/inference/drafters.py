@@ -45,9 +45,12 @@ class Drafter:
 
     Attributes:
       keeps_history: the slots keep each row's tokens at their positions (`Slots.history`) for it.
+      catches_up: it runs a new prompt's tokens in its first call after the prompt enters (a cost of the
+        request, which `DraftPolicy` does not charge to K).
     """
 
     keeps_history: ClassVar[bool] = False
+    catches_up: ClassVar[bool] = False
 
     @property
     def cache_config(self) -> GPTConfig | None:
@@ -106,6 +109,7 @@ class DraftModel(Drafter):
     position unrun, needs no catch-up."""
 
     keeps_history: ClassVar[bool] = True
+    catches_up: ClassVar[bool] = True
     config: GPTConfig = dataclasses.field(metadata=dict(static=True))
     weights: Weights
 

@@ -12,7 +12,8 @@ Each round (`step`), on the thread that owns the engine, through the device's fo
   3. one `decode` runs up to `steps_per_call` steps for every live slot (over the fewest compiled rows
      that hold them: `decode_widths`); with a draft, each step verifies K drafted tokens a slot and emits
      up to K + 1 (`gpt.inference.drafters`, `gpt.inference.speculation`), K up to `draft_tokens`, chosen
-     per call from the slots' acceptance rates and the measured cost of each K at this width (`gpt.inference.draft_policy`);
+     per call from the slots' acceptance rates and the measured cost of each K at this width
+     (`gpt.inference.draft_policy`);
   4. new tokens go to their requests; finished slots become free.
 Requests come and go between rounds, so a short request never waits for a long one to end (continuous
 batching). Every sampling knob is a per-slot array, so no request's settings compile anything; `warmup`
@@ -90,10 +91,8 @@ class Engine:
         drafter = make_drafter(s.draft, decoder, s.cache_length)
         self.device = DeviceSlots(decoder, s.slots, s.cache_length, s.max_stop_tokens, s.steps_per_call, drafter,
                                   s.draft_tokens)
-        # How many guesses each call verifies, and the drafts' counts. A draft model runs each new prompt in its
-        # first call after it enters.
-        catches_up = drafter is not None and drafter.cache_config is not None
-        self.draft_policy = (DraftPolicy(s.draft_tokens, self.device.num_slots, catches_up=catches_up)
+        # How many guesses each call verifies, and the drafts' counts.
+        self.draft_policy = (DraftPolicy(s.draft_tokens, self.device.num_slots, catches_up=drafter.catches_up)
                              if drafter is not None else None)
         self.config, self.num_slots, self.cache_length = config, self.device.num_slots, s.cache_length
         self.max_queue, self.steps_per_call, self.max_stop_tokens = s.max_queue, s.steps_per_call, s.max_stop_tokens
