@@ -31,6 +31,7 @@ import step_profile  # noqa: E402
 from gpt.inference import device_slots  # noqa: E402
 from gpt.inference.engine import Engine  # noqa: E402
 from gpt.inference.request import Request  # noqa: E402
+from gpt.inference.sampling import GREEDY  # noqa: E402
 from gpt.model.config import GPTConfig  # noqa: E402
 from gpt.model.transformer import GPT  # noqa: E402
 from gpt.train.checkpoint import config_to_json  # noqa: E402
@@ -85,7 +86,7 @@ def main(args: Args) -> str:
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.prompt_tokens)).tolist()
 
     def decode_all():
-        completions = [engine.submit(Request(prompt, args.new_tokens, temperature=0.0)) for prompt in prompts]
+        completions = [engine.submit(Request(prompt, args.new_tokens, GREEDY)) for prompt in prompts]
         engine.run(completions)
         jax.block_until_ready(engine.device.slots)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from gpt.generate import generate
 from gpt.inference.decoder import decoding_weights
+from gpt.inference.sampling import GREEDY
 from gpt.model.transformer import forward, lm_head
 
 from machine import cpu_name
@@ -39,7 +40,7 @@ def measure(model, batches: list[np.ndarray], prompts, name: str, has_loss: bool
     config = model.config
     run = jax.jit(lambda w, t: lm_head(w, forward(config, w, t, jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape))[0]))
     steps = min(256, config.block_size - max(map(len, prompts)))  # the default run's context is 256
-    greedy = generate(model, prompts, steps, temperature=0)
+    greedy = generate(model, prompts, steps, sampling=GREEDY)
     rows = []
     for quantize in ("int8", "bf16"):
         weights, quantized = decoding_weights(model), decoding_weights(model, quantize)
@@ -47,7 +48,7 @@ def measure(model, batches: list[np.ndarray], prompts, name: str, has_loss: bool
                                                     run(quantized, jnp.asarray(b[:, :-1])), jnp.asarray(b[:, 1:]))]
                           for b in batches])
         diff, (kl, loss_ref, loss) = stats[:, 0].max(), stats[:, 1:].mean(0)
-        got = generate(model, prompts, steps, temperature=0, quantize=quantize)
+        got = generate(model, prompts, steps, sampling=GREEDY, quantize=quantize)
         agree = np.mean([a == b for want, have in zip(greedy, got) for a, b in zip(want, have)])
         first = min(next((i for i, (a, b) in enumerate(zip(w, h)) if a != b), steps) for w, h in zip(greedy, got))
         loss_text = f"{loss_ref:.5f} -> {loss:.5f} ({loss - loss_ref:+.5f})" if has_loss else "-"

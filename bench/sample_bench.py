@@ -39,6 +39,7 @@ import numpy as np
 
 from gpt.generate import generate
 from gpt.inference.decoder import Decoder
+from gpt.inference.sampling import GREEDY
 from gpt.model import gpt2
 
 from machine import cpu_name
@@ -69,10 +70,10 @@ def bench_ours(directory, prompts, new_tokens, dtype, repeats, quantize="none"):
     start, first = time.perf_counter(), []
     # Laid out (and quantized) once, as the peers load and convert once; the first token's time includes it.
     decoder = Decoder.of(model, quantize)
-    generate(decoder, prompts, new_tokens, temperature=0,
+    generate(decoder, prompts, new_tokens, sampling=GREEDY,
              on_token=lambda row, token: first or first.append(time.perf_counter()))
     ttft = first[0] - start
-    run = lambda: generate(decoder, prompts, new_tokens, temperature=0)  # noqa: E731
+    run = lambda: generate(decoder, prompts, new_tokens, sampling=GREEDY)  # noqa: E731
     tokens = run()  # compile the non-streaming loop
     best = min(_timed(run) for _ in range(repeats))
     step_bytes = bytes_a_step(decoder, len(prompts), len(prompts[0]) + new_tokens / 2)

@@ -42,6 +42,7 @@ import numpy as np
 from gpt.generate import generate
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
+from gpt.inference.sampling import GREEDY
 from gpt.inference.speculation import DRAFTS
 from gpt.model import gpt2
 
@@ -133,7 +134,7 @@ def bench_engine(directory, load, clients, dtype, slots, steps_per_call, quantiz
                 times.append(time.perf_counter())
                 counts.append(new)
 
-        engine.submit(Request(prompt, max_tokens, temperature=0.0), on_update).done.wait()
+        engine.submit(Request(prompt, max_tokens, GREEDY), on_update).done.wait()
         return times[0] - sent, gaps_of(times, counts)
 
     try:
@@ -145,13 +146,14 @@ def bench_engine(directory, load, clients, dtype, slots, steps_per_call, quantiz
 def bench_generate(directory, load, clients, dtype):
     model = gpt2.load(directory, dtype=dtype)
     for prompt, max_tokens in {(len(p) - 1).bit_length() * 100 + (m - 1).bit_length(): (p, m) for p, m in load}.values():
-        generate(model, [prompt], max_tokens, temperature=0)  # compile every bucket the load will use
+        generate(model, [prompt], max_tokens, sampling=GREEDY)  # compile every bucket the load will use
     lock = threading.Lock()
 
     def send(prompt, max_tokens):
         sent, times = time.perf_counter(), []
         with lock:  # one request at a time, in the order they arrive
-            generate(model, [prompt], max_tokens, temperature=0, on_token=lambda row, token: times.append(time.perf_counter()))
+            generate(model, [prompt], max_tokens, sampling=GREEDY,
+                     on_token=lambda row, token: times.append(time.perf_counter()))
         return times[0] - sent, list(np.diff(times))
 
     return run_load(load, clients, send)

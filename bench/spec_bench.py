@@ -37,6 +37,7 @@ from gpt.generate import generate
 from gpt.inference.decoder import Decoder
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
+from gpt.inference.sampling import Sampling
 from gpt.loading import load
 from gpt.tokenizer import get_tokenizer
 
@@ -75,7 +76,7 @@ def seed_of(prompt: list[int]) -> int:
 def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens, temperature=0.0):
     """(tokens/s, acceptance, tokens): each prompt alone through `gpt.generate` (greedy at temperature 0, else
     sampled, `seed_of` each prompt), one call a prompt at draft_tokens."""
-    knobs = dict(temperature=temperature, draft=draft, draft_tokens=draft_tokens)
+    knobs = dict(sampling=Sampling(temperature=temperature), draft=draft, draft_tokens=draft_tokens)
     outputs, seconds = [], 0.0
     for prompt in prompts:
         run = functools.partial(generate, decoder, [prompt], new_tokens, seed=seed_of(prompt), **knobs)
@@ -86,7 +87,7 @@ def bench_ours(decoder, prompts, new_tokens, repeats, draft, draft_tokens, tempe
         for prompt in prompts:
             engine = Engine(decoder, slots=1, cache_length=len(prompt) + new_tokens, steps_per_call=new_tokens,
                             draft=draft, draft_tokens=draft_tokens)
-            engine.run([engine.submit(Request(prompt, new_tokens, temperature=temperature, seed=seed_of(prompt)))])
+            engine.run([engine.submit(Request(prompt, new_tokens, knobs["sampling"], seed=seed_of(prompt)))])
             policy = engine.draft_policy
             drafted, accepted = drafted + policy.tokens_drafted, accepted + policy.drafts_accepted
     return len(prompts) * new_tokens / seconds, accepted / drafted if drafted else None, outputs
@@ -109,7 +110,7 @@ def bench_engine(decoder, prompts, new_tokens, repeats, draft, draft_tokens, ste
         policy.choose = choose
 
     def run(prompt):
-        completion = engine.submit(Request(prompt, new_tokens, temperature=temperature, seed=seed_of(prompt)))
+        completion = engine.submit(Request(prompt, new_tokens, Sampling(temperature=temperature), seed=seed_of(prompt)))
         engine.run([completion])
         return completion.tokens
 

@@ -22,7 +22,7 @@ from gpt.inference.decoder import Decoder
 from gpt.inference.drafters import Drafter
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request, check_prompts, check_stop_tokens, is_int
-from gpt.inference.sampling import SamplingParams
+from gpt.inference.sampling import Sampling
 from gpt.inference.shapes import bucket, power_of_two, prompt_buckets
 from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS
 from gpt.inference.text_stream import TextStream
@@ -49,11 +49,7 @@ def generate(
     prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
     max_new_tokens: int,
     *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float = 1.0,
+    sampling: Sampling = Sampling(),
     stop_tokens: int | Sequence[int] = (),
     stop_strings: Sequence[str] = (),
     seed: int = 0,
@@ -72,8 +68,7 @@ def generate(
       prompts: token-id lists, of any lengths (rows are independent: a row gives what it gives alone), or
         an integer array [B, T] of equal-length ones.
       max_new_tokens: the most tokens to add to each prompt.
-      temperature, top_k, top_p, min_p, repetition_penalty: see `gpt.inference.sampling.SamplingParams`;
-        temperature 0 is greedy.
+      sampling: how each token is chosen (`gpt.inference.sampling.Sampling`; `GREEDY` takes the argmax).
       stop_tokens: ids that end a row (one id or a list); the stop token itself is not returned.
       stop_strings: texts that end a row (one string or a list) once its decoded output contains one; the
         row's tokens up to and including the one that completed the string are returned (`generate_text`
@@ -98,25 +93,25 @@ def generate(
     Returns:
       One list of new token ids per prompt.
     """
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                    repetition_penalty=repetition_penalty)
     prompts, max_new_tokens, stop_tokens = _checked(model.config, prompts, max_new_tokens, stop_tokens, max_batch,
                                                     sampling)
     engine = _engine_for(model, prompts, max_new_tokens, len(stop_tokens), on_token is not None, max_batch,
                          quantize=quantize, mesh=mesh, draft=draft, draft_tokens=draft_tokens)
-    knobs = dict(sampling, seed=seed, stop_tokens=tuple(stop_tokens), stop_strings=stop_strings)
-    completions = [engine.submit(Request(prompt, max_new_tokens, stream=row, **knobs),
+    completions = [engine.submit(Request(prompt, max_new_tokens, sampling, seed=seed, stream=row,
+                                         stop_tokens=stop_tokens, stop_strings=stop_strings),
                                  None if on_token is None else _streamer(on_token, row))
                    for row, prompt in enumerate(prompts)]
     engine.run(completions)
     return [c.tokens for c in completions]
 
 
-def _checked(config, prompts, max_new_tokens, stop_tokens, max_batch: int, sampling: dict):
+def _checked(config, prompts, max_new_tokens, stop_tokens, max_batch: int, sampling: Sampling):
     """A `generate` call's arguments checked (ConfigError naming the first bad one) before anything is laid out or
     compiled: (the prompts as lists, max_new_tokens as an int, the stop tokens as a list)."""
     prompts = check_prompts(prompts, max_new_tokens, config.vocab_size, config.block_size)
-    SamplingParams.check(**sampling)
+    if not isinstance(sampling, Sampling):
+        raise ConfigError(f"sampling must be a gpt.inference.sampling.Sampling, got {sampling!r}")
+    sampling.check()
     stop_tokens = check_stop_tokens(stop_tokens, config.vocab_size)
     if not is_int(max_batch) or max_batch < 1:
         raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
@@ -161,7 +156,7 @@ def generate_text(
     *,
     stop_strings: Sequence[str] = (),
     on_text: Callable[[int, str], None] | None = None,
-    **sampling,
+    **settings,
 ) -> list[str]:
     """`generate` on strings: encodes each prompt with GPT-2's tokenizer and returns each continuation,
     cut before the first stop string. `on_text(row, piece)` streams decoded text as it is produced.
@@ -182,7 +177,7 @@ def generate_text(
                 on_text(row, piece)
 
     outputs = generate(model, tokenizer.encode_batch(prompts), max_new_tokens, stop_strings=stop_strings,
-                       on_token=stream_text if on_text is not None else None, **sampling)
+                       on_token=stream_text if on_text is not None else None, **settings)
     texts = []
     for row, (stream, tokens) in enumerate(zip(streams, outputs)):
         if on_text is None:

@@ -6,13 +6,15 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import tyro
+
 from gpt.compilation_cache import CompileCacheChoice
 from gpt.errors import ConfigError, MissingInput, check_fits_in_memory
 from gpt.generate import cache_length_for, generate_text, new_tokens_that_fit
 from gpt.inference.decoder import Decoder
 from gpt.inference.drafters import make_drafter
 from gpt.inference.engine_settings import DraftChoice
-from gpt.inference.sampling import SamplingParams
+from gpt.inference.sampling import Sampling
 from gpt.inference.speculation import check_draft
 from gpt.loading import ModelChoice, load, load_draft
 from gpt.model.sharding import make_mesh, parse_mesh
@@ -37,12 +39,8 @@ class SampleConfig(DraftChoice, ModelChoice, CompileCacheChoice):
     max_new_tokens: int | None = None
     """Tokens added to the prompt; default 200, or fewer when the model's context holds fewer after the
     prompt. A number given here must fit."""
-    temperature: float = 0.8
-    """0 is greedy."""
-    top_k: int | None = 200
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
+    sampling: tyro.conf.OmitArgPrefixes[Sampling] = Sampling(temperature=0.8, top_k=200)
+    """How each token is chosen (each knob a flag of its own: --temperature, --top_k, ...)."""
     seed: int = 1337
     stream: bool = False
     """Print each sample's text as it is produced (samples are then generated one after another)."""
@@ -64,9 +62,7 @@ def _prompt(start: str) -> str:
 def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     """Print (and return) `config.num_samples` completions. Every setting is checked before the model is
     loaded or anything compiled."""
-    knobs = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
-                 repetition_penalty=config.repetition_penalty)
-    SamplingParams.check(**knobs)  # raises ConfigError naming the knob and its bound
+    config.sampling.check()  # raises ConfigError naming the knob and its bound
     check_draft(config.draft, config.draft_tokens, names_a_model=True)
     for name in ("num_samples", "max_new_tokens"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
@@ -92,7 +88,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
         if config.stream:
             out.write(start)
         batch = generate_text(decoder, [start] * rows, max_new_tokens, seed=config.seed + i, on_text=on_text,
-                              draft=draft, draft_tokens=config.draft_tokens, **knobs)
+                              sampling=config.sampling, draft=draft, draft_tokens=config.draft_tokens)
         texts.extend(batch)
         if config.stream:
             out.write("\n---------------\n")

@@ -11,6 +11,7 @@ from flax import nnx
 from gpt import GPT, GPTConfig
 from gpt.generate import generate_text
 from gpt.inference.engine import Engine
+from gpt.inference.sampling import GREEDY
 from gpt.serve import ServeConfig, create_app
 from gpt.serve.server import GracefulServer, uvicorn_config
 
@@ -19,7 +20,7 @@ EOT = 50256
 
 def alone(model, prompt: str, max_tokens: int) -> str:
     """What a greedy completion of `prompt` is with no server: the reference for what the server answers."""
-    return generate_text(model, [prompt], max_tokens, temperature=0, stop_tokens=[EOT])[0]
+    return generate_text(model, [prompt], max_tokens, sampling=GREEDY, stop_tokens=[EOT])[0]
 
 
 def decisive_model(vocab_size: int = 50257) -> GPT:

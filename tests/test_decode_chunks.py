@@ -14,6 +14,7 @@ from gpt.inference.decoder import Decoder
 from gpt.inference.decoding import decode, decode_chunk_length, init_slots
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
+from gpt.inference.sampling import Sampling
 from gpt.model import backend
 
 from serving import decisive_model
@@ -45,7 +46,7 @@ def completions(model, steps_per_call: int) -> list[list[int]]:
     engine = Engine(model, slots=2, cache_length=64, steps_per_call=steps_per_call, prefill_chunk=16)
     engine.warmup(log=lambda line: None)
     compiled = engine.compiled_shapes()
-    submitted = [engine.submit(Request(list(range(2, n + 2)), m, temperature=t, seed=n, stop_strings=ss))
+    submitted = [engine.submit(Request(list(range(2, n + 2)), m, Sampling(temperature=t), seed=n, stop_strings=ss))
                  for n, m, t, ss in REQUESTS]  # five requests over two slots: admitted as others finish
     engine.run(submitted)
     assert engine.compiled_shapes() == compiled, "compiled after the warm-up"
@@ -65,9 +66,9 @@ def test_chunks_give_the_step_by_step_loops_tokens_stops_and_lengths(model, chun
 def test_generate_in_chunks_gives_the_same_tokens(model, chunks):
     prompts = [[5, 6, 7], list(range(1, 40)), [9]]
     chunks(1)
-    want = generate(model, prompts, 21, temperature=0.7, seed=3)
+    want = generate(model, prompts, 21, sampling=Sampling(temperature=0.7), seed=3)
     chunks(8)
-    assert generate(model, prompts, 21, temperature=0.7, seed=3) == want
+    assert generate(model, prompts, 21, sampling=Sampling(temperature=0.7), seed=3) == want
 
 
 def test_a_call_of_one_chunk_has_no_loop_and_a_longer_one_checks_once_a_chunk(model, chunks):

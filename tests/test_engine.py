@@ -14,6 +14,7 @@ from gpt.inference.decoder import Decoder
 from gpt.inference.decoding import Admission, Settings, decode, free, init_slots, insert, prefill
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
+from gpt.inference.sampling import GREEDY, Sampling
 from gpt.inference.scheduler import QueueFull
 
 from serving import decisive_model
@@ -34,18 +35,18 @@ def run_until(engine, completion, rounds=1000):
 
 def test_a_short_request_overtakes_a_long_one(model):
     engine = Engine(model, slots=2, cache_length=128)
-    long = engine.submit(Request([1, 2, 3], 60, temperature=0))
+    long = engine.submit(Request([1, 2, 3], 60, GREEDY))
     for _ in range(5):
         engine.step()
     assert len(long.tokens) == 6 and not long.done.is_set()
-    short = engine.submit(Request([9, 8, 7, 6, 5], 4, temperature=0))
+    short = engine.submit(Request([9, 8, 7, 6, 5], 4, GREEDY))
     run_until(engine, short)
     assert len(short.tokens) == 4 and short.finish_reason == "length"
     assert not long.done.is_set() and len(long.tokens) < 15  # it entered mid-sequence, not after
     run_until(engine, long)
     # Both equal what each gives alone: the slots share a cache but not positions.
-    assert long.tokens == generate(model, [[1, 2, 3]], 60, temperature=0)[0]
-    assert short.tokens == generate(model, [[9, 8, 7, 6, 5]], 4, temperature=0)[0]
+    assert long.tokens == generate(model, [[1, 2, 3]], 60, sampling=GREEDY)[0]
+    assert short.tokens == generate(model, [[9, 8, 7, 6, 5]], 4, sampling=GREEDY)[0]
 
 
 def test_a_round_admits_first_come_and_prefills_shortest_first(model):
@@ -55,14 +56,14 @@ def test_a_round_admits_first_come_and_prefills_shortest_first(model):
     firsts = []
 
     def submit(name, prompt):
-        return engine.submit(Request(prompt, 3, temperature=0),
+        return engine.submit(Request(prompt, 3, GREEDY),
                              lambda c: firsts.append(name) if len(c.tokens) == 1 and name not in firsts else None)
 
     long, short, shortest = submit("long", [5] * 12), submit("short", [1, 2, 3]), submit("shortest", [4])
     engine.step()
     assert firsts == ["short", "long"] and shortest.tokens == []  # it came last: it waits for a slot
     engine.run([long, short, shortest])
-    assert long.tokens == generate(model, [[5] * 12], 3, temperature=0)[0]
+    assert long.tokens == generate(model, [[5] * 12], 3, sampling=GREEDY)[0]
 
 
 def test_a_long_prompt_runs_in_chunks_while_the_others_decode(model):
@@ -71,10 +72,10 @@ def test_a_long_prompt_runs_in_chunks_while_the_others_decode(model):
     tokens, greedy and sampled with a repetition penalty (its seen tokens span every chunk), and the plain
     forward's logprobs."""
     prompt = [(11 * i + 5) % 256 for i in range(70)]  # chunks of 16: four, and a last of 6
-    requests = [Request(prompt, 10, temperature=0, logprobs=2),
-                Request(prompt, 10, temperature=0.8, repetition_penalty=3.0, seed=5)]
+    requests = [Request(prompt, 10, GREEDY, logprobs=2),
+                Request(prompt, 10, Sampling(temperature=0.8, repetition_penalty=3.0), seed=5)]
     engine = Engine(model, slots=2, cache_length=128, prefill_chunk=16)
-    running = engine.submit(Request([1, 2, 3], 40, temperature=0))
+    running = engine.submit(Request([1, 2, 3], 40, GREEDY))
     engine.step()
     for request in requests:
         long = engine.submit(request)
@@ -91,19 +92,19 @@ def test_a_long_prompt_runs_in_chunks_while_the_others_decode(model):
     logprobs_TV = jax.nn.log_softmax(model(jnp.asarray([prompt + long.tokens]))[0], axis=-1)
     assert long.logprobs == pytest.approx([float(logprobs_TV[69 + i, t]) for i, t in enumerate(long.tokens)], abs=1e-4)
     run_until(engine, running)
-    assert running.tokens == generate(model, [[1, 2, 3]], 40, temperature=0)[0]
+    assert running.tokens == generate(model, [[1, 2, 3]], 40, sampling=GREEDY)[0]
 
 
 def test_a_request_cancelled_between_its_chunks_frees_its_slot(model):
     engine = Engine(model, slots=1, cache_length=128, prefill_chunk=16)
-    long = engine.submit(Request(list(range(1, 61)), 5, temperature=0))
+    long = engine.submit(Request(list(range(1, 61)), 5, GREEDY))
     engine.step()
     engine.step()
     long.cancel()
-    short = engine.submit(Request([3, 4], 5, temperature=0))  # takes the slot in the round that frees it
+    short = engine.submit(Request([3, 4], 5, GREEDY))  # takes the slot in the round that frees it
     run_until(engine, short)
     assert long.finish_reason == "cancelled" and long.tokens == []
-    assert short.tokens == generate(model, [[3, 4]], 5, temperature=0)[0]
+    assert short.tokens == generate(model, [[3, 4]], 5, sampling=GREEDY)[0]
     assert not engine.step() and engine.live_slots == 0  # nothing left over: no chunk runs for the cancelled one
 
 
@@ -117,12 +118,12 @@ def test_chunked_prompts_sharing_a_prefill_over_a_mesh_give_what_each_gives_alon
     mesh = make_mesh(data=2, devices=jax.devices()[:2])
     engine = Engine(model, slots=2, cache_length=128, prefill_chunk=16, mesh=mesh)
     prompts = [[(5 * i + 1) % 256 for i in range(20)], [(3 * i + 2) % 256 for i in range(40)]]
-    completions = [engine.submit(Request(prompt, 8, temperature=0)) for prompt in prompts]
+    completions = [engine.submit(Request(prompt, 8, GREEDY)) for prompt in prompts]
     engine.run(completions)
-    alone = [generate(model, [prompt], 8, temperature=0)[0] for prompt in prompts]
+    alone = [generate(model, [prompt], 8, sampling=GREEDY)[0] for prompt in prompts]
     assert [c.tokens for c in completions] == alone
     # The first row cancelled between chunks: the second goes on from its own row of the chunks' cache.
-    completions = [engine.submit(Request(prompt, 8, temperature=0)) for prompt in prompts]
+    completions = [engine.submit(Request(prompt, 8, GREEDY)) for prompt in prompts]
     engine.step()
     completions[0].cancel()
     engine.run(completions)
@@ -166,44 +167,45 @@ def test_a_decode_over_some_slots_equals_one_over_all():
 
 
 def test_seeds_reproduce_whatever_else_runs(model):
-    request = Request([4, 5, 6], 20, temperature=1.0, top_k=50, seed=11)
+    request = Request([4, 5, 6], 20, Sampling(temperature=1.0, top_k=50), seed=11)
     alone = Engine(model, slots=4, cache_length=64)
     want = alone.submit(request)
     alone.run([want])
     busy = Engine(model, slots=4, cache_length=64)
-    others = [busy.submit(Request([7] * n, 30, temperature=t, top_p=0.9, seed=n)) for n, t in [(3, 0.7), (9, 1.3)]]
+    others = [busy.submit(Request([7] * n, 30, Sampling(temperature=t, top_p=0.9), seed=n))
+              for n, t in [(3, 0.7), (9, 1.3)]]
     busy.step()
     got = busy.submit(request)  # enters while the others are mid-sequence, in another slot
     busy.run([got, *others])
     assert got.tokens == want.tokens
     other_seed = Engine(model, slots=4, cache_length=64)
-    different = other_seed.submit(Request([4, 5, 6], 20, temperature=1.0, top_k=50, seed=12))
+    different = other_seed.submit(Request([4, 5, 6], 20, Sampling(temperature=1.0, top_k=50), seed=12))
     other_seed.run([different])
     assert different.tokens != want.tokens
 
 
 def test_cancel_frees_the_slot(model):
     engine = Engine(model, slots=1, cache_length=128, max_queue=1)
-    first = engine.submit(Request([1, 2], 100, temperature=0))
+    first = engine.submit(Request([1, 2], 100, GREEDY))
     engine.step()
-    waiting = engine.submit(Request([3, 4], 5, temperature=0))
+    waiting = engine.submit(Request([3, 4], 5, GREEDY))
     with pytest.raises(QueueFull, match="max_queue=1"):
         engine.submit(Request([5], 5))
     first.cancel()
     run_until(engine, waiting)
     assert first.finish_reason == "cancelled" and len(first.tokens) < 100
-    assert waiting.tokens == generate(model, [[3, 4]], 5, temperature=0)[0]
+    assert waiting.tokens == generate(model, [[3, 4]], 5, sampling=GREEDY)[0]
     assert engine.live_slots == 0 and engine.queue_depth == 0
 
 
 def test_stop_tokens_and_lengths_end_requests(model):
-    free = generate(model, [[1, 2, 3]], 20, temperature=0)[0]
+    free = generate(model, [[1, 2, 3]], 20, sampling=GREEDY)[0]
     stop = free[7]
     engine = Engine(model, slots=2, cache_length=128)
-    stopped = engine.submit(Request([1, 2, 3], 20, temperature=0, stop_tokens=[stop]))
+    stopped = engine.submit(Request([1, 2, 3], 20, GREEDY, stop_tokens=[stop]))
     engine.run([stopped])
     assert stopped.tokens == free[: free.index(stop)] and stopped.finish_reason == "stop"
-    one = engine.submit(Request([1, 2, 3], 1, temperature=0))
+    one = engine.submit(Request([1, 2, 3], 1, GREEDY))
     engine.run([one])
     assert one.tokens == free[:1] and one.finish_reason == "length"
 
@@ -213,8 +215,8 @@ def test_logprobs_are_the_plain_forwards(model):
     that position, with a sampled (not greedy) request sharing the batch."""
     prompt = [5, 9, 2, 7]
     engine = Engine(model, slots=2, cache_length=128)
-    greedy = engine.submit(Request(prompt, 12, temperature=0, logprobs=5))
-    sampled = engine.submit(Request([3, 3], 12, temperature=1.0, seed=4, logprobs=2))
+    greedy = engine.submit(Request(prompt, 12, GREEDY, logprobs=5))
+    sampled = engine.submit(Request([3, 3], 12, Sampling(temperature=1.0), seed=4, logprobs=2))
     engine.run([greedy, sampled])
     for completion, request_prompt in ((greedy, prompt), (sampled, [3, 3])):
         tokens = request_prompt + completion.tokens
@@ -231,8 +233,8 @@ def test_no_compile_after_warmup(model):
     engine = Engine(model, slots=4, cache_length=64, steps_per_call=2, prefill_chunk=16)  # 17, 40 and 60 in chunks
     engine.warmup(log=lambda line: None)
     compiled = engine.compiled_shapes()
-    requests = [Request(list(range(1, n + 1)), m, temperature=t, top_k=k, top_p=p, min_p=mp, repetition_penalty=r,
-                        seed=n, logprobs=lp, stop_tokens=st, stop_strings=ss)
+    requests = [Request(list(range(1, n + 1)), m, Sampling(t, k, p, mp, r), seed=n, logprobs=lp, stop_tokens=st,
+                        stop_strings=ss)
                 for n, m, t, k, p, mp, r, lp, st, ss in [
                     (1, 5, 0.0, None, None, None, 1.0, 0, (), ()), (40, 20, 0.8, 40, 0.9, None, 1.2, 3, (7,), ()),
                     (17, 30, 1.0, None, None, 0.1, 1.0, 5, (), ("a",)), (60, 4, 0.0, 5, None, None, 2.0, 0, (1, 2), ()),
@@ -246,7 +248,7 @@ def test_no_compile_after_warmup(model):
     assert engine.compiled_shapes() == compiled
     assert all(c.finish_reason in ("stop", "length", "cancelled") for c in completions)
     # The warm-up's placeholder request (prefilled and stepped for real) left nothing behind.
-    assert completions[0].tokens == generate(model, [requests[0].prompt], 5, temperature=0)[0]
+    assert completions[0].tokens == generate(model, [requests[0].prompt], 5, sampling=GREEDY)[0]
     assert len(completions[2].top_logprobs[0]) == 5 and len(completions[4].top_logprobs[0]) == 1
 
 
@@ -278,9 +280,9 @@ def test_bad_engine_settings_are_refused(model, engine_args, message):
 
 def test_numpy_integers_are_settings_like_any_other(model):
     engine = Engine(model, slots=np.int64(2), max_queue=np.int32(3), cache_length=np.int64(128))
-    completion = engine.submit(Request(np.array([1, 2]), np.int64(3), temperature=0, seed=np.uint32(7)))
+    completion = engine.submit(Request(np.array([1, 2]), np.int64(3), GREEDY, seed=np.uint32(7)))
     engine.run([completion])
-    assert engine.num_slots == 2 and completion.tokens == generate(model, [[1, 2]], 3, temperature=0)[0]
+    assert engine.num_slots == 2 and completion.tokens == generate(model, [[1, 2]], 3, sampling=GREEDY)[0]
 
 
 def test_extreme_knobs_run_beside_other_requests(model):
@@ -288,34 +290,41 @@ def test_extreme_knobs_run_beside_other_requests(model):
     would end every running request): a top-k past int32 keeps every token, a top-p that float32 rounds
     to 0 keeps the most likely one, so that request decodes greedily."""
     engine = Engine(model, slots=2, cache_length=128)
-    running = engine.submit(Request([3, 4, 5], 12, temperature=0))
+    running = engine.submit(Request([3, 4, 5], 12, GREEDY))
     engine.step()
-    extreme = engine.submit(Request([1, 2], 8, temperature=1.0, top_k=10**13, top_p=1e-300, seed=2**70))
+    extreme = engine.submit(Request([1, 2], 8, Sampling(temperature=1.0, top_k=10**13, top_p=1e-300),
+                                     seed=2**70))
     run_until(engine, running)
     run_until(engine, extreme)
     assert running.finish_reason == extreme.finish_reason == "length"
-    assert running.tokens == generate(model, [[3, 4, 5]], 12, temperature=0)[0]
-    assert extreme.tokens == generate(model, [[1, 2]], 8, temperature=0)[0]
+    assert running.tokens == generate(model, [[3, 4, 5]], 12, sampling=GREEDY)[0]
+    assert extreme.tokens == generate(model, [[1, 2]], 8, sampling=GREEDY)[0]
 
 
 
-def test_an_engines_settings_are_one_dataclass_that_serve_config_extends(model):
+def test_an_engines_settings_are_one_dataclass_that_serve_config_holds(model):
     """serve.py's settings hold the engine's (`EngineSettings`), and sample.py's its draft's (`DraftChoice`),
-    declared once: an Engine takes a ServeConfig as its settings, and keywords change some."""
+    declared once, each still a flag of its own name: an Engine takes a ServeConfig's as its settings, and
+    keywords change some."""
     import dataclasses
+
+    import tyro
 
     from gpt.inference.engine_settings import DraftChoice, EngineSettings
     from gpt.sample import SampleConfig
     from gpt.serve import ServeConfig
 
     engine_fields = {f.name for f in dataclasses.fields(EngineSettings)}
-    assert issubclass(ServeConfig, EngineSettings) and not engine_fields & set(vars(ServeConfig)["__annotations__"])
+    assert not engine_fields & {f.name for f in dataclasses.fields(ServeConfig)}
     draft_fields = {f.name for f in dataclasses.fields(DraftChoice)}  # sample.py's draft flags are the engine's
     assert issubclass(SampleConfig, DraftChoice) and issubclass(EngineSettings, DraftChoice)
     assert not draft_fields & (set(vars(SampleConfig)["__annotations__"]) | set(vars(EngineSettings)["__annotations__"]))
-    engine = Engine(model, ServeConfig(slots=2, cache_length=32, draft="ngram", draft_tokens=3), max_queue=5)
+    config = tyro.cli(ServeConfig, args=["--slots", "2", "--cache_length", "32", "--draft", "ngram", "--draft_tokens",
+                                         "3", "--port", "0"])
+    assert config.engine == EngineSettings(slots=2, cache_length=32, draft="ngram", draft_tokens=3) and config.port == 0
+    engine = Engine(model, config.engine, max_queue=5)
     assert (engine.num_slots, engine.cache_length, engine.max_queue, engine.device.max_draft_tokens) == (2, 32, 5, 3)
-    with pytest.raises(TypeError, match="EngineSettings has no field port"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'port'"):
         Engine(model, port=1)
 
 

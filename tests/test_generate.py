@@ -12,6 +12,7 @@ from gpt import GPT, GPTConfig, KVCache
 from gpt.errors import ConfigError
 from gpt.generate import generate, generate_text
 from gpt.inference.engine import Engine, compiled_programs
+from gpt.inference.sampling import GREEDY, Sampling
 
 POSITIONS = ("learned", "sinusoidal", "rope")
 # The modern recipe's model: rotary positions, QK-norm, relu(x)^2, an untied head, no biases.
@@ -69,8 +70,8 @@ def test_cached_decoding_equals_plain_forward(model):
 
 def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
     prompts = PROMPTS
-    batched = generate(model, prompts, 12, temperature=0)
-    alone = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
+    batched = generate(model, prompts, 12, sampling=GREEDY)
+    alone = [generate(model, [p], 12, sampling=GREEDY)[0] for p in prompts]
     assert batched == alone
     assert len({tuple(t) for t in batched}) == len(prompts)  # the rows really differ
 
@@ -82,25 +83,25 @@ def test_prompts_beyond_max_batch_wait_for_a_row_and_give_the_same(monkeypatch):
     prompts = PROMPTS + [[1, 2]]
     slots = []
     monkeypatch.setattr("gpt.generate.Engine", lambda *a, **kw: slots.append(kw["slots"]) or Engine(*a, **kw))
-    for knobs in (dict(temperature=0), dict(temperature=0.8, seed=3)):
+    for knobs in (dict(sampling=GREEDY), dict(sampling=Sampling(temperature=0.8), seed=3)):
         assert generate(model, prompts, 12, max_batch=2, **knobs) == generate(model, prompts, 12, **knobs)
     assert slots == [2, 8, 2, 8]
 
 
 def test_an_array_of_prompts_is_a_batch_of_rows(model):
     rows = [[5, 17, 99], [30, 31, 32], [200, 1, 2]]
-    expected = generate(model, rows, 6, temperature=0)
-    assert generate(model, np.array(rows, np.int32), 6, temperature=0) == expected
-    assert generate(model, jnp.array(rows), 6, temperature=0) == expected
+    expected = generate(model, rows, 6, sampling=GREEDY)
+    assert generate(model, np.array(rows, np.int32), 6, sampling=GREEDY) == expected
+    assert generate(model, jnp.array(rows), 6, sampling=GREEDY) == expected
 
 
 def test_new_weights_are_used_by_the_next_call():
     # generate keeps a decode-ready copy of the block weights between calls; it must notice new ones.
     model, other = scaled_model("learned", seed=0), scaled_model("learned", seed=1)
     prompt = [[5, 17, 42]]
-    before = generate(model, prompt, 12, temperature=0)
+    before = generate(model, prompt, 12, sampling=GREEDY)
     nnx.update(model, nnx.state(other))
-    assert generate(model, prompt, 12, temperature=0) == generate(other, prompt, 12, temperature=0) != before
+    assert generate(model, prompt, 12, sampling=GREEDY) == generate(other, prompt, 12, sampling=GREEDY) != before
 
 
 def test_compile_count_is_flat_within_a_bucket():
@@ -113,45 +114,46 @@ def test_compile_count_is_flat_within_a_bucket():
 
     model = scaled_model("rope", rope_theta=5000.0)  # a config no other test compiles for
     before = programs()
-    generate(model, [[1, 2, 3]], 5, temperature=0)
+    generate(model, [[1, 2, 3]], 5, sampling=GREEDY)
     first = programs()
     # One prefill and decode (the config is static in both); the first token's choice and the place take
     # only shapes, which a model of another config may have compiled them for already.
     assert [first[name] - before[name] for name in ("prefill", "decode")] == [1, 1]
     assert all(0 <= first[name] - before[name] <= 1 for name in ("choose_first", "place"))
     for length, new, temperature in [(4, 9, 0.0), (11, 16, 0.8), (16, 2, 1.0), (7, 13, 0.0)]:
-        generate(model, [list(range(1, length + 1))], new, temperature=temperature, top_p=0.9, top_k=40)
+        generate(model, [list(range(1, length + 1))], new,
+                 sampling=Sampling(temperature=temperature, top_p=0.9, top_k=40))
     assert programs() == first
     # The next bucket: its prefill and decode (and place); the first token's choice depends on the rows alone.
-    generate(model, [list(range(1, 18))], 5, temperature=0)
+    generate(model, [list(range(1, 18))], 5, sampling=GREEDY)
     after = programs()
     assert [after[name] - first[name] for name in ("prefill", "decode", "choose_first")] == [1, 1, 0]
     assert 0 <= after["place"] - first["place"] <= 1
 
 
 def test_seeds_reproduce(model):
-    sample = lambda seed: generate(model, [[1, 2, 3], [4]], 16, temperature=1.0, seed=seed)  # noqa: E731
+    sample = lambda seed: generate(model, [[1, 2, 3], [4]], 16, sampling=Sampling(), seed=seed)  # noqa: E731
     assert sample(3) == sample(3)
     assert sample(3) != sample(4)
 
 
 def test_repetition_penalty_changes_greedy_path(model):
-    plain = generate(model, [[1, 2, 3]], 16, temperature=0)[0]
-    penalized = generate(model, [[1, 2, 3]], 16, temperature=0, repetition_penalty=100.0)[0]
+    plain = generate(model, [[1, 2, 3]], 16, sampling=GREEDY)[0]
+    penalized = generate(model, [[1, 2, 3]], 16, sampling=Sampling(temperature=0, repetition_penalty=100.0))[0]
     assert len(set(penalized)) == len(penalized)  # with a huge penalty no token repeats
     assert len(set(plain)) < len(plain) or plain != penalized
 
 
 def test_stop_tokens_end_each_row_on_its_own(model):
     prompts = PROMPTS[:2]
-    free = generate(model, prompts, 16, temperature=0)
+    free = generate(model, prompts, 16, sampling=GREEDY)
     stop = free[0][5]
-    stopped = generate(model, prompts, 16, temperature=0, stop_tokens=[stop])
+    stopped = generate(model, prompts, 16, sampling=GREEDY, stop_tokens=[stop])
     for row in range(2):
         expected = free[row][: free[row].index(stop)] if stop in free[row] else free[row]
         assert stopped[row] == expected
     assert len(stopped[0]) == free[0].index(stop) < 16
-    assert generate(model, prompts, np.int64(16), temperature=0, stop_tokens=stop) == stopped  # one id, numpy
+    assert generate(model, prompts, np.int64(16), sampling=GREEDY, stop_tokens=stop) == stopped  # one id, numpy
 
 
 def test_stop_strings_end_each_row_on_its_own():
@@ -160,21 +162,21 @@ def test_stop_strings_end_each_row_on_its_own():
     model = scaled_model("learned", vocab_size=50257)  # the real vocabulary, so text round-trips
     tokenizer = get_tokenizer()
     prompts = tokenizer.encode_batch(["Hello there", "The quick brown fox"])
-    free = generate(model, prompts, 20, temperature=0)
+    free = generate(model, prompts, 20, sampling=GREEDY)
     stop = tokenizer.decode(free[0][6:8])
-    stopped = generate(model, prompts, 20, temperature=0, stop_strings=[stop])
+    stopped = generate(model, prompts, 20, sampling=GREEDY, stop_strings=[stop])
     for row in range(2):
         cut = next((i + 1 for i in range(len(free[row])) if stop in tokenizer.decode(free[row][: i + 1])),
                    len(free[row]))
         assert stopped[row] == free[row][:cut]
-    texts = generate_text(model, [tokenizer.decode(p) for p in prompts], 20, temperature=0, stop_strings=[stop])
+    texts = generate_text(model, [tokenizer.decode(p) for p in prompts], 20, sampling=GREEDY, stop_strings=[stop])
     assert stop not in texts[0] and tokenizer.decode(free[0]).startswith(texts[0])
-    assert generate_text(model, [tokenizer.decode(p) for p in prompts], 20, temperature=0, stop_strings=stop) == texts
+    assert generate_text(model, [tokenizer.decode(p) for p in prompts], 20, sampling=GREEDY, stop_strings=stop) == texts
     with pytest.raises(ConfigError, match="prompts must be a list of strings; prompt 0 is bytes"):
         generate_text(model, [b"Hello there"], 20)
     # Streamed, each row's pieces arrive as it decodes and add up to its text.
     pieces = {0: [], 1: []}
-    streamed = generate_text(model, [tokenizer.decode(p) for p in prompts], 20, temperature=0, stop_strings=[stop],
+    streamed = generate_text(model, [tokenizer.decode(p) for p in prompts], 20, sampling=GREEDY, stop_strings=[stop],
                              on_text=lambda row, piece: pieces[row].append(piece))
     assert streamed == texts and all("".join(pieces[row]) == texts[row] for row in range(2))
     assert len(pieces[1]) > 1
@@ -183,18 +185,18 @@ def test_stop_strings_end_each_row_on_its_own():
 def test_generate_is_reentrant_and_thread_safe(model):
     # Each call has its own engine: an on_token may call generate, and threads may call it at once.
     inner = []
-    on_token = lambda row, token: inner or inner.append(generate(model, [[token]], 3, temperature=0)[0])  # noqa: E731
-    out = generate(model, [[1, 2, 3]], 5, temperature=0, on_token=on_token)
-    assert inner == [generate(model, [[out[0][0]]], 3, temperature=0)[0]]
+    on_token = lambda row, token: inner or inner.append(generate(model, [[token]], 3, sampling=GREEDY)[0])  # noqa: E731
+    out = generate(model, [[1, 2, 3]], 5, sampling=GREEDY, on_token=on_token)
+    assert inner == [generate(model, [[out[0][0]]], 3, sampling=GREEDY)[0]]
     prompts = PROMPTS
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda p: generate(model, [p], 12, temperature=0)[0], prompts))
-    assert together == generate(model, prompts, 12, temperature=0)
+        together = list(pool.map(lambda p: generate(model, [p], 12, sampling=GREEDY)[0], prompts))
+    assert together == generate(model, prompts, 12, sampling=GREEDY)
 
 
 def test_streaming_hands_out_each_token_in_order(model):
     streamed = {}
-    out = generate(model, [[1, 2], [3, 4, 5]], 10, temperature=0.7, seed=1,
+    out = generate(model, [[1, 2], [3, 4, 5]], 10, sampling=Sampling(temperature=0.7), seed=1,
                    on_token=lambda row, token: streamed.setdefault(row, []).append(token))
     assert streamed == {0: out[0], 1: out[1]}
 
@@ -205,14 +207,17 @@ def test_streaming_hands_out_each_token_in_order(model):
         ([[]], {}, "prompt 0 is empty"),
         ([], {}, "non-empty list"),
         ([[1] * 60], dict(max_new_tokens=10), "that is 70, beyond the model's context of 64 tokens"),
-        ([[1, 2]], dict(temperature=-0.5), "temperature must be >= 0"),
-        ([[1, 2]], dict(temperature="0.5"), "temperature must be a number, got '0.5'"),
+        ([[1, 2]], dict(sampling=Sampling(temperature=-0.5)), "temperature must be >= 0"),
+        ([[1, 2]], dict(sampling=Sampling(temperature="0.5")), "temperature must be a number, got '0.5'"),
         ([[1, 2]], dict(stop_tokens="5"), "stop_tokens must be a token id or a list of them, got '5'"),
-        ([[1, 2]], dict(temperature=float("inf")), r"temperature must be >= 0 \(0 is greedy\) and finite, got inf"),
-        ([[1, 2]], dict(repetition_penalty=float("inf")), "repetition_penalty must be > 0 .* and finite, got inf"),
-        ([[1, 2]], dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-        ([[1, 2]], dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        ([[1, 2]], dict(top_k=0), "top_k must be an integer >= 1"),
+        ([[1, 2]], dict(sampling=Sampling(temperature=float("inf"))),
+         r"temperature must be >= 0 \(0 is greedy\) and finite, got inf"),
+        ([[1, 2]], dict(sampling=Sampling(repetition_penalty=float("inf"))),
+         "repetition_penalty must be > 0 .* and finite, got inf"),
+        ([[1, 2]], dict(sampling=dict(temperature=0)), "sampling must be a gpt.inference.sampling.Sampling"),
+        ([[1, 2]], dict(sampling=Sampling(top_p=0.0)), r"top_p must be in \(0, 1\]"),
+        ([[1, 2]], dict(sampling=Sampling(top_p=1.5)), r"top_p must be in \(0, 1\]"),
+        ([[1, 2]], dict(sampling=Sampling(top_k=0)), "top_k must be an integer >= 1"),
         ([[1, 256]], {}, r"token id 256 outside the vocabulary \[0, 256\)"),
         ([[1, -3]], {}, r"token id -3 outside the vocabulary"),
         ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),

@@ -7,6 +7,7 @@ import tiktoken
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from gpt.inference.sampling import GREEDY  # noqa: E402
 from gpt.model import gpt2  # noqa: E402
 
 from hf_reference import hf_logits, random_hf_gpt2  # noqa: E402
@@ -81,4 +82,4 @@ def test_greedy_generation_matches_transformers(tmp_path):
     top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).min().item() > 1e-3  # 10x the parity tolerance: no ties on the path
     assert len(set(theirs)) > 10  # a varied path, not one repeated token
-    assert generate(gpt2.load(directory), prompt.tolist(), 64, temperature=0)[0] == theirs
+    assert generate(gpt2.load(directory), prompt.tolist(), 64, sampling=GREEDY)[0] == theirs

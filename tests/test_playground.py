@@ -12,6 +12,7 @@ from flax import nnx
 
 from gpt import GPT, GPTConfig
 from gpt.eval import EvalConfig, evaluate
+from gpt.inference.sampling import GREEDY
 from gpt.serve.playground import SECURITY_HEADERS
 from gpt.tokenizer import get_tokenizer
 
@@ -272,5 +273,5 @@ def test_the_printing_model_prints(tmp_path):
     from gpt.generate import generate_text
 
     text = generate_text(printing_model(HTML, PRINTER_PROMPT), [PRINTER_PROMPT], len(get_tokenizer().encode(HTML)),
-                         temperature=0)[0]
+                         sampling=GREEDY)[0]
     assert text == HTML

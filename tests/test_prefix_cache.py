@@ -12,6 +12,7 @@ from gpt.errors import ConfigError
 from gpt.inference.engine import Engine
 from gpt.inference.prefix_cache_index import PrefixCacheIndex
 from gpt.inference.request import Request
+from gpt.inference.sampling import GREEDY
 
 
 def scores(n):
@@ -82,7 +83,7 @@ def test_scored_prompts_that_share_a_beginning_give_what_they_give_without_the_c
         compiled = engine.compiled_shapes()
         completions = []
         for prompt in prompts:
-            completions.append(engine.submit(Request(prompt, 2, temperature=0.0, logprobs=2, prompt_logprobs=True)))
+            completions.append(engine.submit(Request(prompt, 2, GREEDY, logprobs=2, prompt_logprobs=True)))
             if not together:
                 engine.run(completions[-1:])
         engine.run(completions)

@@ -18,6 +18,7 @@ from gpt.inference.decoder import Decoder, decoding_weights
 from gpt.inference.device_slots import compiled_decode
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
+from gpt.inference.sampling import GREEDY, Sampling
 from gpt.model.layouts import Bf16Matrix, Int8Matrix
 from gpt.model.transformer import forward, lm_head
 
@@ -102,8 +103,8 @@ def test_greedy_tokens_agree_with_float32_on_a_trained_model(trained, quantize):
     from gpt.tokenizer import get_tokenizer
 
     prompts = get_tokenizer().encode_batch(["def main(", "import os\n", "class Reader:", "    return self."])
-    want = generate(trained, prompts, AGREE_STEPS, temperature=0)
-    got = generate(trained, prompts, AGREE_STEPS, temperature=0, quantize=quantize)
+    want = generate(trained, prompts, AGREE_STEPS, sampling=GREEDY)
+    got = generate(trained, prompts, AGREE_STEPS, sampling=GREEDY, quantize=quantize)
     assert got == want
 
 
@@ -112,16 +113,16 @@ def test_engine_guarantees_hold_with_int8():
     model = GPT(GPTConfig.preset("tiny", block_size=128), rngs=nnx.Rngs(0))
     nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, nnx.state(model, nnx.Param)))
     prompts = [[5, 17, 99], list(range(30, 43)), [200], [7, 7, 8, 9, 10, 250, 3]]  # in one bucket: fewer programs
-    batched = generate(model, prompts, 12, temperature=0, quantize="int8")
-    assert batched == [generate(model, [p], 12, temperature=0, quantize="int8")[0] for p in prompts]
+    batched = generate(model, prompts, 12, sampling=GREEDY, quantize="int8")
+    assert batched == [generate(model, [p], 12, sampling=GREEDY, quantize="int8")[0] for p in prompts]
 
     engine = Engine(model, slots=4, cache_length=64, quantize="int8")
     engine.warmup(log=lambda line: None)
     compiled = engine.compiled_shapes()
-    request = Request([4, 5, 6], 20, temperature=1.0, top_p=0.9, seed=3)
+    request = Request([4, 5, 6], 20, Sampling(temperature=1.0, top_p=0.9), seed=3)
     alone = engine.submit(request)
     engine.run([alone])
-    others = [engine.submit(Request(list(range(1, n)), 30, temperature=0.7, seed=n)) for n in (9, 30)]
+    others = [engine.submit(Request(list(range(1, n)), 30, Sampling(temperature=0.7), seed=n)) for n in (9, 30)]
     engine.step()
     again = engine.submit(request)
     engine.run([again, *others])
@@ -139,12 +140,12 @@ def test_an_unknown_quantization_is_refused():
 def test_a_decoder_is_laid_out_once_for_every_call(monkeypatch):
     model = GPT(GPTConfig.preset("tiny", block_size=128), rngs=nnx.Rngs(0))
     prompts = [[5, 17, 99], list(range(30, 51))]
-    expected = generate(model, prompts, 10, temperature=0, quantize="int8")
+    expected = generate(model, prompts, 10, sampling=GREEDY, quantize="int8")
     decoder = Decoder.of(model, "int8")
     calls = []
     monkeypatch.setattr(decoder_module, "decoding_weights", lambda *args: calls.append(args))
-    assert generate(decoder, prompts, 10, temperature=0) == expected
-    assert generate(decoder, prompts[:1], 10, temperature=0, quantize="int8") == expected[:1]
+    assert generate(decoder, prompts, 10, sampling=GREEDY) == expected
+    assert generate(decoder, prompts[:1], 10, sampling=GREEDY, quantize="int8") == expected[:1]
     Engine(decoder, slots=2, cache_length=32)
     assert calls == []  # neither generate nor the engine laid the weights out again
     with pytest.raises(ConfigError, match="quantize='bf16' differs from the Decoder's 'int8'"):

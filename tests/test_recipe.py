@@ -12,6 +12,7 @@ from gpt.cli import parse_train_config
 from gpt.data.loader import shard_paths
 from gpt.errors import ConfigError
 from gpt.eval import EvalConfig, evaluate
+from gpt.inference.sampling import GREEDY
 from gpt.model import gpt2
 from gpt.model.config import GPTConfig
 from gpt.sample import SampleConfig, sample
@@ -97,7 +98,7 @@ def trained(tmp_path_factory, corpus):
 def test_it_samples_serves_and_evaluates(trained):
     model = load_model(trained)
     assert not model.config.tied_head and model.lm_head is not None
-    greedy = dict(init_from=str(trained), start="def ", num_samples=2, max_new_tokens=8, temperature=0)
+    greedy = dict(init_from=str(trained), start="def ", num_samples=2, max_new_tokens=8, sampling=GREEDY)
     texts = sample(SampleConfig(**greedy), io.StringIO())
     assert texts[0] == alone(model, "def ", 8)
     assert sample(SampleConfig(**greedy, mesh="data=4,tensor=2"), io.StringIO()) == texts

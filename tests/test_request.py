@@ -6,6 +6,7 @@ import pytest
 
 from gpt.errors import ConfigError
 from gpt.inference.request import Request, check_prompts, check_request, is_int
+from gpt.inference.sampling import Sampling
 
 VOCAB, CONTEXT, MAX_STOPS = 256, 63, 8
 
@@ -15,7 +16,8 @@ VOCAB, CONTEXT, MAX_STOPS = 256, 63, 8
     (dict(prompt=[1, 256]), r"token id 256 outside the vocabulary \[0, 256\)"),
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(max_tokens=62), "that is 64, beyond the context of 63 tokens"),
-    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(sampling=Sampling(temperature=-1.0)), "temperature must be >= 0"),
+    (dict(sampling=dict(temperature=0)), "sampling must be a gpt.inference.sampling.Sampling"),
     (dict(stop_tokens=list(range(9))), "at most 8 are allowed"),
     (dict(stop_tokens="5"), "stop_tokens must be a token id or a list of them, got '5'"),
     (dict(stop_tokens=[True]), r"stop_tokens must be a token id or a list of them, got \[True\]"),

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt.inference.sampling import SamplingParams, choose, filter_logits, first_argmax, penalize_repetition
+from gpt.inference.sampling import Sampling, SamplingParams, choose, filter_logits, first_argmax, penalize_repetition
 
 
 def _draws(logits_V, params, n=4000):
@@ -30,7 +30,7 @@ LOGITS = np.log(np.array([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02]))
     ],
 )
 def test_filters_never_emit_excluded_tokens(knobs, allowed):
-    draws = _draws(LOGITS, SamplingParams.create(temperature=1.0, **knobs))
+    draws = _draws(LOGITS, SamplingParams.of(Sampling(**knobs)))
     assert set(draws.tolist()) == allowed  # every allowed token appears, no other one does
 
 
@@ -40,12 +40,12 @@ def test_filters_never_emit_excluded_tokens(knobs, allowed):
 ])
 def test_extreme_knobs_keep_their_meaning(extreme, meaning):
     logits = LOGITS[::-1]  # the most likely token last: an all-excluded row would draw token 0
-    draws = lambda knobs: _draws(logits, SamplingParams.create(temperature=1.0, **knobs), n=500)  # noqa: E731
+    draws = lambda knobs: _draws(logits, SamplingParams.of(Sampling(**knobs)), n=500)  # noqa: E731
     np.testing.assert_array_equal(draws(extreme), draws(meaning))
 
 
 def test_filter_threshold_matches_definition():
-    params = SamplingParams.create(temperature=1.0, top_p=0.6)
+    params = SamplingParams.of(Sampling(top_p=0.6))
     kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(LOGITS)[None], params))[0])
     assert kept.tolist() == [True, True, True, False, False, False, False, False]
 

@@ -196,15 +196,19 @@ def test_json_infinities_are_bounded_and_huge_knobs_run(server, model):
 ])
 def test_bad_server_settings_fail_before_loading(tmp_path, setting, message):
     from gpt.errors import ConfigError
+    from gpt.inference.engine_settings import EngineSettings
     from gpt.serve import ServeConfig, serve
 
+    setting = dict(setting)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         if setting.get("port") == "taken":  # found at once, not after loading and warming up the model
             setting = {"port": taken.getsockname()[1]}
+        engine = {name: setting.pop(name) for name in list(setting) if name in EngineSettings.__dataclass_fields__}
         with pytest.raises(ConfigError, match=message):  # the model path does not exist: nothing was loaded
-            serve(ServeConfig(init_from=str(tmp_path / "no_model"), compile_cache=False, **{"port": 0, **setting}))
+            serve(ServeConfig(init_from=str(tmp_path / "no_model"), compile_cache=False,
+                              engine=EngineSettings(**engine), **{"port": 0, **setting}))
 
 
 def test_malformed_json_gets_400_and_the_server_stays_up(server, model):

@@ -10,6 +10,7 @@ import tiktoken
 import torch
 
 from gpt.generate import generate_text
+from gpt.inference.sampling import GREEDY
 from gpt.model import gpt2
 
 from hf_reference import hf_logits, random_hf_gpt2
@@ -58,7 +59,7 @@ def test_echo_scores_the_prompt_as_transformers_does(server, reference):
                                                max_tokens=max_tokens, temperature=0, echo=True, logprobs=2)
                   for i, prompt in enumerate(PROMPTS) for max_tokens in (0, 1)}
         for future, prompt in zip(beside, ("Beside it", "Another one beside")):
-            assert future.result().choices[0].text == generate_text(model, [prompt], 20, temperature=0,
+            assert future.result().choices[0].text == generate_text(model, [prompt], 20, sampling=GREEDY,
                                                                     stop_tokens=[EOT])[0]
     decode = tiktoken.get_encoding("gpt2").decode
     for (i, max_tokens), future in scored.items():

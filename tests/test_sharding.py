@@ -15,6 +15,7 @@ from flax import nnx
 
 from gpt.errors import ConfigError
 from gpt.generate import generate
+from gpt.inference.sampling import GREEDY
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import bytes_per_device, make_mesh, param_shardings
 from gpt.model.transformer import GPT
@@ -171,8 +172,8 @@ def decisive_model():
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "data{}-fsdp{}-tensor{}".format(*s))
 def test_greedy_generate_matches_one_device(shape, decisive_model):
     prompts = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46], [200]]
-    want = generate(decisive_model, prompts, 20, temperature=0)
-    got = generate(decisive_model, prompts, 20, temperature=0, mesh=mesh_of(*shape))
+    want = generate(decisive_model, prompts, 20, sampling=GREEDY)
+    got = generate(decisive_model, prompts, 20, sampling=GREEDY, mesh=mesh_of(*shape))
     assert got == want
     assert len(set(map(tuple, want))) == 3  # the rows differ, so a mixed-up row would show
 

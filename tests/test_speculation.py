@@ -18,6 +18,7 @@ from gpt.inference.decoder import Decoder
 from gpt.inference.draft_policy import DraftPolicy, ladder
 from gpt.inference.drafters import ngram_drafts
 from gpt.inference.engine import Engine
+from gpt.inference.sampling import GREEDY, Sampling
 from gpt.inference.speculation import count_standing
 from gpt.model.kv_cache import KVCache
 
@@ -82,10 +83,10 @@ def test_several_positions_a_row_over_a_paged_cache_and_a_view_equal_one_at_a_ti
 
 
 KNOBS = [
-    dict(temperature=0.0),
-    dict(temperature=0.0, repetition_penalty=1.3),
-    dict(temperature=1.0, seed=11),
-    dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.05, seed=5),
+    dict(sampling=GREEDY),
+    dict(sampling=Sampling(temperature=0.0, repetition_penalty=1.3)),
+    dict(sampling=Sampling(temperature=1.0), seed=11),
+    dict(sampling=Sampling(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.05), seed=5),
 ]
 DRAFTS = [("ngram", 1), ("ngram", 4), ("int8", 3), ("itself", 4), ("smaller", 2)]
 
@@ -120,8 +121,8 @@ def test_a_draft_gives_the_tokens_of_decoding_without_one(model, smaller, knobs,
     (engine,) = engine_drafts
     policy = engine.draft_policy
     assert policy.tokens_drafted >= policy.drafts_accepted and policy.tokens_drafted > 0
-    assert policy.drafts_accepted > 0 or knobs["temperature"] > 0 or draft is smaller
-    if draft is model and knobs == dict(temperature=0.0):
+    assert policy.drafts_accepted > 0 or knobs["sampling"].temperature > 0 or draft is smaller
+    if draft is model and knobs == KNOBS[0]:
         assert policy.drafts_accepted == policy.tokens_drafted
 
 

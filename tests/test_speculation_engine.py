@@ -20,6 +20,7 @@ from gpt.inference.decoder import Decoder
 from gpt.inference.drafters import Drafter, make_drafter
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request
+from gpt.inference.sampling import GREEDY, Sampling
 
 import drafting
 from drafting import PROMPTS, the_draft
@@ -36,11 +37,12 @@ def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model, small
     from gpt.tokenizer import get_tokenizer
 
     loop = [7, 3, 9, 1, 4] * 3
-    greedy = generate(model, [loop, loop[:7]], 40, temperature=0.0)  # stops chosen from the paths taken
+    greedy = generate(model, [loop, loop[:7]], 40, sampling=GREEDY)  # stops chosen from the paths taken
     stop_string = get_tokenizer().decode([greedy[1][12]])
-    requests = [(loop, 40, dict(temperature=0.0)), (loop, 30, dict(temperature=0.0, stop_tokens=(greedy[0][11],))),
-                (list(range(2, 19)), 23, dict(temperature=0.9, seed=3)),
-                (loop[:7], 30, dict(temperature=0.0, stop_strings=(stop_string,))), ([1, 2, 1, 2], 3, dict(temperature=0.0))]
+    requests = [(loop, 40, dict(sampling=GREEDY)), (loop, 30, dict(sampling=GREEDY, stop_tokens=(greedy[0][11],))),
+                (list(range(2, 19)), 23, dict(sampling=Sampling(temperature=0.9), seed=3)),
+                (loop[:7], 30, dict(sampling=GREEDY, stop_strings=(stop_string,))),
+                ([1, 2, 1, 2], 3, dict(sampling=GREEDY))]
 
     def run(draft, steps_per_call):
         engine = Engine(model, slots=2, cache_length=64, steps_per_call=steps_per_call, prefill_chunk=16,
@@ -65,11 +67,11 @@ def test_a_draft_model_catches_up_with_each_rows_tokens_through_slot_reuse_and_c
     decoding's without a draft. A draft cache that fell behind its row, or ran another row's tokens, would
     guess from the wrong past."""
     prompts = [[(7 * i + 3 * n) % 256 for i in range(n)] for n in (1, 40, 75, 3, 33, 90)]
-    want = generate(model, prompts, 20, temperature=0.0)
+    want = generate(model, prompts, 20, sampling=GREEDY)
     engine = Engine(model, slots=3, cache_length=128, prefill_chunk=32, steps_per_call=3, draft=model,
                     draft_tokens=3)
     engine.draft_policy.choose = lambda width, slots: 3
-    completions = [engine.submit(Request(p, 20, temperature=0.0)) for p in prompts]
+    completions = [engine.submit(Request(p, 20, GREEDY)) for p in prompts]
     engine.run(completions)
     assert [c.tokens for c in completions] == want
     assert engine.draft_policy.drafts_accepted == engine.draft_policy.tokens_drafted > 60
@@ -92,16 +94,16 @@ def test_a_drafter_of_ones_own_plugs_in_by_its_type_alone(model):
     """A new kind of draft is a Drafter and nothing else: the engine proposes through it, verifies its
     guesses and gives decoding's tokens; one made by `make_drafter` is made once and taken again as it is."""
     prompts = [[5, 5, 5, 5], [7, 3, 9, 1, 4, 7, 3]]
-    want = generate(model, prompts, 24, temperature=0.0)
+    want = generate(model, prompts, 24, sampling=GREEDY)
     engine = Engine(model, slots=2, cache_length=64, steps_per_call=8, draft=EchoDraft(jnp.int32(1)),
                     draft_tokens=2)
     engine.draft_policy.choose = lambda width, slots: 2
-    completions = [engine.submit(Request(p, 24, temperature=0.0)) for p in prompts]
+    completions = [engine.submit(Request(p, 24, GREEDY)) for p in prompts]
     engine.run(completions)
     assert [c.tokens for c in completions] == want and engine.draft_policy.tokens_drafted > 0
     drafter = make_drafter("int8", Decoder.of(model), 64)
     assert make_drafter(drafter, Decoder.of(model), 64) is drafter
-    assert generate(model, prompts, 24, temperature=0.0, draft=drafter, draft_tokens=2) == want
+    assert generate(model, prompts, 24, sampling=GREEDY, draft=drafter, draft_tokens=2) == want
 
 
 def test_sample_takes_a_draft_of_a_shorter_context_where_its_rows_fit_as_generate_does(tmp_path):
@@ -113,7 +115,7 @@ def test_sample_takes_a_draft_of_a_shorter_context_where_its_rows_fit_as_generat
     for name, block_size, seed in (("model", 128, 0), ("draft", 64, 1)):
         gpt2.save(GPT(GPTConfig.preset("tiny", vocab_size=50257, block_size=block_size), rngs=nnx.Rngs(seed)),
                   tmp_path / name)
-    greedy = dict(init_from=str(tmp_path / "model"), start="def ", num_samples=2, max_new_tokens=12, temperature=0)
+    greedy = dict(init_from=str(tmp_path / "model"), start="def ", num_samples=2, max_new_tokens=12, sampling=GREEDY)
     plain = sample(SampleConfig(**greedy), io.StringIO())
     # Each row holds 16 + 16 positions, within the draft's 64 (it had been checked against the model's 128).
     assert sample(SampleConfig(**greedy, draft=str(tmp_path / "draft"), draft_tokens=3), io.StringIO()) == plain
@@ -130,7 +132,7 @@ def test_trained_weights_give_the_same_tokens_and_accept_drafts(trained_run, cor
     trained = load_model(trained_run)
     text = corpus_text[300_000:301_200]
     prompts = [get_tokenizer().encode(text[i: i + 400])[:96] for i in (0, 500)]
-    for knobs in (dict(temperature=0.0), dict(temperature=0.7, seed=2)):
+    for knobs in (dict(sampling=GREEDY), dict(sampling=Sampling(temperature=0.7), seed=2)):
         want = generate(trained, prompts, 24, **knobs)
         for draft in ("ngram", "int8", trained):
             engine = Engine(trained, slots=2, cache_length=128, steps_per_call=128, draft=draft)
@@ -172,7 +174,7 @@ def test_sampling_with_a_draft_draws_from_the_models_distribution(monkeypatch):
     expected = np.asarray(first[:, None] * then).reshape(-1)
 
     def p_value():
-        pairs = sampled_pairs(model, prompt, 4000, temperature=1.0)
+        pairs = sampled_pairs(model, prompt, 4000, sampling=Sampling(temperature=1.0))
         return chi_square_p_value(np.bincount(pairs[:, 0] * 8 + pairs[:, 1], minlength=64).astype(float), expected)
 
     assert p_value() > 1e-3
@@ -204,9 +206,9 @@ def test_the_engine_runs_plain_steps_where_drafts_seldom_stand(model, monkeypatc
             for _ in range(2):
                 engine.draft_policy.record(width, k, 0.1 * (1 + 2 * k), 10, np.zeros(engine.num_slots),
                                      *np.zeros((2, engine.num_slots, k)))
-    completion = engine.submit(Request([7, 3, 9, 1, 4] * 3, 40, temperature=0.0))
+    completion = engine.submit(Request([7, 3, 9, 1, 4] * 3, 40, GREEDY))
     engine.run([completion])
-    assert completion.tokens == generate(model, [[7, 3, 9, 1, 4] * 3], 40, temperature=0.0)[0]
+    assert completion.tokens == generate(model, [[7, 3, 9, 1, 4] * 3], 40, sampling=GREEDY)[0]
     assert ways.count(0) > len(ways) - ways.count(0) >= 1
 
 
@@ -216,7 +218,7 @@ def test_every_k_of_the_ladder_changing_from_call_to_call_gives_decodings_tokens
     and sampled, ragged rows: the tokens of decoding without a draft; the model as its own draft model has
     every greedy guess stand whatever the K."""
     ks = [4, 0, 1, 2, 4, 2, 1, 0]
-    for knobs in (dict(temperature=0.0), dict(temperature=0.9, top_k=30, seed=3)):
+    for knobs in (dict(sampling=GREEDY), dict(sampling=Sampling(temperature=0.9, top_k=30), seed=3)):
         want = generate(model, PROMPTS, 30, **knobs)
         engine = Engine(model, slots=4, cache_length=64, steps_per_call=2, draft=the_draft(draft, model, smaller),
                         draft_tokens=4)
@@ -226,7 +228,7 @@ def test_every_k_of_the_ladder_changing_from_call_to_call_gives_decodings_tokens
         engine.run(completions)
         assert [c.tokens for c in completions] == want
         assert engine.draft_policy.tokens_drafted > 0
-        if draft == "itself" and knobs["temperature"] == 0:
+        if draft == "itself" and knobs["sampling"] == GREEDY:
             assert engine.draft_policy.drafts_accepted == engine.draft_policy.tokens_drafted
 
 

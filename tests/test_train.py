@@ -14,6 +14,7 @@ import pytest
 
 from gpt.data.loader import unigram_loss
 from gpt.errors import ConfigError, UserError
+from gpt.inference.sampling import GREEDY
 from gpt.model.config import GPTConfig
 from gpt.tokenizer import get_tokenizer
 from gpt.train.checkpoint import CheckpointManager, is_finite, load_model
@@ -165,7 +166,7 @@ def test_sample_and_export_from_a_training_run(tmp_path, corpus):
     assert len(texts) == 2 and out.getvalue().count("ROMEO:") == 2
     # No --max_new_tokens: 200, or what the context holds after the prompt (here 64 - 3); a number must fit.
     room = 64 - len(get_tokenizer().encode("ROMEO:"))
-    fitted = dict(init_from=str(tmp_path / "run"), start="ROMEO:", num_samples=1, temperature=0)
+    fitted = dict(init_from=str(tmp_path / "run"), start="ROMEO:", num_samples=1, sampling=GREEDY)
     whole = sample(SampleConfig(**fitted), io.StringIO())
     assert whole == sample(SampleConfig(**fitted, max_new_tokens=room), io.StringIO())
     with pytest.raises(ConfigError, match="that is 65, beyond the model's context of 64 tokens"):
@@ -179,7 +180,7 @@ def test_sample_and_export_from_a_training_run(tmp_path, corpus):
     for path, message in [("prompt.bin", "is not UTF-8 text"), ("run", "not a file"), ("none.txt", "no such file")]:
         with pytest.raises(UserError, match=f"--start 'FILE:.*{path}'.*{message}"):  # was a UnicodeDecodeError
             sample(SampleConfig(**dict(from_file, start=f"FILE:{tmp_path / path}")), io.StringIO())
-    greedy = dict(init_from=str(tmp_path / "run"), start="ROMEO:", num_samples=2, max_new_tokens=6, temperature=0)
+    greedy = dict(init_from=str(tmp_path / "run"), start="ROMEO:", num_samples=2, max_new_tokens=6, sampling=GREEDY)
     assert sample(SampleConfig(**greedy, mesh="data=4,tensor=2"), io.StringIO()) == sample(SampleConfig(**greedy), io.StringIO())
     export(ExportConfig(out_dir=str(tmp_path / "run"), hf_dir=str(tmp_path / "hf")))
     with pytest.raises(UserError, match="no checkpoint of step 999 in .*; the saved steps are [0-9, ]*4$"):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from gpt.data.prefetch import Prefetch
+from gpt.inference.sampling import GREEDY
 from gpt.train import trainer as train_module
 from gpt.train.checkpoint import CheckpointManager, load_model
 from gpt.train.trainer import NonFiniteStep, TrainConfig, plan, setup
@@ -183,7 +184,8 @@ def test_a_run_directory_written_by_earlier_code_resumes_samples_and_exports(com
 
     train_with_the_code_of(commit, tmp_path, corpus)
     out = tmp_path / "resumed" / "run"
-    greedy = dict(init_from=str(out), start="def ", num_samples=1, max_new_tokens=8, temperature=0, compile_cache=False)
+    greedy = dict(init_from=str(out), start="def ", num_samples=1, max_new_tokens=8, sampling=GREEDY,
+                  compile_cache=False)
     written = sample(SampleConfig(**greedy), io.StringIO())  # its step 4, read by this code
     run(tmp_path / "own", corpus, max_steps=8, stop_after=4)  # this code's own step 4 of the same run
     assert written == sample(SampleConfig(**dict(greedy, init_from=str(tmp_path / "own" / "run"))), io.StringIO())

@@ -35,7 +35,7 @@ from gpt.inference.decoding import (
 )
 from gpt.inference.drafters import Drafter
 from gpt.inference.request import Request
-from gpt.inference.sampling import SamplingParams
+from gpt.inference.sampling import GREEDY, SamplingParams
 from gpt.model.sharding import data_parallel_size
 from gpt.program_report import check_compiled_fits, sharded_bytes
 
@@ -54,7 +54,7 @@ COMPILED = (compiled_prefill, compiled_choose_first, compiled_place, compiled_de
             compiled_init_prefix)
 
 # A prefill's row that goes nowhere (over a mesh's data axis a prefill and an insert run rows_per_prefill rows).
-PADDING = Request([0], 1, temperature=0.0)
+PADDING = Request([0], 1, GREEDY)
 
 
 # What to change when the slots and the weights do not fit the devices' memory.
@@ -102,8 +102,7 @@ the slots keep what it needs) a decode may verify up to `max_draft_tokens` of it
         as `check_stop_tokens` returned them."""
         stop_tokens = np.full((self.max_stop_tokens,), -2, np.int32)
         stop_tokens[: len(stops)] = stops
-        params = SamplingParams.create(request.temperature, request.top_k, request.top_p, request.min_p,
-                                       request.repetition_penalty)
+        params = SamplingParams.of(request.sampling)
         seed, stream = (np.uint32(int(n) % 2**32) for n in (request.seed, request.stream))  # int(): a numpy seed too
         return Settings(params=params, seed=seed, stream=stream, stop_tokens=stop_tokens,
                         top_logprobs=np.bool_(request.logprobs > 0))

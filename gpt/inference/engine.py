@@ -31,6 +31,7 @@ prefix cache of `gpt.inference.prefix_cache`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -51,6 +52,7 @@ from gpt.inference.drafters import make_drafter
 from gpt.inference.engine_settings import EngineSettings
 from gpt.inference.prefix_cache import PREFIX_BLOCK, PrefixCache
 from gpt.inference.request import Request, check_request
+from gpt.inference.sampling import GREEDY
 from gpt.inference.scheduler import Chunked, Scheduler
 from gpt.inference.shapes import (
     bucket,
@@ -76,7 +78,7 @@ class Engine:
     Args:
       model: the GPT to decode with (its weights are laid out for decoding here), or a `Decoder` made once
         for many engines.
-      settings: its slots, queue, shapes and draft (`EngineSettings`: a `ServeConfig` is one); `changes`,
+      settings: its slots, queue, shapes and draft (`EngineSettings`: a `ServeConfig` holds one); `changes`,
         keywords of the same names, change some (`Engine(model, slots=2)`).
       quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
         (`gpt.inference.decoder.decoding_weights`); a Decoder's own.
@@ -86,7 +88,7 @@ class Engine:
     def __init__(self, model: GPT | Decoder, settings: EngineSettings | None = None, *, quantize: str | None = None,
                  mesh: Mesh | None = None, **changes):
         config = model.config
-        self.settings = s = EngineSettings.of(settings, **changes).checked(config)
+        self.settings = s = dataclasses.replace(settings or EngineSettings(), **changes).checked(config)
         decoder = Decoder.of(model, quantize, mesh)
         drafter = make_drafter(s.draft, decoder, s.cache_length)
         self.device = DeviceSlots(decoder, s.slots, s.cache_length, s.max_stop_tokens, s.steps_per_call, drafter,
@@ -302,7 +304,7 @@ def _warmup_programs(engine: Engine) -> list[tuple[str, str, Callable[[], None]]
     # A decode at each width and K (a step with a draft may emit K + 1 tokens), within the cache.
     ladder = engine.draft_policy.ladder if engine.draft_policy is not None else (0,)
     steps = max(1, min(len(engine.decode_widths) * sum(k + 1 for k in ladder) + 1, length - 1))
-    request = Request([0], steps, temperature=0.0, logprobs=1, prompt_logprobs=True)
+    request = Request([0], steps, GREEDY, logprobs=1, prompt_logprobs=True)
     entries = [(0, Completion(request, settings=engine.check(request)))]
 
     def enter(prefix_length: int | None, piece: int) -> None:  # the placeholder into slot 0

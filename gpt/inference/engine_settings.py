@@ -1,5 +1,5 @@
 """How an engine runs, declared once: `Engine` takes these (as an `EngineSettings` or as keywords), and
-serve.py's `ServeConfig` is one of them with its own settings beside, each a flag."""
+serve.py's `ServeConfig` holds one beside its own settings, each a flag."""
 
 from __future__ import annotations
 
@@ -75,14 +75,3 @@ class EngineSettings(DraftChoice):
         return EngineSettings(**{name: int(getattr(self, name)) for name in numbers},
                               cache_length=None if cache_length is None else int(cache_length),
                               draft=self.draft if draft_tokens else "none", draft_tokens=draft_tokens)
-
-    @classmethod
-    def of(cls, settings: EngineSettings | None = None, **changes) -> EngineSettings:
-        """`settings` (or the defaults) as an EngineSettings of its own (a `ServeConfig` holds more), with
-        `changes` (field names of this class) made."""
-        settings = cls() if settings is None else settings
-        fields = {field.name: getattr(settings, field.name) for field in dataclasses.fields(cls)}
-        unknown = set(changes) - set(fields)
-        if unknown:
-            raise TypeError(f"EngineSettings has no field {', '.join(sorted(unknown))}")
-        return cls(**{**fields, **changes})

@@ -15,18 +15,19 @@ import jax
 import numpy as np
 
 from gpt.errors import ConfigError
-from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams
+from gpt.inference.sampling import TOP_LOGPROBS, Sampling
 
 __all__ = ["Request", "check_request", "check_prompt", "check_prompts", "check_stop_tokens", "is_int"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One completion to generate. Knobs as in `gpt.inference.sampling.SamplingParams` (temperature 0 is greedy).
+    """One completion to generate.
 
-    seed, stream: integers (taken modulo 2**32; the server refuses seeds outside [0, 2**32)); the request's draws are a pure function of (seed, stream,
-      model, prompt, knobs), whatever else the engine is running; `generate` gives the rows of one call
-      streams 0, 1, ...
+    sampling: how its tokens are chosen (`gpt.inference.sampling.Sampling`; `GREEDY` takes the argmax).
+    seed, stream: integers (taken modulo 2**32; the server refuses seeds outside [0, 2**32)); the request's
+      draws are a pure function of (seed, stream, model, prompt, sampling), whatever else the engine is
+      running; `generate` gives the rows of one call streams 0, 1, ...
     stop_tokens: an id, or ids, that end the completion (not emitted). stop_strings: a text, or texts, that
       end it once its decoded output contains one (`Completion.text` is cut before it).
     logprobs: how many most likely alternatives to report for each token (0..5); the chosen token's own
@@ -38,11 +39,7 @@ class Request:
 
     prompt: Sequence[int]
     max_tokens: int
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
+    sampling: Sampling = Sampling()
     seed: int = 0
     stream: int = 0
     stop_tokens: int | Sequence[int] = ()
@@ -117,8 +114,9 @@ def check_request(request: Request, vocab_size: int, cache_length: int, max_stop
         raise ConfigError(
             f"the prompt has {ids.size} tokens; with max_tokens={request.max_tokens} that is "
             f"{ids.size + request.max_tokens}, beyond the context of {cache_length} tokens")
-    SamplingParams.check(request.temperature, request.top_k, request.top_p, request.min_p,
-                         request.repetition_penalty)
+    if not isinstance(request.sampling, Sampling):
+        raise ConfigError(f"sampling must be a gpt.inference.sampling.Sampling, got {request.sampling!r}")
+    request.sampling.check()
     stops = check_stop_tokens(request.stop_tokens, vocab_size)
     if len(stops) > max_stop_tokens:
         raise ConfigError(f"stop_tokens has {len(stops)} ids; at most {max_stop_tokens} are allowed")

@@ -14,24 +14,59 @@ import numpy as np
 
 from gpt.errors import ConfigError
 
-__all__ = ["SamplingParams", "penalize_repetition", "filter_logits", "choose", "first_argmax", "TOP_LOGPROBS"]
+__all__ = ["Sampling", "GREEDY", "SamplingParams", "penalize_repetition", "filter_logits", "choose", "first_argmax",
+           "TOP_LOGPROBS"]
 
 TOP_LOGPROBS = 5  # J: the most alternatives a request may ask logprobs for (the OpenAI API's own bound)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: the five knobs, declared here once for every entry point (`generate`,
+    a `Request`, sample.py's flags, the server's fields). Host values; `check` bounds them and
+    `SamplingParams.of` makes them the jitted step's.
+    """
+
+    temperature: float = 1.0
+    """0 is greedy (argmax); otherwise logits are divided by it."""
+    top_k: int | None = None
+    """Keep the k most likely tokens (None keeps all)."""
+    top_p: float | None = None
+    """Keep the smallest set of most likely tokens whose probability reaches p (None keeps all)."""
+    min_p: float | None = None
+    """Keep tokens whose probability is at least min_p times the most likely one's (None keeps all)."""
+    repetition_penalty: float = 1.0
+    """CTRL's penalty on tokens already in the prompt or output: a positive logit is divided by it, a
+    negative one multiplied (1 is off; > 1 discourages repeats)."""
+
+    def check(self) -> Sampling:
+        """Itself; ConfigError naming the first knob outside its bound (plain Python: nothing compiles)."""
+        for field in dataclasses.fields(self):
+            value, optional = getattr(self, field.name), field.default is None
+            is_number = isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+            if not (is_number or optional and value is None):
+                raise ConfigError(f"{field.name} must be a number{' or None' if optional else ''}, got {value!r}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ConfigError(f"temperature must be >= 0 (0 is greedy) and finite, got {self.temperature}")
+        if self.top_k is not None and (int(self.top_k) != self.top_k or self.top_k < 1):
+            raise ConfigError(f"top_k must be an integer >= 1 (or None for no limit), got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1] (or None), got {self.top_p}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1] (or None), got {self.min_p}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ConfigError(f"repetition_penalty must be > 0 (1 is off) and finite, got {self.repetition_penalty}")
+        return self
+
+
+GREEDY = Sampling(temperature=0.0)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen; construct with `SamplingParams.create`, which validates.
-
-    temperature: 0 is greedy (argmax); otherwise logits are divided by it.
-    top_k: keep the k most likely tokens (0 keeps all).
-    top_p: keep the smallest set of most likely tokens whose probability reaches p (1 keeps all).
-    min_p: keep tokens whose probability is at least min_p times the most likely one's (0 keeps all).
-    repetition_penalty: CTRL's penalty on tokens already in the prompt or output: a positive logit is
-      divided by it, a negative one multiplied (1 is off; > 1 discourages repeats).
-
-    Each field is a scalar, or an array [B] with one value per row (an engine's per-slot knobs).
+    """`Sampling`'s knobs as the jitted step takes them: each a scalar, or an array [B] with one value per
+    row (an engine's per-slot knobs), with "off" as a number (top_k 0, top_p 1, min_p 0).
     """
 
     temperature: jax.Array
@@ -41,17 +76,18 @@ class SamplingParams:
     repetition_penalty: jax.Array
 
     @classmethod
-    def create(cls, temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> SamplingParams:
-        cls.check(temperature, top_k, top_p, min_p, repetition_penalty)
-        # Host (numpy) scalars: an engine stacks them into per-row arrays without a device round trip.
+    def of(cls, sampling: Sampling) -> SamplingParams:
+        """`sampling`, checked, as host (numpy) scalars: an engine stacks them into per-row arrays without a
+        device round trip."""
+        s = sampling.check()
         # A top-k past int32 keeps every token, as any k >= the vocabulary does; a top-p that float32
         # rounds to 0 keeps the most likely token only, as any p below its probability does.
         return cls(
-            temperature=np.float32(temperature),
-            top_k=np.int32(min(int(top_k or 0), np.iinfo(np.int32).max)),
-            top_p=np.float32(1.0 if top_p is None else max(top_p, np.finfo(np.float32).tiny)),
-            min_p=np.float32(min_p or 0.0),
-            repetition_penalty=np.float32(repetition_penalty),
+            temperature=np.float32(s.temperature),
+            top_k=np.int32(min(int(s.top_k or 0), np.iinfo(np.int32).max)),
+            top_p=np.float32(1.0 if s.top_p is None else max(s.top_p, np.finfo(np.float32).tiny)),
+            min_p=np.float32(s.min_p or 0.0),
+            repetition_penalty=np.float32(s.repetition_penalty),
         )
 
     @classmethod
@@ -60,26 +96,6 @@ class SamplingParams:
         return cls(temperature=jnp.zeros((batch,), jnp.float32), top_k=jnp.zeros((batch,), jnp.int32),
                    top_p=jnp.ones((batch,), jnp.float32), min_p=jnp.zeros((batch,), jnp.float32),
                    repetition_penalty=jnp.ones((batch,), jnp.float32))
-
-    @staticmethod
-    def check(temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
-        """Raise ConfigError naming the first knob outside its bound (plain Python: nothing compiles)."""
-        knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                     repetition_penalty=repetition_penalty)
-        for name, value in knobs.items():
-            optional = name in ("top_k", "top_p", "min_p")
-            if not (optional and value is None) and (isinstance(value, bool) or not isinstance(value, (int, float, np.number))):
-                raise ConfigError(f"{name} must be a number{' or None' if optional else ''}, got {value!r}")
-        if temperature is None or not 0 <= temperature < float("inf"):
-            raise ConfigError(f"temperature must be >= 0 (0 is greedy) and finite, got {temperature}")
-        if top_k is not None and (int(top_k) != top_k or top_k < 1):
-            raise ConfigError(f"top_k must be an integer >= 1 (or None for no limit), got {top_k}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1] (or None), got {top_p}")
-        if min_p is not None and not 0 <= min_p <= 1:
-            raise ConfigError(f"min_p must be in [0, 1] (or None), got {min_p}")
-        if not 0 < repetition_penalty < float("inf"):
-            raise ConfigError(f"repetition_penalty must be > 0 (1 is off) and finite, got {repetition_penalty}")
 
 
 def penalize_repetition(logits_BV: jax.Array, seen_BV: jax.Array, penalty_B: jax.Array) -> jax.Array:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import tyro
+
 from gpt.compilation_cache import CompileCacheChoice
 from gpt.errors import ConfigError
 from gpt.hardware import CompileOnlyChoice
@@ -15,9 +17,12 @@ __all__ = ["ServeConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ServeConfig(EngineSettings, ModelChoice, CompileCacheChoice, CompileOnlyChoice):
-    """`python serve.py --help` lists these as flags (which model and how: `ModelChoice`; the engine's slots,
-    shapes and draft: `EngineSettings`; its programs compiled for a TPU topology instead: `CompileOnlyChoice`)."""
+class ServeConfig(ModelChoice, CompileCacheChoice, CompileOnlyChoice):
+    """`python serve.py --help` lists these as flags (which model and how: `ModelChoice`; its programs compiled
+    for a TPU topology instead: `CompileOnlyChoice`; and the engine's own, `engine`)."""
+
+    engine: tyro.conf.OmitArgPrefixes[EngineSettings] = EngineSettings()
+    """The engine's slots, queue, shapes and draft (each a flag of its own: --slots, --draft, ...)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -44,7 +49,7 @@ class ServeConfig(EngineSettings, ModelChoice, CompileCacheChoice, CompileOnlyCh
 
     def check(self) -> None:
         """ConfigError naming the first setting out of its bound (before anything loads)."""
-        self.checked()  # the engine's own settings, but for the cache's bound (the model's context)
+        self.engine.checked()  # but for the cache's bound (the model's context)
         if self.max_connections < 1:
             raise ConfigError(f"ServeConfig.max_connections must be >= 1, got {self.max_connections}")
         if not 0 <= self.port <= 65535:

@@ -19,6 +19,7 @@ import secrets
 
 from gpt.errors import ConfigError
 from gpt.inference.request import Request, check_request, is_int
+from gpt.inference.sampling import Sampling
 from gpt.tokenizer import get_tokenizer
 
 __all__ = ["ApiError", "Limits", "Parsed", "parse_json", "parse_completion", "parse_tokenize", "parse_detokenize",
@@ -234,16 +235,16 @@ def parse_completion(raw: bytes, limits: Limits) -> Parsed:
     seed = _number(body, "seed", None, int)
     if seed is not None and not 0 <= seed < 2**32:  # the sampler's key holds 32 bits: a larger one would alias
         raise ApiError(400, f"seed must be in [0, 2**32), got {describe(seed)}", "seed")
-    knobs = dict(
-        max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", None),
+    sampling = Sampling(
+        temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", None),
         top_k=_number(body, "top_k", None, int) or None,  # 0 is a common way to say "no top-k"
-        min_p=_number(body, "min_p", None), repetition_penalty=_number(body, "repetition_penalty", 1.0),
-        seed=secrets.randbits(32) if seed is None else seed, stop_strings=stop, logprobs=logprobs or 0,
-        stop_tokens=(limits.eot,) if limits.eot is not None else (),
-        prompt_logprobs=echo and (logprobs is not None or max_tokens == 0))
+        min_p=_number(body, "min_p", None), repetition_penalty=_number(body, "repetition_penalty", 1.0))
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
-        if knobs[name] is not None and not math.isfinite(knobs[name]):
-            raise ApiError(400, f"{name} must be finite, got {knobs[name]}", name)
+        if getattr(sampling, name) is not None and not math.isfinite(getattr(sampling, name)):
+            raise ApiError(400, f"{name} must be finite, got {getattr(sampling, name)}", name)
+    knobs = dict(max_tokens=max_tokens, sampling=sampling, seed=secrets.randbits(32) if seed is None else seed,
+                 stop_strings=stop, logprobs=logprobs or 0, stop_tokens=(limits.eot,) if limits.eot is not None else (),
+                 prompt_logprobs=echo and (logprobs is not None or max_tokens == 0))
     stream_options = {} if body.get("stream_options") is None else body["stream_options"]
     if not isinstance(stream_options, dict) or not isinstance(stream_options.get("include_usage", False), bool):
         raise ApiError(400, "stream_options must be an object like {\"include_usage\": true}, got "

@@ -240,7 +240,7 @@ def _compile_only(config: ServeConfig) -> None:
     model_config = model_config_of(config.init_from, config.dtype)
     mesh = make_mesh(**parse_mesh(config.mesh), devices=parse_topology(config.compile_only).devices())
     setting = f"--compile_only {config.compile_only}"
-    for report in compile_engine(model_config, config, config.quantize, mesh, setting):
+    for report in compile_engine(model_config, config.engine, config.quantize, mesh, setting):
         print("\n".join(report.lines()), flush=True)
         report.check_fits(setting, FIT_ADVICE)
 
@@ -253,9 +253,9 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
     log = lambda line: print(line, flush=True)  # noqa: E731
     # Loading and warm-up run before uvicorn takes the signals (a GPT-2 warm-up takes 20-40 s on a CPU), so
     # that one stops serve.py at once (`cli_main`), not after the warm-up.
-    draft = load_draft(config.draft, config.dtype)
+    draft = load_draft(config.engine.draft, config.dtype)
     model = load(config.init_from, config.dtype)
-    engine = Engine(model, config, quantize=config.quantize, mesh=mesh, draft=draft)
+    engine = Engine(model, config.engine, quantize=config.quantize, mesh=mesh, draft=draft)
     engine.warmup(log)
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,
