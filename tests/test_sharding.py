@@ -178,6 +178,35 @@ def test_greedy_generate_matches_one_device(shape, decisive_model):
     assert len(set(map(tuple, want))) == 3  # the rows differ, so a mixed-up row would show
 
 
+def test_an_engine_over_a_mesh_compiles_nothing_after_its_warm_up(decisive_model):
+    """Every program a request runs was compiled by the warm-up: over a mesh too, where the slots' arrays had
+    taken the layouts of whatever computed them, so that a server's first requests compiled `place` and
+    `decode` again (~10 s on 2 cores) while every stream waited."""
+    from gpt.inference.engine import Engine
+    from gpt.inference.request import Request
+    from gpt.inference.sampling import Sampling
+
+    compiled = []
+
+    def listener(event, duration, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(fun_name)
+
+    engine = Engine(decisive_model, slots=4, cache_length=64, mesh=mesh_of(2, 1, 2), draft="ngram")
+    engine.warmup(log=lambda line: None)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for _ in range(2):  # a second round after the first's slots were freed and filled again
+            completions = [engine.submit(Request([1, 2, 3, 1, 2], 12, GREEDY, stop_tokens=[7])),
+                           engine.submit(Request([40, 41], 20, Sampling(temperature=0.9, top_k=20), seed=1)),
+                           engine.submit(Request([9] * 30, 6, GREEDY, logprobs=2, prompt_logprobs=True))]
+            engine.run(completions)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert all(c.finish_reason in ("length", "stop") for c in completions)
+    assert compiled == []
+
+
 @pytest.mark.slow
 def test_two_processes_train_like_one_process_with_four_devices(tmp_path, corpus_text):
     corpus = tmp_path / "corpus.txt"

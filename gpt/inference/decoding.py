@@ -30,6 +30,7 @@ from gpt.inference.speculation import count_standing
 from gpt.model.backend import choices
 from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
+from gpt.model.sharding import constrain
 from gpt.model.transformer import Weights, forward, lm_head
 
 NO_TOKEN = -1  # an Emitted entry where a row produced nothing
@@ -93,6 +94,16 @@ class Slots:
     settings: Settings
     history: jax.Array | None = None
     draft_cache: KVCache | None = None
+
+    def laid_out(self) -> Slots:
+        """These slots pinned to one layout under a mesh (a no-op without one): every per-slot array's rows over
+        the data axes, the caches as `KVCache.laid_out`. Every program that returns slots ends with it: left to
+        the compiler, a slot's arrays took the layouts of whatever computed them (a row's scalars over tensor,
+        `seen` over fsdp), and each new layout compiled the next program again, mid-serve."""
+        rows = lambda a: constrain(a, ("batch",) + (None,) * (a.ndim - 1))  # noqa: E731
+        rest = jax.tree.map(rows, dataclasses.replace(self, cache=None, draft_cache=None))
+        draft_cache = None if self.draft_cache is None else self.draft_cache.laid_out()
+        return dataclasses.replace(rest, cache=self.cache.laid_out(), draft_cache=draft_cache)
 
     def select(self, rows_R: jax.Array) -> Slots:
         """Slots `rows_R` (int32 [R], distinct) alone: their rows of every array, over views of the caches."""
@@ -265,7 +276,7 @@ def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_to
         seen=jnp.zeros((S, config.vocab_size), jnp.bool_), settings=Settings.empty(S, max_stop_tokens),
         history=jnp.zeros((S, cache_length), jnp.int32) if history else None,
         draft_cache=None if draft_config is None else KVCache.init(draft_config, S, cache_length, page_length),
-    )
+    ).laid_out()
 
 
 def _keys(settings: Settings, generated_R: jax.Array) -> jax.Array:
@@ -346,7 +357,7 @@ def place(slots: Slots, cache: KVCache, admission: Admission, c: _Choice) -> tup
         remaining=put(slots.remaining, c.remaining), generated=put(slots.generated, jnp.ones((b,), jnp.int32)),
         seen=put(slots.seen, c.seen), settings=jax.tree.map(put, slots.settings, admission.settings),
         history=history, draft_cache=draft_cache,
-    )
+    ).laid_out()
     emitted = Emitted(token=c.token[None], stopped=c.stopped[None], logprob=c.logprob[None], top_ids=c.top_ids[None],
                       top_logprobs=c.top_logprobs[None], live=c.live, count=(c.token != NO_TOKEN).astype(jnp.int32),
                       drafted=jnp.zeros((b,), jnp.int32), reached=jnp.zeros((b, 0), jnp.int32),
@@ -365,7 +376,7 @@ def insert(weights: Weights, slots: Slots, prefix: Prefix, admission: Admission)
 def free(slots: Slots, free_S: jax.Array) -> Slots:
     """The slots with those in free_S (bool [S]) stopped: their requests went (cancelled, ended by a stop
     string the host saw, or their clients gone), so no decode runs them again until an `insert`."""
-    return dataclasses.replace(slots, live=slots.live & ~free_S)
+    return dataclasses.replace(slots, live=slots.live & ~free_S).laid_out()
 
 
 def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Array, stop_at_finish: jax.Array,
@@ -390,7 +401,8 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Arr
     """
     draft = (draft_tokens, drafter)
     if rows_R is None:
-        return _decode_rows(config, weights, slots, num_steps, stop_at_finish, max_steps, *draft)
+        slots, out = _decode_rows(config, weights, slots, num_steps, stop_at_finish, max_steps, *draft)
+        return slots.laid_out(), out
     view, out_R = _decode_rows(config, weights, slots.select(rows_R), num_steps, stop_at_finish, max_steps, *draft)
     slots = slots.merge(rows_R, view)
     # The view's [M, R, ...] and [R] outputs into [M, S, ...] and [S]; the other slots emitted nothing.
@@ -400,7 +412,7 @@ def decode(config: GPTConfig, weights: Weights, slots: Slots, num_steps: jax.Arr
     fields = {f.name: (widen_rows if f.name in Emitted.PER_ROW else widen)(getattr(empty, f.name),
                                                                             getattr(out_R, f.name))
               for f in dataclasses.fields(Emitted) if f.name != "steps"}
-    return slots, Emitted(**fields, steps=out_R.steps)
+    return slots.laid_out(), Emitted(**fields, steps=out_R.steps)
 
 
 def emitted_entries(max_steps: int, draft_tokens: int, cache_length: int) -> int:

@@ -64,12 +64,19 @@ class KVCache:
         page_length = length if page_length is None else page_length
         sizes = [min(page_length, length - start) for start in range(0, length, page_length)]
 
-        def pages():  # under a mesh: rows over data, heads over tensor, like the attention it serves
-            return tuple(constrain(jnp.zeros((batch * config.n_head, size, config.head_dim), config.compute_dtype),
-                                   ("batch_heads", None, None)) for size in sizes)
+        def pages():
+            return tuple(jnp.zeros((batch * config.n_head, size, config.head_dim), config.compute_dtype) for size in sizes)
 
         return cls(k=tuple(pages() for _ in range(config.n_layer)), v=tuple(pages() for _ in range(config.n_layer)),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+                   lengths=jnp.zeros((batch,), jnp.int32)).laid_out()
+
+    def laid_out(self) -> KVCache:
+        """This cache pinned to one layout under a mesh (a no-op without one): its pages' rows x heads over every
+        axis, rows major (rows over data, heads over tensor, like the attention it serves), its lengths' rows
+        over the data axes."""
+        page = lambda a: constrain(a, ("batch_heads", None, None))  # noqa: E731
+        return dataclasses.replace(self, k=jax.tree.map(page, self.k), v=jax.tree.map(page, self.v),
+                                   lengths=constrain(self.lengths, ("batch",)))
 
     @property
     def length(self) -> int:
