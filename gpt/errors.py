@@ -4,6 +4,7 @@ Two kinds of failure are told apart from bugs:
 
 - `UserError`: the input is wrong (a flag, a path, a corpus, a mesh, a sampling knob). Raised before any
   compile. The CLIs print its message alone, with no traceback, and exit 2 (argparse's code for usage).
+  `DiskFull` is one too: the disk (or a quota) filled while writing, the user's to make room on.
 - `RunFailed`: the run itself went wrong in a way the user must know about (a non-finite step, a failed
   save, a checkpoint written by a different run). One message, exit 1; what was saved is intact.
 
@@ -12,6 +13,7 @@ Anything else is a bug and keeps its traceback. `MissingInput` also subclasses `
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -23,8 +25,8 @@ from typing import NoReturn
 
 from gpt.signals import StopSignals
 
-__all__ = ["UserError", "ConfigError", "MissingInput", "RunFailed", "cli_main", "exit_on_signals",
-           "check_fits_in_memory", "host_memory_bytes"]
+__all__ = ["UserError", "ConfigError", "MissingInput", "DiskFull", "RunFailed", "write_failed", "cli_main",
+           "exit_on_signals", "check_fits_in_memory", "host_memory_bytes"]
 
 
 class UserError(Exception):
@@ -42,8 +44,30 @@ class MissingInput(UserError, FileNotFoundError):
     """A path the user named does not exist or holds nothing usable."""
 
 
+class DiskFull(UserError):
+    """The disk, or the user's quota, filled while something was written: the CLIs print this line and exit 2.
+    Whatever wrote is left as it was before the write (no temporary behind, the last checkpoint intact)."""
+
+
 class RunFailed(RuntimeError):
     """The run stopped on purpose (a non-finite step, a failed save): the CLIs print this line and exit 1."""
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+# How a full disk reads where it reaches us as text: Rust's io::Error (safetensors), tensorstore's (Orbax).
+_FULL_TEXTS = ("No space left on device", "Disk quota exceeded")
+
+
+def write_failed(error: BaseException, message: str, otherwise: type[Exception] = RunFailed) -> Exception:
+    """`message` as the error a failed write is: `DiskFull` when `error`, or any error behind it (its causes
+    and contexts), is a full disk or quota; else `otherwise`."""
+    seen, current = set(), error
+    while current is not None and id(current) not in seen:
+        if (isinstance(current, OSError) and current.errno in _FULL) or any(t in str(current) for t in _FULL_TEXTS):
+            return DiskFull(message)
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return otherwise(message)
 
 
 def host_memory_bytes() -> int | None:

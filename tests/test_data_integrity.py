@@ -15,7 +15,7 @@ import pytest
 from gpt.data import prepare as prepare_module
 from gpt.data.prepare import STAGING, prepare
 from gpt.data.shards import ShardHasher, verify_shards
-from gpt.errors import ConfigError
+from gpt.errors import ConfigError, DiskFull
 from gpt.run_dir import RunLock, RunLocked
 
 from json_fields import HOW, changed, fields
@@ -102,7 +102,7 @@ def test_a_failed_preparation_leaves_no_partial_shard_and_says_so_in_one_line(tm
 
     monkeypatch.setattr(prepare_module._ShardWriter, "write", full_disk)
     out = tmp_path / "data"
-    with pytest.raises(ConfigError, match="No space left on device") as error:
+    with pytest.raises(DiskFull, match="No space left on device") as error:
         prepare([corpus], out, shard_tokens=2_000, workers=1)
     assert "\n" not in str(error.value) and str(out) in str(error.value)
     assert not list(out.rglob("*.tmp")) and not (out / "meta.json").exists()
@@ -136,7 +136,7 @@ def test_a_disk_that_fills_mid_shard_leaves_no_temporary_file(tmp_path, corpus, 
 
     monkeypatch.setattr(prepare_module, "open", opened, raising=False)
     out = tmp_path / "data"
-    with pytest.raises(ConfigError, match="No space left on device") as error:
+    with pytest.raises(DiskFull, match="No space left on device") as error:
         prepare([corpus], out, shard_tokens=100_000, workers=1)
     assert "\n" not in str(error.value)
     assert not list(out.rglob("*.bin*")), "a .bin.tmp had stayed (its close failed)"

@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from gpt import GPT, GPTConfig
-from gpt.errors import ConfigError, RunFailed
+from gpt.errors import ConfigError, DiskFull, RunFailed
 from gpt.model import gpt2
 
 CONFIG = GPTConfig.preset("tiny")
@@ -223,7 +223,7 @@ def test_an_export_that_cannot_be_written_is_one_error_and_changes_nothing(tmp_p
         raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
 
     monkeypatch.setattr(gpt2, "save_file", disk_full)
-    with pytest.raises(RunFailed, match="writing the export to '.*hf' failed, and nothing there changed: .*No space"):
+    with pytest.raises(DiskFull, match="writing the export to '.*hf' failed, and nothing there changed: .*No space"):
         gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(1)), first)
     monkeypatch.undo()
     monkeypatch.setattr(type(first), "rename", _fail_on_the_new_export_moving_in(type(first).rename))

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from gpt.errors import ConfigError, RunFailed
+from gpt.errors import ConfigError, DiskFull, RunFailed
 from gpt.model.config import GPTConfig
 from gpt.run_dir import RunLocked
 from gpt.train.checkpoint import CheckpointManager, is_finite, load_model
@@ -275,7 +275,7 @@ def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path,
                                                                eval_interval=1000, num_devices=None)],
             env=ENV, capture_output=True, text=True, timeout=300)
         last_line = result.stderr.strip().splitlines()[-1]
-        assert result.returncode == 1, result.stderr[-3000:]
+        assert result.returncode == 2, result.stderr[-3000:]  # the user's to make room: as bad input
         assert last_line.startswith("error: saving checkpoint step") and "No space left on device" in last_line, last_line
         assert result.stderr.count("Traceback") == 0, result.stderr[-3000:]
         intact = saved_steps(out)
@@ -466,6 +466,36 @@ def test_run_failures_are_one_line_exit_1():
     assert exit_info.value.code == 1
 
 
+def test_a_full_disk_anywhere_is_one_line_exit_2_and_other_failed_writes_stay_what_they_were():
+    """A full disk or quota, whether an OSError, behind another error (Orbax's) or only in the text (safetensors'
+    Rust error), is DiskFull: the user's to make room on, exit 2; other failed writes keep their kind."""
+    import errno
+
+    from gpt.errors import cli_main, write_failed
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        try:
+            raise full
+        except OSError:
+            raise RuntimeError("a background write failed") from None  # the context stays, as in Orbax's threads
+    except RuntimeError as error:
+        behind = error
+    for error in (full, OSError(errno.EDQUOT, "Disk quota exceeded"), behind,
+                  Exception("Error while serializing: I/O error: No space left on device (os error 28)")):
+        assert type(write_failed(error, "writing failed")) is DiskFull, error
+    assert type(write_failed(OSError(errno.EACCES, "Permission denied"), "m")) is RunFailed
+    assert type(write_failed(OSError(errno.EACCES, "Permission denied"), "m", ConfigError)) is ConfigError
+
+    @cli_main
+    def failing():
+        raise write_failed(full, "writing the export to 'hf' failed, and nothing there changed: [Errno 28] ...")
+
+    with pytest.raises(SystemExit) as exit_info:
+        failing()
+    assert exit_info.value.code == 2
+
+
 _SIGNALLED_CLI = """
 import os, signal, sys, time
 from gpt.errors import cli_main
@@ -601,8 +631,9 @@ def test_a_failed_first_save_says_none_was_kept_and_removes_its_partial_director
         (partial / "params" / "data").write_bytes(b"\0" * 1024)
         manager._saving = 4
         error = manager._save_failed(OSError(28, "No space left on device"))
-        assert "no checkpoint was saved before it" in str(error) and "step None" not in str(error)
-        assert str(error).endswith("No space left on device") and not partial.exists()
+        assert isinstance(error, DiskFull) and "no checkpoint was saved before it" in str(error)
+        assert "step None" not in str(error) and str(error).endswith("No space left on device") and not partial.exists()
+        assert type(manager._save_failed(OSError(13, "Permission denied"))) is RunFailed
     finally:
         manager.close()
 
@@ -620,7 +651,7 @@ def test_a_full_disk_while_metrics_are_written_is_one_line(tmp_path):
     writer.write({"step": 1, "loss": 4.0})
     writer.jsonl.close()
     writer.jsonl = FullDisk()
-    with pytest.raises(RunFailed, match=r"^writing step 2's metrics to .*metrics.jsonl failed \(\[Errno 28\] No space "
+    with pytest.raises(DiskFull, match=r"^writing step 2's metrics to .*metrics.jsonl failed \(\[Errno 28\] No space "
                                         r"left on device\); the run stopped") as error:  # an OSError had escaped
         writer.write({"step": 2, "loss": 3.9})
     assert "\n" not in str(error.value)

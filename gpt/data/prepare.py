@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from gpt.data.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, input_format, read_sections
 from gpt.data.shards import SHARD_SUM_FIELDS, ShardHasher, check_fields, check_meta
-from gpt.errors import ConfigError, MissingInput
+from gpt.errors import ConfigError, MissingInput, write_failed
 from gpt.run_dir import RunLock, make_dir
 from gpt.tokenizer import get_tokenizer
 
@@ -381,7 +381,7 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
         except MissingInput:
             raise
         except OSError as e:  # a full disk, a directory that cannot be written: nothing half-written is left
-            raise ConfigError(f"preparing the corpus in {out_dir} failed: {e}") from None
+            raise write_failed(e, f"preparing the corpus in {out_dir} failed: {e}", ConfigError) from None
 
 
 def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_field, workers, shard_tokens,

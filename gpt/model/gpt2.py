@@ -26,7 +26,7 @@ from flax import nnx
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from gpt.errors import ConfigError, MissingInput, RunFailed
+from gpt.errors import ConfigError, MissingInput, write_failed
 from gpt.model.config import GPTConfig
 from gpt.model.parameters import block_weights
 from gpt.model.transformer import GPT
@@ -350,7 +350,7 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # mkdtemp makes it 0700
     except OSError as e:
-        raise RunFailed(f"cannot write an export at {str(out_dir)!r}: {e}") from None
+        raise write_failed(e, f"cannot write an export at {str(out_dir)!r}: {e}") from None
     retired = staging.with_name(staging.name + ".old")
     try:
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
@@ -369,7 +369,7 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
                 retired.rename(out_dir)  # the previous export, back where it was
             raise
     except (OSError, SafetensorError) as e:  # a full disk, say (safetensors' own error): out_dir is as it was
-        raise RunFailed(f"writing the export to {str(out_dir)!r} failed, and nothing there changed: {e}") from None
+        raise write_failed(e, f"writing the export to {str(out_dir)!r} failed, and nothing there changed: {e}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(retired, ignore_errors=True)

@@ -15,8 +15,8 @@ What a checkpoint under `out_dir/checkpoints/<step>` guarantees:
   hold, is reported in one line and moved aside to `out_dir/corrupt_checkpoints/`; the next newest step
   is tried.
 - **Failed saves surface at once.** An asynchronous save that failed (a full disk, a permission) is
-  raised by `check_for_errors()`, which the loop calls after every step, as one `RunFailed` line that
-  ends with the OS error; the previous checkpoints are intact.
+  raised by `check_for_errors()`, which the loop calls after every step, as one line that ends with the
+  OS error (`DiskFull`, exit 2, where the disk filled; else `RunFailed`); the previous checkpoints are intact.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from gpt.errors import ConfigError, MissingInput, RunFailed
+from gpt.errors import ConfigError, MissingInput, write_failed
 from gpt.model.config import GPTConfig, check_dtype
 from gpt.model.sharding import abstract, replicated
 from gpt.model.transformer import GPT
@@ -145,7 +145,7 @@ class CheckpointManager:
             raise self._save_failed(error) from error
 
     def check_for_errors(self) -> None:
-        """Raise RunFailed if a save that ran in the background failed."""
+        """Raise the failure (`_save_failed`) of a save that ran in the background, if it failed."""
         try:
             self.manager.check_for_errors()
         except Exception as error:
@@ -157,20 +157,20 @@ class CheckpointManager:
         except Exception as error:
             raise self._save_failed(error) from error
 
-    def _save_failed(self, error: BaseException) -> RunFailed:
+    def _save_failed(self, error: BaseException) -> Exception:
         """The failure of the save in flight, after its temporary directory is removed (on a full disk, that
-        frees the room it took)."""
+        frees the room it took): `DiskFull` where the disk filled, else RunFailed."""
         for partial in self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"):
             shutil.rmtree(partial, ignore_errors=True)
         self.manager.reload()
         last = self.latest_step()
         kept = (f"the last complete checkpoint is step {last}" if last is not None else
                 "no checkpoint was saved before it: a restart starts from step 0")
-        return RunFailed(f"saving checkpoint step {self._saving} to {self.directory} failed; {kept}; the cause: "
-                         f"{_os_error(error)}")
+        return write_failed(error, f"saving checkpoint step {self._saving} to {self.directory} failed; {kept}; the "
+                                   f"cause: {_os_error(error)}")
 
     def close(self) -> None:
-        """Finish pending saves and release Orbax's threads; a failed save is raised as RunFailed."""
+        """Finish pending saves and release Orbax's threads; a failed save is raised (`_save_failed`)."""
         try:
             self.wait()
         finally:

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpt.errors import RunFailed
+from gpt.errors import write_failed
 
 __all__ = ["MetricsWriter"]
 
@@ -56,8 +56,8 @@ class MetricsWriter:
                 if key != "step" and value is not None:
                     self.tensorboard.add_scalar(key, value, record["step"])
         except OSError as e:  # a full disk: one line, where a traceback had ended the run
-            raise RunFailed(f"writing step {record.get('step')}'s metrics to {self.path} failed ({e}); the run "
-                            f"stopped, its saved checkpoints intact: make room, then rerun to resume") from None
+            raise write_failed(e, f"writing step {record.get('step')}'s metrics to {self.path} failed ({e}); the "
+                                  f"run stopped, its saved checkpoints intact: make room, then rerun to resume") from None
 
     def close(self) -> None:
         if self.enabled:
