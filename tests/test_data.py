@@ -274,6 +274,7 @@ def test_the_loader_is_deterministic_and_never_crosses_a_shard(tmp_path):
         Batches(shards[:1], block_size=40, batch_size=2, seed=0)
 
 
+@pytest.mark.slow  # a further case of a check the quick tier makes
 def test_a_corpus_prepared_by_the_library_call_is_what_train_reads_without_tokenizing_again(tmp_path, corpus):
     """prepare()'s defaults are train.py's: a run on the same corpus finds its shards up to date."""
     from training import run

@@ -166,6 +166,7 @@ def test_a_decode_over_some_slots_equals_one_over_all():
             assert (new[2 * N:3 * N] == old[2 * N:3 * N]).all()
 
 
+@pytest.mark.slow  # a further case of a check the quick tier makes
 def test_seeds_reproduce_whatever_else_runs(model):
     request = Request([4, 5, 6], 20, Sampling(temperature=1.0, top_k=50), seed=11)
     alone = Engine(model, slots=4, cache_length=64)

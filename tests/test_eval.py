@@ -58,7 +58,7 @@ def transformers_strided_perplexity(model, ids: list[int], context: int, stride:
     return math.exp(nll_sum / count)
 
 
-@pytest.mark.parametrize("stride", [CONTEXT, 24])
+@pytest.mark.parametrize("stride", [CONTEXT, pytest.param(24, marks=pytest.mark.slow)])
 def test_perplexity_equals_transformers_strided_recipe(tmp_path, corpus_text, stride):
     hf_model, directory = random_hf_gpt2(tmp_path, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=2,
                                          weight_scale=8.0)

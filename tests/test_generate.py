@@ -76,6 +76,7 @@ def test_ragged_batch_gives_what_each_prompt_gives_alone(model):
     assert len({tuple(t) for t in batched}) == len(prompts)  # the rows really differ
 
 
+@pytest.mark.slow
 def test_prompts_beyond_max_batch_wait_for_a_row_and_give_the_same(monkeypatch):
     # A call's memory must not grow with its prompts (each slot holds a cache and a row of logits): past
     # max_batch they queue and enter as rows finish, and each still gives what it gives alone.
@@ -156,6 +157,7 @@ def test_stop_tokens_end_each_row_on_its_own(model):
     assert generate(model, prompts, np.int64(16), sampling=GREEDY, stop_tokens=stop) == stopped  # one id, numpy
 
 
+@pytest.mark.slow  # a further case of a check the quick tier makes
 def test_stop_strings_end_each_row_on_its_own():
     from gpt.tokenizer import get_tokenizer
 

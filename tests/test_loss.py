@@ -141,7 +141,7 @@ def test_chunk_length_prefers_an_exact_split():
     assert _chunk_length(10, 0) == 1
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("scan_layers", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_model_loss_and_gradients_equal_the_logits_cross_entropy(scan_layers):
     config = GPTConfig.preset("tiny", scan_layers=scan_layers)
     model = GPT(config, rngs=nnx.Rngs(0))

@@ -219,7 +219,7 @@ REMAT_MODEL = dict(n_layer=4, n_head=4, n_embd=64, block_size=128, vocab_size=25
 
 
 @pytest.mark.parametrize("dropout, scan_layers", [
-    pytest.param(0.0, False, marks=pytest.mark.slow), (0.0, True), (0.1, False),
+    pytest.param(0.0, False, marks=pytest.mark.slow), (0.0, True), pytest.param(0.1, False, marks=pytest.mark.slow),
     pytest.param(0.1, True, marks=pytest.mark.slow)])
 def test_remat_gives_the_same_loss_and_gradients(scan_layers, dropout):
     tokens = jax.random.randint(jax.random.key(1), (4, 129), 0, 256)

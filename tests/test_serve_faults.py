@@ -80,6 +80,7 @@ def test_values_that_had_been_500s_get_400_and_a_bug_gets_a_json_500(server, mod
     assert out["text"] == alone(model, "Beside a bug", 40)  # the request beside it ran to its end
 
 
+@pytest.mark.slow  # a further case of a check the quick tier makes
 def test_a_huge_prompt_and_a_burst_of_bad_requests_stall_no_stream(server, model):
     server.delay_s = 0.02  # a stream of 150 tokens takes over 3 s
     out, health = {}, []
@@ -108,6 +109,7 @@ def test_a_huge_prompt_and_a_burst_of_bad_requests_stall_no_stream(server, model
     assert out["text"] == alone(model, "Keep streaming", 100)
 
 
+@pytest.mark.slow
 def test_queued_requests_of_clients_that_went_leave_the_queue_at_once(model):
     server = Server(model, slots=1, max_queue=2, cache_length=128)
     try:

@@ -192,7 +192,7 @@ def test_an_engine_over_a_mesh_compiles_nothing_after_its_warm_up(decisive_model
         if event == "/jax/core/compile/backend_compile_duration":
             compiled.append(fun_name)
 
-    engine = Engine(decisive_model, slots=4, cache_length=64, mesh=mesh_of(2, 1, 2), draft="ngram")
+    engine = Engine(decisive_model, slots=4, cache_length=64, mesh=mesh_of(2, 1, 2))
     engine.warmup(log=lambda line: None)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:

@@ -96,6 +96,7 @@ def test_the_cosine_schedule_is_optax_warmup_cosine():
         assert float(make_schedule(config, config.lr)(step)) == pytest.approx(float(want(step)))
 
 
+@pytest.mark.slow
 def test_runs_that_differ_in_their_schedule_share_one_compiled_step_and_each_keeps_its_own():
     # Two runs of one model with different learning rates, warmups and lengths: the second compiles no step
     # of its own, and its steps are bit for bit those it takes alone. (That a step is what it was with the
