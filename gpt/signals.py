@@ -7,6 +7,8 @@ the process at once).
 from __future__ import annotations
 
 import _thread
+import os
+import select
 import signal
 import sys
 import threading
@@ -39,7 +41,9 @@ class StopSignals:
     signals (a later one then changes nothing, where a restored handler would raise it as a traceback), or
     at once at a second signal (sent, not a repeat), or `GRACE_S` after the first, since some work does not
     end on a raise: a thread pool's exit waits for every task queued on it, a C call runs to its end.
-    Without it, a second signal changes nothing.
+    Without it, a second signal changes nothing. A watcher thread learns of each signal from the signal
+    module's wakeup file descriptor, so that the grace and a second signal end the process even while the
+    main thread, where Python runs the handlers, waits in a long C call (a whole decode on the device).
 
     Entering and leaving the block is never cut short: a signal there is recorded, and raised (if the block
     is still open) by the next repeat.
@@ -59,6 +63,8 @@ class StopSignals:
         self._closing = threading.Event()
         self._repeater: threading.Thread | None = None
         self._repeat_sent = False  # set by the repeater just before it raises the signal again
+        self._wakeup: tuple[int, int] | None = None  # the pipe the signal module writes each signal's number to
+        self._previous_wakeup = -1
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -68,6 +74,12 @@ class StopSignals:
         if self.at_once:  # only an at_once block raises, and so has lost raises to drop
             self._previous_hook = sys.unraisablehook
             sys.unraisablehook = self._unraisable
+            if self._previous:  # the handlers are ours: watch for the signals from a thread
+                self._wakeup = os.pipe()
+                os.set_blocking(self._wakeup[1], False)
+                self._previous_wakeup = signal.set_wakeup_fd(self._wakeup[1], warn_on_full_buffer=False)
+                self._repeater = threading.Thread(target=self._watch, name="StopSignals", daemon=True)
+                self._repeater.start()
         return self
 
     def _unraisable(self, unraisable) -> None:
@@ -80,9 +92,7 @@ class StopSignals:
         first = self.received is None
         if first:  # without at_once a second signal changes nothing: the first is acted on
             self.received = signum
-            if self.at_once:
-                self._repeater = threading.Thread(target=self._repeat, name="StopSignals", daemon=True)
-                self._repeater.start()
+            self._wake_watcher()  # should the wakeup pipe not be ours now (an event loop's), it learns here
         if self._closing.is_set():  # the block is ending: its exit acts on the first signal
             return
         if self.end_process is not None and not first and not repeat:
@@ -90,23 +100,57 @@ class StopSignals:
         if self.at_once and not _entering_or_leaving(frame):
             raise _Stopped
 
-    def _repeat(self) -> None:
-        """Raise the first signal again in the main thread, as if it came again, until the block ends; past
-        GRACE_S, end the process from this thread (with `end_process`): the main thread is stuck where no
-        raise ends it."""
-        deadline = time.monotonic() + self.GRACE_S
-        while not self._closing.wait(self.REPEAT_S):
+    def _wake_watcher(self) -> None:
+        if self._wakeup is not None:
+            try:
+                os.write(self._wakeup[1], b"\0")  # no signal's number
+            except BlockingIOError:  # the pipe is full: the watcher is awake already
+                pass
+
+    def _watch(self) -> None:
+        """Until the block ends: read each signal's number from the wakeup pipe (the main thread's handler may
+        not run for as long as a C call lasts); after the first, raise it again in the main thread every
+        REPEAT_S, as if it came again; with `end_process`, end the process at a second signal sent (not a
+        repeat of ours, each of which the pipe also carries) or GRACE_S after the first."""
+        first, deadline, next_repeat, repeats = None, None, None, 0
+        while not self._closing.is_set():
+            wait = self.REPEAT_S if first is None else max(0.0, next_repeat - time.monotonic())
+            if select.select([self._wakeup[0]], [], [], wait)[0]:
+                for signum in os.read(self._wakeup[0], 512):
+                    if signum not in self._previous or signal.getsignal(signum) != self._handle:
+                        continue  # not a signal of ours, or one a block inside this one holds (a trainer's)
+                    if repeats:  # one of ours (the same count of bytes, in whatever order they came)
+                        repeats -= 1
+                    elif first is None:
+                        first, deadline, next_repeat = signum, *self._deadlines()
+                    elif self.end_process is not None and not self._closing.is_set():
+                        self.end_process(first)
+            if first is None and self.received is not None:  # the handler's word, where the pipe was not ours
+                first, deadline, next_repeat = self.received, *self._deadlines()
+            if first is None or self._closing.is_set() or time.monotonic() < next_repeat:
+                continue
             if self.end_process is not None and time.monotonic() > deadline:
-                self.end_process(self.received)
+                self.end_process(first)
+            next_repeat = time.monotonic() + self.REPEAT_S
+            repeats += 1
             self._repeat_sent = True
-            _thread.interrupt_main(self.received)
+            _thread.interrupt_main(first)
+
+    def _deadlines(self) -> tuple[float, float]:
+        """From a first signal now: (when the grace ends, when the first repeat is due)."""
+        now = time.monotonic()
+        return now + self.GRACE_S, now + self.REPEAT_S
 
     def __exit__(self, kind, error, traceback) -> bool:
         self._closing.set()
+        self._wake_watcher()
         if self._repeater is not None:
             # Joined while the handler is still ours (and raises no more): a repeat the thread made just
             # before it saw the block end is handled here, not by the handler restored below.
             self._repeater.join()
+            signal.set_wakeup_fd(self._previous_wakeup)
+            for fd in self._wakeup:
+                os.close(fd)
         if self.received is not None and self.end_process is not None:
             self.end_process(self.received)
         for sig, handler in self._previous.items():

@@ -87,3 +87,46 @@ def test_the_block_ends_the_process_through_end_process_while_it_still_holds_the
         _spin(5)
     assert seen == [(signal.SIGTERM, True)]  # called once, by the exit, before the handlers were restored
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+_STUCK_IN_A_DEVICE_CALL = """
+import signal, sys
+import jax
+from gpt.errors import cli_main
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal (a background job ignores it)
+
+@cli_main
+def main():
+    endless = jax.jit(lambda x: jax.lax.while_loop(lambda x: x >= 0.0, lambda x: x + 1.0, x))  # never ends
+    endless.lower(0.0).compile()
+    print("waiting", flush=True)
+    endless(0.0).block_until_ready()  # Python's handlers run only when this returns: never
+
+main()
+"""
+
+
+def test_a_signal_ends_a_command_whose_main_thread_waits_in_a_c_call_forever():
+    """The main thread, where Python runs signal handlers, waits for a device computation (as sample.py for
+    a whole decode): the first signal ends the command after the grace, a second at once, each with one line
+    and 128 + the first's number, where the command had run on until the call returned."""
+    import subprocess
+
+    for signals, within in (([signal.SIGINT], StopSignals.GRACE_S + 4), ([signal.SIGTERM, signal.SIGINT], 3)):
+        process = subprocess.Popen([sys.executable, "-c", _STUCK_IN_A_DEVICE_CALL], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        try:
+            assert process.stdout.readline() == "waiting\n"
+            time.sleep(0.5)
+            start = time.monotonic()
+            for sig in signals:
+                process.send_signal(sig)
+                time.sleep(0.2)
+            status = process.wait(timeout=within + 30)
+            took = time.monotonic() - start
+        finally:
+            process.kill()
+            stderr = process.communicate()[1]
+        assert status == 128 + signals[0] and took < within, (status, took, stderr[-2000:])
+        assert stderr.strip().splitlines()[-1] == f"stopped by {signals[0].name}"
