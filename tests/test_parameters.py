@@ -18,10 +18,15 @@ from gpt.model.transformer import num_params
 from gpt.train.optimizer import muon_axes
 from gpt.train.recipes import RECIPES
 
+# Llama's and Qwen2's choices (`gpt.model.llama`): RMSNorm, a gated MLP of its own width, biases on q, k and v alone.
+LLAMA_SHAPED = dict(position="rope", norm="rmsnorm", gated_mlp=True, activation="silu", mlp_width=100, bias=False,
+                    qkv_bias=True, tied_head=False)
+
 
 def configs():
     return [pytest.param(GPTConfig.preset(preset, **RECIPES[recipe].model), id=f"{preset}-{recipe}")
-            for preset in PRESETS for recipe in RECIPES]
+            for preset in PRESETS for recipe in RECIPES] + [
+        pytest.param(GPTConfig.preset("tiny", **LLAMA_SHAPED), id="tiny-llama-shaped")]
 
 
 def as_tuple(axes):
@@ -39,14 +44,16 @@ def test_every_preset_builds_the_tables_weights_and_every_consumer_agrees(config
         param = built[w.name]
         assert param.shape == (config.n_layer, *w.dims(config)) and len(w.axes) == len(w.shape)
         assert param.get_metadata()["axes"] == ("layers", *w.axes)
-    # GPT-2's checkpoint names: one per block weight the model has, each once, each shaped as its letters say.
-    hf = [(name, shape) for path, name, per_layer, shape in gpt2._table(config) if per_layer]
-    assert [name for name, _ in hf] == [w.hf for w in declared] and len(set(hf)) == len(hf)
-    for (_, shape), w in zip(hf, declared):
-        assert math.prod(shape) == math.prod(w.dims(config)) and (len(shape) == 2) == bool(w.inputs)
+    # GPT-2's checkpoint names (for a model GPT-2's format holds): one per block weight the model has, each once,
+    # each shaped as its letters say.
+    if all(w.hf for w in declared):
+        hf = [(name, shape) for path, name, per_layer, shape in gpt2._table(config) if per_layer]
+        assert [name for name, _ in hf] == [w.hf for w in declared] and len(set(hf)) == len(hf)
+        for (_, shape), w in zip(hf, declared):
+            assert math.prod(shape) == math.prod(w.dims(config)) and (len(shape) == 2) == bool(w.inputs)
     # Muon: the layer axis, the separate matrices, the inputs and the outputs are all of a kernel's axes, once.
     axes = muon_axes({name: jax.ShapeDtypeStruct(param.shape, param.dtype) for name, param in built.items()})
-    for name, w in KERNELS.items():
+    for name, w in ((name, w) for name, w in KERNELS.items() if w.exists(config)):
         reduced, outputs = as_tuple(axes[name].reduction_axis), as_tuple(axes[name].output_axis)
         separate = tuple(range(1 + w.inputs, 1 + w.inputs + w.separate))
         assert sorted((0, *separate, *reduced, *outputs)) == list(range(1 + len(w.shape)))
@@ -57,13 +64,14 @@ def test_every_preset_builds_the_tables_weights_and_every_consumer_agrees(config
     assert num_params(config) == sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_decodings_matrices_are_the_tables_kernels_read_as_inputs_by_outputs(recipe):
-    config = GPTConfig.preset("tiny", **RECIPES[recipe].model)
+@pytest.mark.parametrize("choices", [*(RECIPES[recipe].model for recipe in RECIPES), LLAMA_SHAPED],
+                         ids=[*RECIPES, "llama-shaped"])
+def test_decodings_matrices_are_the_tables_kernels_read_as_inputs_by_outputs(choices):
+    config = GPTConfig.preset("tiny", **choices)
     model = GPT(config, rngs=nnx.Rngs(0))
     layer = decoding_weights(model).layers[0]
     stacked = model.weights().layers
-    for name, w in KERNELS.items():
+    for name, w in ((name, w) for name, w in KERNELS.items() if w.exists(config)):
         dims = w.dims(config)
         inputs, outputs = math.prod(dims[: w.inputs]), math.prod(dims[w.inputs:])
         matrix = np.asarray(layer[name].matrix_KD)

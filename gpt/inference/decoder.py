@@ -88,8 +88,8 @@ def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
     weights = model.weights()
     layers = []
     for layer in range(model.config.n_layer):  # each kernel sliced once, by the program that lays it out
-        layers.append({name: _kernel_layout(a, layer, quantize, KERNELS[name].inputs) if name in KERNELS
-                       else None if a is None else _layer_of(a, layer) for name, a in weights.layers.items()})
+        layers.append({name: None if a is None else _kernel_layout(a, layer, quantize, KERNELS[name].inputs)
+                       if name in KERNELS else _layer_of(a, layer) for name, a in weights.layers.items()})
     if quantize == "none":
         return dataclasses.replace(weights, layers=tuple(layers))
     table = _matrix_layout(weights.embedding, quantize)  # [V, D] is already output-major for the head

@@ -13,7 +13,8 @@ from gpt.errors import ConfigError
 __all__ = ["GPTConfig", "PRESETS"]
 
 Position = Literal["learned", "sinusoidal", "rope"]
-Activation = Literal["gelu", "relu2"]
+Activation = Literal["gelu", "relu2", "silu"]
+Norm = Literal["layernorm", "rmsnorm"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -40,12 +41,17 @@ class GPTConfig:
       rope_theta: the rotary base frequency.
       dropout: dropout rate on embeddings and residual branches while training.
       bias: biases in linear layers and LayerNorms (GPT-2 has them).
+      qkv_bias: biases on the queries, keys and values whatever `bias` says (Qwen2.5 has them alone).
+      norm: `layernorm` (GPT-2) or `rmsnorm`, x / RMS(x) times a learned scale (Llama, Qwen), with no bias.
       qk_norm: normalize each head's queries and keys (RMS, no weights) before the position rotation and the
         dot product, so that attention logits stay bounded however large the weights grow.
-      activation: the MLP's nonlinearity: `gelu` (tanh approximation, GPT-2) or `relu2`, relu(x)^2.
+      activation: the MLP's nonlinearity: `gelu` (tanh approximation, GPT-2), `relu2`, relu(x)^2, or `silu`.
+      gated_mlp: the MLP's hidden units are act(x @ gate) * (x @ up) (SwiGLU with `silu`: Llama, Qwen), where
+        GPT-2's are act(x @ up).
       tied_head: the LM head is the token embedding transposed (GPT-2); False gives it its own matrix.
-      layer_norm_epsilon: LayerNorm's epsilon (GPT-2: 1e-5).
-      mlp_ratio: hidden width of the MLP over n_embd.
+      layer_norm_epsilon: the norms' epsilon (GPT-2's LayerNorms: 1e-5; Llama's RMSNorms: 1e-5 or 1e-6).
+      mlp_ratio: hidden width of the MLP over n_embd (when `mlp_width` is None).
+      mlp_width: the MLP's hidden width, where it is no multiple of n_embd (SmolLM2-135M: 1536 over 576).
       dtype: the compute dtype of activations and matmuls.
       param_dtype: the dtype parameters are stored in (float32 for training).
       fp8: the MLP's and the LM head's matrix products of the forward without a cache (training and its
@@ -65,11 +71,15 @@ class GPTConfig:
     rope_theta: float = 10000.0
     dropout: float = 0.0
     bias: bool = True
+    qkv_bias: bool = False
+    norm: Norm = "layernorm"
     qk_norm: bool = False
     activation: Activation = "gelu"
+    gated_mlp: bool = False
     tied_head: bool = True
     layer_norm_epsilon: float = 1e-5
     mlp_ratio: int = 4
+    mlp_width: int | None = None
     dtype: DType = "float32"
     param_dtype: DType = "float32"
     fp8: bool = False
@@ -94,8 +104,12 @@ class GPTConfig:
                 f"GPTConfig.position='rope' needs an even head_dim, but n_embd/n_head = "
                 f"{self.n_embd}/{self.n_head} = {self.head_dim}"
             )
-        if self.activation not in ("gelu", "relu2"):
-            raise ConfigError(f"GPTConfig.activation must be 'gelu' or 'relu2', got {self.activation!r}")
+        if self.activation not in ("gelu", "relu2", "silu"):
+            raise ConfigError(f"GPTConfig.activation must be 'gelu', 'relu2' or 'silu', got {self.activation!r}")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ConfigError(f"GPTConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+        if self.mlp_width is not None and (not isinstance(self.mlp_width, int) or self.mlp_width < 1):
+            raise ConfigError(f"GPTConfig.mlp_width must be a positive integer or None, got {self.mlp_width!r}")
         if self.position == "sinusoidal" and self.n_embd % 2:
             raise ConfigError(f"GPTConfig.position='sinusoidal' needs an even n_embd, got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:
@@ -112,7 +126,17 @@ class GPTConfig:
 
     @property
     def mlp_dim(self) -> int:
-        return self.mlp_ratio * self.n_embd
+        return self.mlp_ratio * self.n_embd if self.mlp_width is None else self.mlp_width
+
+    @property
+    def norm_bias(self) -> bool:
+        """The norms have biases: LayerNorms with `bias` (an RMSNorm has none)."""
+        return self.bias and self.norm == "layernorm"
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """The queries, keys and values have biases (`bias` or `qkv_bias`)."""
+        return self.bias or self.qkv_bias
 
     @property
     def compute_dtype(self) -> jnp.dtype:

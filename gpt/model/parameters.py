@@ -27,12 +27,13 @@ class BlockWeight:
     axes: its logical axis names (`gpt.model.sharding.RULES`), one per letter (None: not sharded).
     init: "normal" (std 0.02, or 0.02 / sqrt(2L) for a projection that writes into the residual stream:
       `residual`), "ones" or "zeros".
-    when: the `GPTConfig` flag it exists under ("" for every model), e.g. "bias" (`exists`).
+    when: the `GPTConfig` flag (or property) it exists under ("" for every model), e.g. "bias" (`exists`).
     norm: a LayerNorm's weight, which the forward reads in float32 (every other weight in the compute dtype).
     inputs: for a matrix, how many leading axes a matmul reduces over (the rest are its outputs); 0 else.
     separate: for a matrix, leading output axes that hold separate matrices (q, k and v), which Muon
       orthogonalizes apart.
-    hf: its name in a Hugging Face GPT-2 checkpoint, {} for the layer (its shape there: `hf_dims`).
+    hf: its name in a Hugging Face GPT-2 checkpoint, {} for the layer (its shape there: `hf_dims`); "" for a
+      weight GPT-2 has not (`gpt.model.gpt2` refuses a model that has one).
     """
 
     name: str
@@ -66,15 +67,17 @@ class BlockWeight:
 
 BLOCK_WEIGHTS = (  # in the order `Blocks` makes them (the order its random init draws in)
     BlockWeight("ln1_scale", "D", ("embed",), "ones", "h.{}.ln_1.weight", norm=True),
-    BlockWeight("ln1_bias", "D", ("embed",), "zeros", "h.{}.ln_1.bias", when="bias", norm=True),
+    BlockWeight("ln1_bias", "D", ("embed",), "zeros", "h.{}.ln_1.bias", when="norm_bias", norm=True),
     BlockWeight("qkv_kernel", "D3NH", ("embed", None, "heads", "head_dim"), "normal", "h.{}.attn.c_attn.weight",
                 inputs=1, separate=1),
-    BlockWeight("qkv_bias", "3NH", (None, "heads", "head_dim"), "zeros", "h.{}.attn.c_attn.bias", when="bias"),
+    BlockWeight("qkv_bias", "3NH", (None, "heads", "head_dim"), "zeros", "h.{}.attn.c_attn.bias",
+                when="has_qkv_bias"),
     BlockWeight("out_kernel", "NHD", ("heads", "head_dim", "embed"), "normal", "h.{}.attn.c_proj.weight",
                 residual=True, inputs=2),
     BlockWeight("out_bias", "D", ("embed",), "zeros", "h.{}.attn.c_proj.bias", when="bias"),
     BlockWeight("ln2_scale", "D", ("embed",), "ones", "h.{}.ln_2.weight", norm=True),
-    BlockWeight("ln2_bias", "D", ("embed",), "zeros", "h.{}.ln_2.bias", when="bias", norm=True),
+    BlockWeight("ln2_bias", "D", ("embed",), "zeros", "h.{}.ln_2.bias", when="norm_bias", norm=True),
+    BlockWeight("gate_kernel", "DF", ("embed", "mlp"), "normal", "", when="gated_mlp", inputs=1),
     BlockWeight("fc_kernel", "DF", ("embed", "mlp"), "normal", "h.{}.mlp.c_fc.weight", inputs=1),
     BlockWeight("fc_bias", "F", ("mlp",), "zeros", "h.{}.mlp.c_fc.bias", when="bias"),
     BlockWeight("proj_kernel", "FD", ("mlp", "embed"), "normal", "h.{}.mlp.c_proj.weight", residual=True, inputs=1),

@@ -4,11 +4,12 @@ Shape letters: B batch, T positions, S cache slots, D width, N heads, H head dim
 V vocabulary, L layers. Every parameter carries logical axis names in its `axes` metadata; gpt/model/sharding.py
 maps them onto a device mesh.
 
-    tokens -> embed (+ learned or sinusoidal positions) -> L x Block -> LayerNorm -> x @ head.T -> logits
-    Block:  x + Attention(LayerNorm(x)),  then  x + MLP(LayerNorm(x))       (pre-LN)
+    tokens -> embed (+ learned or sinusoidal positions) -> L x Block -> Norm -> x @ head.T -> logits
+    Block:  x + Attention(Norm(x)),  then  x + MLP(Norm(x))       (pre-norm)
 
-GPT-2's choices are the defaults (GELU-tanh MLP, biases, the head tied to the token embedding); the
-config can switch each to a newer one: rotary positions, QK-norm, a relu(x)^2 MLP, an untied head.
+GPT-2's choices are the defaults (LayerNorm, GELU-tanh MLP, biases, the head tied to the token embedding);
+the config can switch each to a newer one: rotary positions, QK-norm, RMSNorm, a relu(x)^2 or gated SiLU
+MLP, biases on q, k and v alone, an untied head (Llama's and Qwen's shapes).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from gpt.model.loss import lm_head_cross_entropy
 from gpt.model.parameters import BLOCK_WEIGHTS
 from gpt.model.sharding import constrain
 
-__all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_normalize",
-           "in_compute_dtype", "num_params", "flops_per_token"]
+__all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_norm",
+           "normalize", "rms_normalize", "in_compute_dtype", "num_params", "flops_per_token"]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -62,6 +63,19 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, epsilon: 
     return y.astype(x.dtype)
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float) -> jax.Array:
+    """RMSNorm over the last axis with a learned scale, as Llama's: x / RMS(x) in float32, returned in x's dtype,
+    then times the scale."""
+    return rms_normalize(x, epsilon) * scale.astype(x.dtype)
+
+
+def normalize(config: GPTConfig, x: jax.Array, scale: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """The model's norm (`GPTConfig.norm`) of x [..., D] with its weights: a LayerNorm or an RMSNorm."""
+    if config.norm == "rmsnorm":
+        return rms_norm(x, scale, config.layer_norm_epsilon)
+    return layer_norm(x, scale, bias, config.layer_norm_epsilon)
+
+
 def rms_normalize(x: jax.Array, epsilon: float = 1e-6) -> jax.Array:
     """x / RMS(x) over the last axis, without weights: computed in float32, returned in x's dtype."""
     x32 = x.astype(jnp.float32)
@@ -71,6 +85,7 @@ def rms_normalize(x: jax.Array, epsilon: float = 1e-6) -> jax.Array:
 ACTIVATIONS = {
     "gelu": lambda h: jax.nn.gelu(h, approximate=True),  # GPT-2's tanh approximation
     "relu2": lambda h: jnp.square(jax.nn.relu(h)),  # sparse and cheap; trains faster at small scale
+    "silu": jax.nn.silu,  # SwiGLU's, with a gated MLP (Llama, Qwen)
 }
 
 
@@ -141,7 +156,7 @@ def block(
     # Each part runs under a named scope: the compiled program's ops carry it, and a profile sorts its time
     # by it (bench/step_profile.py).
     with jax.named_scope("layer_norm"):
-        h_BTD = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"], config.layer_norm_epsilon)
+        h_BTD = normalize(config, x_BTD, p["ln1_scale"], p["ln1_bias"])
     qkv_bias = None if p["qkv_bias"] is None else p["qkv_bias"].reshape(3 * N * H)
     qkv_BTK = _linear("qkv", h_BTD, p["qkv_kernel"], qkv_bias)
     with jax.named_scope("attention"):
@@ -150,10 +165,12 @@ def block(
     x_BTD = x_BTD + dropout(out_BTD, config.dropout, attn_key)
 
     with jax.named_scope("layer_norm"):
-        h_BTD = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"], config.layer_norm_epsilon)
-    h_BTF = _linear("mlp_up", h_BTD, mlp_kernel(p["fc_kernel"]), p["fc_bias"])
+        h_BTD = normalize(config, x_BTD, p["ln2_scale"], p["ln2_bias"])
+    up_BTF = _linear("mlp_up", h_BTD, mlp_kernel(p["fc_kernel"]), p["fc_bias"])
+    gate_BTF = up_BTF if p["gate_kernel"] is None else _linear("mlp_gate", h_BTD, mlp_kernel(p["gate_kernel"]), None)
     with jax.named_scope("activation"):
-        h_BTF = constrain(ACTIVATIONS[config.activation](h_BTF), ("batch", None, "mlp"))
+        h_BTF = ACTIVATIONS[config.activation](gate_BTF)
+        h_BTF = constrain(h_BTF if p["gate_kernel"] is None else h_BTF * up_BTF, ("batch", None, "mlp"))
     h_BTD = _linear("mlp_down", h_BTF, mlp_kernel(p["proj_kernel"]), p["proj_bias"])
     x_BTD = x_BTD + dropout(h_BTD, config.dropout, mlp_key)
     return constrain(x_BTD, ("batch", None, None)), cache
@@ -343,7 +360,7 @@ def transform(
             else:
                 x_BTD, cache = block(config, p, x_BTD, positions_BT, cache, layer, key, mask_BTS)
     with jax.named_scope("layer_norm"):
-        x_BTD = layer_norm(x_BTD, weights.final_scale, weights.final_bias, config.layer_norm_epsilon)
+        x_BTD = normalize(config, x_BTD, weights.final_scale, weights.final_bias)
     return x_BTD, None if cache is None else cache.advance(positions_BT)
 
 
@@ -399,7 +416,7 @@ class GPT(nnx.Module):
         )
         self.blocks = Blocks(config, rngs=rngs)
         self.lnf_scale = _constant(1.0, (D,), ("embed",), dtype)
-        self.lnf_bias = _constant(0.0, (D,), ("embed",), dtype) if config.bias else None
+        self.lnf_bias = _constant(0.0, (D,), ("embed",), dtype) if config.norm_bias else None
         # Untied, the head has its own [V, D] table (output-major, like the embedding it would be tied to).
         self.lm_head = None if config.tied_head else _normal(rngs, (config.vocab_size, D), ("vocab", "embed"), dtype, 0.02)
 

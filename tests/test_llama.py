@@ -1,0 +1,97 @@
+"""Llama-shaped checkpoints (Llama, Qwen2) load at logit parity with `transformers`, and decode its greedy tokens;
+what the loader does not implement is a one-line refusal."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from gpt.errors import ConfigError
+from gpt.generate import generate
+from gpt.inference.sampling import GREEDY
+from gpt.model import gpt2, llama
+
+from hf_reference import hf_logits
+
+SHAPE = dict(vocab_size=300, hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0,
+             eos_token_id=None)
+FAMILIES = {
+    "llama-untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False)),
+    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+}
+
+
+def random_hf_model(tmp_path, family: str, seed: int = 0, **fields):
+    """A transformers model of `family` with random weights (matrices scaled so that greedy paths have no
+    near-ties), saved as a Hugging Face directory: (model, directory)."""
+    config_class, model_class, own = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**SHAPE, **own, **fields})).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)  # norms' scales and Qwen2's biases away from 1 and 0
+            if param.ndim == 2:
+                param.mul_(4.0)
+    directory = tmp_path / family
+    model.save_pretrained(directory, max_shard_size="100KB" if family == "qwen2" else "5GB")  # Qwen2's in shards
+    return model, directory
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(tmp_path, family):
+    hf_model, directory = random_hf_model(tmp_path, family)
+    model = llama.load(directory)
+    assert (directory / "model.safetensors.index.json").is_file() == (family == "qwen2")
+    assert (model.config.tied_head, model.config.qkv_bias) == (hf_model.config.tie_word_embeddings, family == "qwen2")
+    tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (2, 40))
+    np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError, match="GPT-2 format cannot hold this model: .*norm='rmsnorm'.*gated_mlp=True"):
+        gpt2.save(model, tmp_path / "as_gpt2")  # what GPT-2's format cannot hold is refused, not approximated
+
+
+@pytest.mark.parametrize("family", ["llama-untied", "qwen2"])
+def test_greedy_generate_equals_transformers(tmp_path, family):
+    """Our engine's greedy tokens (prefill, then cached decode steps over the decoding layout) are transformers'."""
+    hf_model, directory = random_hf_model(tmp_path, family, seed=1)
+    model = llama.load(directory)
+    prompts = [[5, 17, 250, 3, 9], [42]]
+    for prompt, ours in zip(prompts, generate(model, prompts, 20, sampling=GREEDY)):
+        with torch.no_grad():
+            theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):]
+        assert ours == theirs.tolist()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_key_value_heads", 2, "num_key_value_heads=2 .grouped-query attention. is not supported"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_type='linear' .rotary frequency scaling."),
+    ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}, "rope_type='llama3' .rotary frequency scaling."),
+    ("hidden_act", "gelu", "hidden_act='gelu' .an activation other than SiLU."),
+    ("model_type", "mistral", "model_type 'mistral' is not one of llama, qwen2"),
+])
+def test_what_the_loader_does_not_implement_is_one_line(tmp_path, field, value, message):
+    _, directory = random_hf_model(tmp_path, "llama-tied")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ConfigError, match=message) as error:
+        llama.load(directory)
+    assert "\n" not in str(error.value)
+
+
+def test_over_a_mesh_and_in_int8_it_decodes_as_on_one_device(tmp_path):
+    """The gated MLP's and RMSNorm's weights shard by the table's axes (heads and MLP over tensor) and lay out
+    for int8 decoding as every other matrix: over a mesh the tokens are one device's, in int8 they stay close."""
+    import jax
+
+    from gpt.model.sharding import make_mesh
+
+    _, directory = random_hf_model(tmp_path, "qwen2", seed=2)
+    model = llama.load(directory)
+    prompts = [[5, 17, 250, 3, 9], [42, 7]]
+    want = generate(model, prompts, 16, sampling=GREEDY)
+    assert generate(model, prompts, 16, sampling=GREEDY, mesh=make_mesh(2, 1, 2, devices=jax.devices()[:4])) == want
+    int8 = generate(model, prompts, 16, sampling=GREEDY, quantize="int8")
+    assert sum(a == b for row, theirs in zip(want, int8) for a, b in zip(row, theirs)) >= 0.75 * 32
