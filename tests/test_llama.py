@@ -41,7 +41,8 @@ def random_hf_model(tmp_path, family: str, seed: int = 0, **fields):
     return model, directory
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param("llama-untied", marks=pytest.mark.slow),
+                                    pytest.param("llama-tied", marks=pytest.mark.slow), "qwen2"])  # quick: Qwen2's
 def test_logits_match_transformers(tmp_path, family):
     hf_model, directory = random_hf_model(tmp_path, family)
     model = llama.load(directory)
@@ -53,7 +54,7 @@ def test_logits_match_transformers(tmp_path, family):
         gpt2.save(model, tmp_path / "as_gpt2")  # what GPT-2's format cannot hold is refused, not approximated
 
 
-@pytest.mark.parametrize("family", ["llama-untied", "qwen2"])
+@pytest.mark.parametrize("family", ["llama-untied", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_greedy_generate_equals_transformers(tmp_path, family):
     """Our engine's greedy tokens (prefill, then cached decode steps over the decoding layout) are transformers'."""
     hf_model, directory = random_hf_model(tmp_path, family, seed=1)
@@ -81,6 +82,7 @@ def test_what_the_loader_does_not_implement_is_one_line(tmp_path, field, value, 
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_over_a_mesh_and_in_int8_it_decodes_as_on_one_device(tmp_path):
     """The gated MLP's and RMSNorm's weights shard by the table's axes (heads and MLP over tensor) and lay out
     for int8 decoding as every other matrix: over a mesh the tokens are one device's, in int8 they stay close."""

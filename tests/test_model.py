@@ -99,7 +99,9 @@ def test_bf16_compute_with_float32_params():
         (dict(dtype="float8"), "GPTConfig.dtype must be one of"),
         (dict(rope_theta=float("nan")), "GPTConfig.rope_theta must be positive and finite, got nan"),
         (dict(layer_norm_epsilon=float("inf")), "GPTConfig.layer_norm_epsilon must be positive and finite, got inf"),
-        (dict(activation="swish"), "GPTConfig.activation must be 'gelu' or 'relu2', got 'swish'"),
+        (dict(activation="swish"), "GPTConfig.activation must be 'gelu', 'relu2' or 'silu', got 'swish'"),
+        (dict(norm="batchnorm"), "GPTConfig.norm must be 'layernorm' or 'rmsnorm', got 'batchnorm'"),
+        (dict(mlp_width=0), "GPTConfig.mlp_width must be a positive integer or None, got 0"),
     ],
 )
 def test_invalid_config_names_the_field(fields, message):
