@@ -25,8 +25,8 @@ from typing import NoReturn
 
 from gpt.signals import StopSignals
 
-__all__ = ["UserError", "ConfigError", "MissingInput", "DiskFull", "RunFailed", "write_failed", "cli_main",
-           "exit_on_signals", "check_fits_in_memory", "host_memory_bytes"]
+__all__ = ["UserError", "ConfigError", "MissingInput", "DiskFull", "RunFailed", "causes", "write_failed",
+           "cli_main", "exit_on_signals", "check_fits_in_memory", "host_memory_bytes"]
 
 
 class UserError(Exception):
@@ -58,15 +58,21 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 _FULL_TEXTS = ("No space left on device", "Disk quota exceeded")
 
 
+def causes(error: BaseException) -> list[BaseException]:
+    """`error` and the errors behind it (each one's cause, else its context), outermost first."""
+    chain = []
+    while error is not None and all(error is not seen for seen in chain):
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
 def write_failed(error: BaseException, message: str, otherwise: type[Exception] = RunFailed) -> Exception:
-    """`message` as the error a failed write is: `DiskFull` when `error`, or any error behind it (its causes
-    and contexts), is a full disk or quota; else `otherwise`."""
-    seen, current = set(), error
-    while current is not None and id(current) not in seen:
-        if (isinstance(current, OSError) and current.errno in _FULL) or any(t in str(current) for t in _FULL_TEXTS):
+    """`message` as the error a failed write is: `DiskFull` when `error`, or any error behind it (`causes`), is
+    a full disk or quota; else `otherwise`."""
+    for cause in causes(error):
+        if (isinstance(cause, OSError) and cause.errno in _FULL) or any(t in str(cause) for t in _FULL_TEXTS):
             return DiskFull(message)
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
     return otherwise(message)
 
 

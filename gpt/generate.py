@@ -22,7 +22,7 @@ from gpt.inference.decoder import Decoder
 from gpt.inference.drafters import Drafter
 from gpt.inference.engine import Engine
 from gpt.inference.request import Request, check_prompts, check_stop_tokens, is_int
-from gpt.inference.sampling import Sampling
+from gpt.inference.sampling import Sampling, check_sampling
 from gpt.inference.shapes import bucket, power_of_two, prompt_buckets
 from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS
 from gpt.inference.text_stream import TextStream
@@ -109,9 +109,7 @@ def _checked(config, prompts, max_new_tokens, stop_tokens, max_batch: int, sampl
     """A `generate` call's arguments checked (ConfigError naming the first bad one) before anything is laid out or
     compiled: (the prompts as lists, max_new_tokens as an int, the stop tokens as a list)."""
     prompts = check_prompts(prompts, max_new_tokens, config.vocab_size, config.block_size)
-    if not isinstance(sampling, Sampling):
-        raise ConfigError(f"sampling must be a gpt.inference.sampling.Sampling, got {sampling!r}")
-    sampling.check()
+    check_sampling(sampling)
     stop_tokens = check_stop_tokens(stop_tokens, config.vocab_size)
     if not is_int(max_batch) or max_batch < 1:
         raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from gpt.errors import ConfigError
-from gpt.inference.sampling import TOP_LOGPROBS, Sampling
+from gpt.inference.sampling import TOP_LOGPROBS, Sampling, check_sampling
 
 __all__ = ["Request", "check_request", "check_prompt", "check_prompts", "check_stop_tokens", "is_int"]
 
@@ -114,9 +114,7 @@ def check_request(request: Request, vocab_size: int, cache_length: int, max_stop
         raise ConfigError(
             f"the prompt has {ids.size} tokens; with max_tokens={request.max_tokens} that is "
             f"{ids.size + request.max_tokens}, beyond the context of {cache_length} tokens")
-    if not isinstance(request.sampling, Sampling):
-        raise ConfigError(f"sampling must be a gpt.inference.sampling.Sampling, got {request.sampling!r}")
-    request.sampling.check()
+    check_sampling(request.sampling)
     stops = check_stop_tokens(request.stop_tokens, vocab_size)
     if len(stops) > max_stop_tokens:
         raise ConfigError(f"stop_tokens has {len(stops)} ids; at most {max_stop_tokens} are allowed")

@@ -14,8 +14,8 @@ import numpy as np
 
 from gpt.errors import ConfigError
 
-__all__ = ["Sampling", "GREEDY", "SamplingParams", "penalize_repetition", "filter_logits", "choose", "first_argmax",
-           "TOP_LOGPROBS"]
+__all__ = ["Sampling", "GREEDY", "check_sampling", "SamplingParams", "penalize_repetition", "filter_logits",
+           "choose", "first_argmax", "TOP_LOGPROBS"]
 
 TOP_LOGPROBS = 5  # J: the most alternatives a request may ask logprobs for (the OpenAI API's own bound)
 
@@ -62,6 +62,13 @@ class Sampling:
 GREEDY = Sampling(temperature=0.0)
 
 
+def check_sampling(sampling) -> Sampling:
+    """`sampling` checked (`Sampling.check`); ConfigError when it is not a Sampling at all."""
+    if not isinstance(sampling, Sampling):
+        raise ConfigError(f"sampling must be a gpt.inference.sampling.Sampling, got {sampling!r}")
+    return sampling.check()
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -79,7 +86,7 @@ class SamplingParams:
     def of(cls, sampling: Sampling) -> SamplingParams:
         """`sampling`, checked, as host (numpy) scalars: an engine stacks them into per-row arrays without a
         device round trip."""
-        s = sampling.check()
+        s = check_sampling(sampling)
         # A top-k past int32 keeps every token, as any k >= the vocabulary does; a top-p that float32
         # rounds to 0 keeps the most likely token only, as any p below its probability does.
         return cls(

@@ -29,7 +29,7 @@ from safetensors.numpy import load_file, save_file
 from gpt.errors import ConfigError, MissingInput, write_failed
 from gpt.model.config import GPTConfig
 from gpt.model.parameters import block_weights
-from gpt.model.transformer import GPT
+from gpt.model.transformer import GPT, parameter
 from gpt.tokenizer import hf_tokenizer_files
 
 __all__ = ["load", "save", "config_from_hf", "resolve"]
@@ -237,13 +237,6 @@ def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
 
 # ----------------------------------------------------------------------------------------------- load / save
 
-def _param(model: GPT, path: str) -> nnx.Param | None:
-    target = model
-    for part in path.split("."):
-        target = getattr(target, part)
-    return target
-
-
 def read_config(source: str | os.PathLike, **overrides) -> GPTConfig:
     """The GPTConfig of a checkpoint directory or cached hub name, from its config.json alone."""
     config_path = resolve(source) / "config.json"
@@ -285,7 +278,7 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
             if array.shape != expected:
                 raise ConfigError(f"{directory}: tensor {name!r} has shape {array.shape}, expected {expected}")
             arrays.append(array)
-        param = _param(model, path)
+        param = parameter(model, path)
         value = (np.stack(arrays) if per_layer else arrays[0]).reshape(param.shape)
         param.set_value(jnp.asarray(np.asarray(value, np.float32), dtype=config.storage_dtype))  # no copy of float32 data
     if tensors:
@@ -337,7 +330,7 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
     _check_export_destination(out_dir)
     tensors = {}
     for path, hf_name, per_layer, shape in _table(config):
-        value = np.asarray(_param(model, path)[...], dtype=np.float32)
+        value = np.asarray(parameter(model, path)[...], dtype=np.float32)
         if per_layer:
             for i in range(config.n_layer):
                 tensors[f"transformer.{hf_name.format(i)}"] = np.ascontiguousarray(value[i].reshape(shape))
@@ -369,7 +362,8 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
                 retired.rename(out_dir)  # the previous export, back where it was
             raise
     except (OSError, SafetensorError) as e:  # a full disk, say (safetensors' own error): out_dir is as it was
-        raise write_failed(e, f"writing the export to {str(out_dir)!r} failed, and nothing there changed: {e}") from None
+        raise write_failed(e, f"writing the export to {str(out_dir)!r} failed, and nothing there changed: {e}"
+                           ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(retired, ignore_errors=True)

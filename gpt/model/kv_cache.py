@@ -65,7 +65,8 @@ class KVCache:
         sizes = [min(page_length, length - start) for start in range(0, length, page_length)]
 
         def pages():
-            return tuple(jnp.zeros((batch * config.n_head, size, config.head_dim), config.compute_dtype) for size in sizes)
+            shape = lambda size: (batch * config.n_head, size, config.head_dim)  # noqa: E731
+            return tuple(jnp.zeros(shape(size), config.compute_dtype) for size in sizes)
 
         return cls(k=tuple(pages() for _ in range(config.n_layer)), v=tuple(pages() for _ in range(config.n_layer)),
                    lengths=jnp.zeros((batch,), jnp.int32)).laid_out()

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 from gpt.errors import ConfigError, MissingInput
 from gpt.model.config import GPTConfig
 from gpt.model.parameters import block_weights
-from gpt.model.transformer import GPT
+from gpt.model.transformer import GPT, parameter
 
 __all__ = ["FAMILIES", "config_from_hf", "load"]
 
@@ -131,9 +131,7 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
 
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     for path, value in values.items():
-        param = model
-        for part in path.split("."):
-            param = getattr(param, part)
+        param = parameter(model, path)
         if value.shape != param.shape:
             raise ConfigError(f"{directory}: {path} has shape {value.shape}, expected {param.shape}")
         param.set_value(jnp.asarray(value, dtype=config.storage_dtype))

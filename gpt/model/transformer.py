@@ -33,7 +33,7 @@ from gpt.model.parameters import BLOCK_WEIGHTS
 from gpt.model.sharding import constrain
 
 __all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_norm",
-           "normalize", "rms_normalize", "in_compute_dtype", "num_params", "flops_per_token"]
+           "normalize", "rms_normalize", "in_compute_dtype", "parameter", "num_params", "flops_per_token"]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -483,6 +483,14 @@ class GPT(nnx.Module):
             if low < 0 or high >= self.config.vocab_size:
                 raise ConfigError(f"token id {low if low < 0 else high} is outside the vocabulary "
                                   f"[0, {self.config.vocab_size})")
+
+
+def parameter(model: GPT, path: str) -> nnx.Param | None:
+    """The parameter at a dotted path of `model` ("wte", "blocks.fc_kernel"); None where the model has none."""
+    target = model
+    for part in path.split("."):
+        target = getattr(target, part)
+    return target
 
 
 def num_params(config: GPTConfig) -> int:

@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from gpt.errors import ConfigError, MissingInput, write_failed
+from gpt.errors import ConfigError, MissingInput, causes, write_failed
 from gpt.model.config import GPTConfig, check_dtype
 from gpt.model.sharding import abstract, replicated
 from gpt.model.transformer import GPT
@@ -107,14 +107,8 @@ def _first_mismatch(want: dict, got: dict) -> str | None:
 # ------------------------------------------------------------------------------------------ the manager
 
 def _os_error(error: BaseException) -> BaseException:
-    """The OSError behind `error` (through its causes and contexts), or `error` itself."""
-    seen, current = set(), error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, OSError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return error
+    """The OSError behind `error` (`causes`), or `error` itself."""
+    return next((cause for cause in causes(error) if isinstance(cause, OSError)), error)
 
 
 class CheckpointManager:

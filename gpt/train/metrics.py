@@ -56,8 +56,9 @@ class MetricsWriter:
                 if key != "step" and value is not None:
                     self.tensorboard.add_scalar(key, value, record["step"])
         except OSError as e:  # a full disk: one line, where a traceback had ended the run
-            raise write_failed(e, f"writing step {record.get('step')}'s metrics to {self.path} failed ({e}); the "
-                                  f"run stopped, its saved checkpoints intact: make room, then rerun to resume") from None
+            message = (f"writing step {record.get('step')}'s metrics to {self.path} failed ({e}); the run stopped, "
+                       f"its saved checkpoints intact: make room, then rerun to resume")
+            raise write_failed(e, message) from None
 
     def close(self) -> None:
         if self.enabled:
