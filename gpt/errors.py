@@ -67,6 +67,13 @@ def causes(error: BaseException) -> list[BaseException]:
     return chain
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """`error`'s text as one line for a one-line message: its first non-blank line, at most `limit` characters;
+    its type's name where it has no text."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:limit] if lines else type(error).__name__
+
+
 def write_failed(error: BaseException, message: str, otherwise: type[Exception] = RunFailed) -> Exception:
     """`message` as the error a failed write is: `DiskFull` when `error`, or any error behind it (`causes`), is
     a full disk or quota; else `otherwise`."""

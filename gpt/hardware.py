@@ -15,7 +15,7 @@ import re
 
 import jax
 
-from gpt.errors import ConfigError, host_memory_bytes
+from gpt.errors import ConfigError, first_line, host_memory_bytes
 
 __all__ = ["Chip", "CHIPS", "chip_of", "Topology", "TOPOLOGY_FAMILIES", "parse_topology", "topology_help",
            "CompileOnlyChoice", "device_memory_bytes"]
@@ -116,7 +116,7 @@ class Topology:
         except (ImportError, RuntimeError, jax.errors.JaxRuntimeError) as error:
             if isinstance(error, ImportError) or "tpu" in str(error).lower():
                 raise ConfigError(f"compiling for {self.name} needs TPU's compiler, libtpu: pip install -e '.[tpu]' "
-                                  f"({str(error).splitlines()[0][:200]})") from None
+                                  f"({first_line(error, 200)})") from None
             raise
         return list(description.devices)
 

@@ -17,7 +17,7 @@ import re
 import jax
 import numpy as np
 
-from gpt.errors import ConfigError
+from gpt.errors import ConfigError, first_line
 from gpt.hardware import Chip, chip_of, device_memory_bytes
 
 __all__ = ["ProgramReport", "collective_bytes", "sharded_bytes", "compile_within_memory", "check_compiled_fits"]
@@ -47,7 +47,7 @@ def compile_within_memory(lowered: jax.stages.Lowered, what: str, device_kind: s
             raise
         chip = chip_of(device_kind)
         memory = f"'s {chip.memory_bytes / 2**30:,.2f} GiB" if chip else ""
-        said = str(error).strip().splitlines()[0].strip()[:300]
+        said = first_line(error)
         raise ConfigError(f"{setting}: the {what} does not fit the {device_kind}{memory} (the compiler: {said}); "
                           f"{advice}") from None
 

@@ -102,6 +102,8 @@ def test_bf16_compute_with_float32_params():
         (dict(activation="swish"), "GPTConfig.activation must be 'gelu', 'relu2' or 'silu', got 'swish'"),
         (dict(norm="batchnorm"), "GPTConfig.norm must be 'layernorm' or 'rmsnorm', got 'batchnorm'"),
         (dict(mlp_width=0), "GPTConfig.mlp_width must be a positive integer or None, got 0"),
+        (dict(gated_mlp=[False]), "GPTConfig.gated_mlp must be true or false, got [False]"),  # a truthy list had
+        (dict(bias="false"), "GPTConfig.bias must be true or false, got 'false'"),  # built another model's shape
     ],
 )
 def test_invalid_config_names_the_field(fields, message):

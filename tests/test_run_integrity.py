@@ -638,6 +638,13 @@ def test_a_failed_first_save_says_none_was_kept_and_removes_its_partial_director
         manager.close()
 
 
+def test_an_errors_first_line_is_its_first_nonblank_line_or_its_type():
+    from gpt.errors import first_line
+
+    assert first_line(ValueError("\n  tree structures do not match:\n  - Source: ...")) == "tree structures do not match:"
+    assert first_line(KeyError(), limit=5) == "KeyError" and first_line(OSError("x" * 9), limit=5) == "xxxxx"
+
+
 def test_a_full_disk_while_metrics_are_written_is_one_line(tmp_path):
     from gpt.train.metrics import MetricsWriter
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt.errors import ConfigError, MissingInput
+from gpt.errors import ConfigError, MissingInput, first_line
 
 __all__ = ["ShardHasher", "read_meta", "check_meta", "check_fields", "is_json_type", "verify_shards", "shards_digest",
            "SHARD_NAME", "SHARD_SUM_FIELDS"]
@@ -122,7 +122,7 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
         meta = json.loads(path.read_text())
         check_meta(meta)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        reason = str(e).splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise ConfigError(f"{path} is not a prepared corpus's record ({reason}); {_again(data_dir)}") from None
     return meta
 

@@ -87,6 +87,9 @@ class GPTConfig:
     scan_layers: bool = False
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if field.type in ("bool", bool) and not isinstance(getattr(self, field.name), bool):
+                raise ConfigError(f"GPTConfig.{field.name} must be true or false, got {getattr(self, field.name)!r}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from gpt.errors import ConfigError, MissingInput, causes, write_failed
+from gpt.errors import ConfigError, MissingInput, causes, first_line, write_failed
 from gpt.model.config import GPTConfig, check_dtype
 from gpt.model.sharding import abstract, replicated
 from gpt.model.transformer import GPT
@@ -224,14 +224,14 @@ class CheckpointManager:
                 restored, metadata = self._restore_verified(step, trees, shardings)
                 problem = None
             except Exception as error:  # a corrupt step fails in many ways; none of them may stop a resume
-                problem = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+                problem = f"{type(error).__name__}: {first_line(error)}"
             if jax.process_count() > 1:  # every process must take the same step
                 failed = multihost_utils.process_allgather(np.int32(problem is not None))
                 problem = problem or ("unreadable on another process" if failed.any() else None)
             if problem is None:
                 return step, restored, metadata
             moved = self._move_aside(step)
-            log(f"checkpoint step {step} is corrupt ({problem[:300]}); moved it to {moved}; trying the previous one")
+            log(f"checkpoint step {step} is corrupt ({problem}); moved it to {moved}; trying the previous one")
         return None
 
     def _move_aside(self, step: int) -> Path:
@@ -276,7 +276,7 @@ def load_model(out_dir: str | os.PathLike, step: int | None = None, dtype: str |
                 restored, _ = manager._restore_verified(
                     candidate, {"params": abstract}, {"params": jax.tree.map(lambda _: sharding, abstract)})
             except Exception as error:  # corrupt: say so, try an older step
-                problems.append(f"step {candidate}: {type(error).__name__}: {str(error).strip()[:200]}")
+                problems.append(f"step {candidate}: {type(error).__name__}: {first_line(error, 200)}")
                 continue
             for problem in problems:
                 print(f"warning: skipped corrupt checkpoint {problem}", flush=True)

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from gpt.errors import RunFailed
+from gpt.errors import RunFailed, first_line
 
 __all__ = ["PeerWatch", "PeerLost", "is_collective_failure", "root_cause", "wait_for_all", "agree_on_signal"]
 
@@ -120,7 +120,7 @@ class PeerWatch:
         except Exception as error:
             if jax.process_count() > 1 and is_collective_failure(error):
                 raise PeerLost(f"{self.silent_peers()} died (a collective failed: "
-                               f"{str(root_cause(error)).strip().splitlines()[0][:200]}); process "
+                               f"{first_line(root_cause(error), 200)}); process "
                                f"{jax.process_index()} stops too; {self.describe_restart()}") from error
             raise
 
@@ -154,7 +154,7 @@ def wait_for_all(name: str, timeout_s: float, message: str) -> None:
     try:
         global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
     except Exception as error:
-        raise RunFailed(f"{message} ({str(error).strip().splitlines()[0][:200]})") from error
+        raise RunFailed(f"{message} ({first_line(error, 200)})") from error
 
 
 def agree_on_signal(received: int | None) -> int | None:
