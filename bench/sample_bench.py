@@ -85,7 +85,8 @@ def bytes_a_step(decoder: Decoder, batch: int, mean_length: float) -> float:
     each row's keys and values over `mean_length` positions in the cache's dtype."""
     weights = {id(leaf): leaf.nbytes for leaf in jax.tree.leaves(decoder.weights)}
     config = decoder.config
-    cache = 2 * config.n_layer * batch * mean_length * config.n_embd * config.compute_dtype.itemsize
+    width = config.kv_heads * config.head_dim  # a position's keys (or values) in one layer
+    cache = 2 * config.n_layer * batch * mean_length * width * config.compute_dtype.itemsize
     return sum(weights.values()) + cache
 
 

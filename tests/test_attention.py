@@ -35,14 +35,15 @@ def _pages(x, page_length):
 
 @pytest.mark.parametrize("page_length", [320, 128, 48, 13])
 @pytest.mark.parametrize("furthest", [39, 150, 319])
-def test_paged_decode_attention_equals_masked_attention(path, page_length, furthest):
+@pytest.mark.parametrize("K", [3, 1])  # key heads: one per query head, one for all three
+def test_paged_decode_attention_equals_masked_attention(path, page_length, furthest, K):
     # attend_paged reads page 0 and every page that the furthest row has reached (one page: the whole
     # cache under the mask; 13: 25 pages, the last 8 slots long); either way it must equal plain attention
     # under the mask "slots 0..position", whatever the cache holds beyond each row's position.
     rng = np.random.default_rng(0)
     B, N, S, H = 4, 3, 320, 8
     q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
-    k, v = (jnp.asarray(rng.normal(size=(B * N, S, H)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.normal(size=(B * K, S, H)), jnp.float32) for _ in range(2))
     positions = jnp.asarray([[0], [17], [furthest], [31]], jnp.int32)
     mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
     got = traced_afresh(attend_paged)(q, _pages(k, page_length), _pages(v, page_length), positions)
@@ -50,16 +51,18 @@ def test_paged_decode_attention_equals_masked_attention(path, page_length, furth
 
 
 @pytest.mark.parametrize("H", [1, 20, 64, MAX_KERNEL_HEAD_DIM])
-def test_a_view_of_some_rows_is_the_float64_attention(path, H):
-    # A view (an engine's decode over some of its slots): query row m reads cache row rows[m], each of
-    # its slots 0..position, every head size the kernel takes (a last vector of 1..16 lanes).
+@pytest.mark.parametrize("N, K", [(2, 2), (4, 1), (6, 2)])  # query heads, key heads
+def test_a_view_of_some_rows_is_the_float64_attention(path, H, N, K):
+    # A view (an engine's decode over some of its slots): query row b's head n reads cache row
+    # rows[b] * K + n // (N / K), each of its slots 0..position, every head size the kernel takes (a last vector
+    # of 1..16 lanes).
     rng = np.random.default_rng(H)
-    B, N, R, S = 3, 2, 5, 100
+    B, R, S = 3, 5, 100
     q = rng.normal(size=(B, 1, N, H))
-    k, v = (rng.normal(size=(R * N, S, H)) for _ in range(2))
+    k, v = (rng.normal(size=(R * K, S, H)) for _ in range(2))
     positions = np.asarray([[99], [0], [57]])
     rows = np.asarray([4, 0, 2])
-    rows_M = (rows[:, None] * N + np.arange(N)).reshape(-1)
+    rows_M = (rows[:, None] * K + np.arange(K)).reshape(-1)
     as32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     got = traced_afresh(attend_paged)(as32(q), _pages(as32(k), 32), _pages(as32(v), 32), jnp.asarray(positions, jnp.int32),
                                 jnp.asarray(rows_M, jnp.int32))
@@ -67,9 +70,10 @@ def test_a_view_of_some_rows_is_the_float64_attention(path, H):
     for b in range(B):
         for n in range(N):
             seen = positions[b, 0] + 1
-            scores = k[rows_M[b * N + n], :seen] @ q[b, 0, n] / np.sqrt(H)
+            row = rows[b] * K + n // (N // K)
+            scores = k[row, :seen] @ q[b, 0, n] / np.sqrt(H)
             weights = np.exp(scores - scores.max())
-            want[b, 0, n] = weights @ v[rows_M[b * N + n], :seen] / weights.sum()
+            want[b, 0, n] = weights @ v[row, :seen] / weights.sum()
     # float32 scores of H products and a softmax over <= 100 slots: each within ~1e-6 of the float64 one
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6 * np.sqrt(H), rtol=0)
 

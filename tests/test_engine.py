@@ -133,8 +133,8 @@ def test_chunked_prompts_sharing_a_prefill_over_a_mesh_give_what_each_gives_alon
 def test_a_decode_over_some_slots_equals_one_over_all():
     """`decode` over rows [3, 0, 1] of 4 slots (slot 0 cancelled: a padding row) gives slots 1 and 3 the
     tokens, logprobs and cache that a decode over all 4 gives them, and leaves slot 2 untouched, over a
-    cache of 3 pages that the rows have crossed into."""
-    model = GPT(GPTConfig.preset("tiny", block_size=320), rngs=nnx.Rngs(1))
+    cache of 3 pages that the rows have crossed into, each row's 2 key heads serving its 4 query heads."""
+    model = GPT(GPTConfig.preset("tiny", block_size=320, n_kv_head=2), rngs=nnx.Rngs(1))
     nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, nnx.state(model, nnx.Param)))
     config, weights = model.config, Decoder.of(model).weights
     lengths = [150, 5, 200, 131]
@@ -157,7 +157,7 @@ def test_a_decode_over_some_slots_equals_one_over_all():
     assert jnp.allclose(some_out.logprob[:, [1, 3]], full_out.logprob[:, [1, 3]], atol=1e-5)
     assert (some.cache.lengths == full.cache.lengths).all() and list(some.cache.lengths) == [150, 10, 200, 136]
     assert (some.last_token == full.last_token).all() and (some.seen == full.seen).all()
-    N = config.n_head
+    N = config.kv_heads  # a slot's rows in the cache
     for layer in range(config.n_layer):
         for new, old, want in zip(some.cache.k[layer] + some.cache.v[layer], slots.cache.k[layer] + slots.cache.v[layer],
                                   full.cache.k[layer] + full.cache.v[layer]):

@@ -30,3 +30,11 @@ def test_paged_cache_writes_and_inserts_like_one_buffer(page_length):
     assert [page.shape[1] for page in cache.pages(1)[0]] == (
         [S] if page_length is None else [page_length] * (S // page_length) + [S % page_length] * (S % page_length > 0))
     np.testing.assert_array_equal(np.asarray(cache.lengths), [4, 0, 7])
+
+
+def test_a_cache_holds_the_key_heads_alone():
+    # Grouped-query attention's memory win: 4 query heads over 1 key head, a quarter of the cache.
+    config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_kv_head=1, n_embd=16)
+    cache = KVCache.init(config, 3, 20, page_length=8)
+    assert [page.shape for page in cache.k[1]] == [(3, 8, 4), (3, 8, 4), (3, 4, 4)]
+    assert sum(page.nbytes for layer in (*cache.k, *cache.v) for page in layer) == 2 * 2 * 3 * 20 * 1 * 4 * 4

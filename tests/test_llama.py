@@ -16,12 +16,14 @@ from gpt.model import gpt2, llama
 from hf_reference import hf_logits
 
 SHAPE = dict(vocab_size=300, hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0,
-             eos_token_id=None)
-FAMILIES = {
-    "llama-untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False)),
-    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+             max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0, eos_token_id=None)
+FAMILIES = {  # between them: a key head per query head, one for all (multi-query), and one per two
+    "llama-untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                     dict(tie_word_embeddings=False, num_key_value_heads=1)),
+    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                   dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(tie_word_embeddings=True, num_key_value_heads=2)),
 }
 
 
@@ -48,6 +50,7 @@ def test_logits_match_transformers(tmp_path, family):
     model = llama.load(directory)
     assert (directory / "model.safetensors.index.json").is_file() == (family == "qwen2")
     assert (model.config.tied_head, model.config.qkv_bias) == (hf_model.config.tie_word_embeddings, family == "qwen2")
+    assert model.config.kv_heads == hf_model.config.num_key_value_heads
     tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (2, 40))
     np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
     with pytest.raises(ConfigError, match="GPT-2 format cannot hold this model: .*norm='rmsnorm'.*gated_mlp=True"):
@@ -67,7 +70,6 @@ def test_greedy_generate_equals_transformers(tmp_path, family):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("num_key_value_heads", 2, "num_key_value_heads=2 .grouped-query attention. is not supported"),
     ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_type='linear' .rotary frequency scaling."),
     ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}, "rope_type='llama3' .rotary frequency scaling."),
     ("hidden_act", "gelu", "hidden_act='gelu' .an activation other than SiLU."),
@@ -83,17 +85,25 @@ def test_what_the_loader_does_not_implement_is_one_line(tmp_path, field, value, 
 
 
 @pytest.mark.slow
-def test_over_a_mesh_and_in_int8_it_decodes_as_on_one_device(tmp_path):
-    """The gated MLP's and RMSNorm's weights shard by the table's axes (heads and MLP over tensor) and lay out
-    for int8 decoding as every other matrix: over a mesh the tokens are one device's, in int8 they stay close."""
+@pytest.mark.parametrize("family", ["qwen2", "llama-untied"])  # key heads: 2 over tensor=2; 1, fewer than tensor
+def test_over_a_mesh_and_in_int8_it_decodes_as_on_one_device(tmp_path, family):
+    """The gated MLP's, RMSNorm's and grouped key heads' weights shard by the table's axes (heads and MLP over
+    tensor; key heads too where tensor divides them, else replicated) and lay out for int8 decoding as every
+    other matrix: over a mesh the tokens are one device's; in int8 the logits stay within int8's rounding (a
+    matrix laid out wrong is off by the logits' own size). Greedy tokens are no measure of int8 here: these
+    random models' top two logits are often closer than its rounding."""
     import jax
 
+    from gpt.inference.decoder import decoding_weights
     from gpt.model.sharding import make_mesh
+    from gpt.model.transformer import forward
 
-    _, directory = random_hf_model(tmp_path, "qwen2", seed=2)
+    _, directory = random_hf_model(tmp_path, family, seed=2)
     model = llama.load(directory)
     prompts = [[5, 17, 250, 3, 9], [42, 7]]
     want = generate(model, prompts, 16, sampling=GREEDY)
     assert generate(model, prompts, 16, sampling=GREEDY, mesh=make_mesh(2, 1, 2, devices=jax.devices()[:4])) == want
-    int8 = generate(model, prompts, 16, sampling=GREEDY, quantize="int8")
-    assert sum(a == b for row, theirs in zip(want, int8) for a, b in zip(row, theirs)) >= 0.75 * 32
+    tokens = np.asarray([prompts[0] + want[0]])
+    logits = np.asarray(forward(model.config, model.weights(), tokens)[0])
+    int8 = np.asarray(forward(model.config, decoding_weights(model, "int8"), tokens)[0])
+    assert np.abs(int8 - logits).max() < 0.1 * np.abs(logits).max()  # 0.058 measured, with 1, 2 or 4 key heads

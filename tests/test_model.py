@@ -159,7 +159,8 @@ def test_presets_have_openai_shapes():
 
 def plain_forward(config: GPTConfig, p: dict, tokens: np.ndarray) -> np.ndarray:
     """The logits of a model with rotary positions, relu(x)^2, an untied head, no biases and optionally
-    QK-norm, in float64 numpy, one operation at a time: the reference for those pieces."""
+    QK-norm and fewer key heads than query heads, in float64 numpy, one operation at a time: the reference for
+    those pieces."""
     def norm(x, scale=None):
         x = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + config.layer_norm_epsilon)
         return x * scale
@@ -178,7 +179,10 @@ def plain_forward(config: GPTConfig, p: dict, tokens: np.ndarray) -> np.ndarray:
     x = p["wte"][tokens]
     for layer in range(config.n_layer):
         h = norm(x, blocks["ln1_scale"][layer])
-        q, k, v = (np.einsum("td,dnh->tnh", h, blocks["qkv_kernel"][layer][:, i]) for i in range(3))
+        q = np.einsum("td,dnh->tnh", h, blocks["q_kernel"][layer])
+        # Each key head serves n_head / kv_heads consecutive query heads (Llama's repeat_kv).
+        k, v = (np.repeat(np.einsum("td,dkh->tkh", h, blocks["kv_kernel"][layer][:, i]),
+                          config.n_head // config.kv_heads, axis=1) for i in range(2))
         if config.qk_norm:
             q, k = rms(q), rms(k)
         q, k = rotate(q), rotate(k)
@@ -192,10 +196,10 @@ def plain_forward(config: GPTConfig, p: dict, tokens: np.ndarray) -> np.ndarray:
     return norm(x, p["lnf_scale"]) @ p["lm_head"].T
 
 
-@pytest.mark.parametrize("qk_norm", [True, False])
-def test_the_modern_pieces_equal_a_plain_implementation(qk_norm):
+@pytest.mark.parametrize("qk_norm, n_kv_head", [(True, None), (False, None), (True, 2), (False, 1)])
+def test_the_modern_pieces_equal_a_plain_implementation(qk_norm, n_kv_head):
     config = GPTConfig.preset("tiny", position="rope", qk_norm=qk_norm, activation="relu2", tied_head=False,
-                              bias=False)
+                              bias=False, n_kv_head=n_kv_head)
     model = GPT(config, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model))
     # Scaled up, so that attention is far from uniform and QK-norm changes it.

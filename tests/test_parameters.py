@@ -44,13 +44,17 @@ def test_every_preset_builds_the_tables_weights_and_every_consumer_agrees(config
         param = built[w.name]
         assert param.shape == (config.n_layer, *w.dims(config)) and len(w.axes) == len(w.shape)
         assert param.get_metadata()["axes"] == ("layers", *w.axes)
-    # GPT-2's checkpoint names (for a model GPT-2's format holds): one per block weight the model has, each once,
-    # each shaped as its letters say.
+    # GPT-2's checkpoint names (for a model GPT-2's format holds): each block weight in the tensor of its name, as
+    # its block of columns; a tensor's blocks fill it.
     if all(w.hf for w in declared):
-        hf = [(name, shape) for path, name, per_layer, shape in gpt2._table(config) if per_layer]
-        assert [name for name, _ in hf] == [w.hf for w in declared] and len(set(hf)) == len(hf)
-        for (_, shape), w in zip(hf, declared):
-            assert math.prod(shape) == math.prod(w.dims(config)) and (len(shape) == 2) == bool(w.inputs)
+        hf = [(name, shape, parts) for name, per_layer, shape, parts in gpt2._table(config) if per_layer]
+        assert [path for *_, parts in hf for path, _ in parts] == [f"blocks.{w.name}" for w in declared]
+        assert [name for name, *_ in hf] == list(dict.fromkeys(w.hf for w in declared))
+        for name, shape, parts in hf:
+            weights = [w for w in declared if w.hf == name]
+            assert sum(width for _, width in parts) == shape[-1]
+            assert math.prod(shape) == sum(math.prod(w.dims(config)) for w in weights)
+            assert all((len(shape) == 2) == bool(w.inputs) for w in weights)
     # Muon: the layer axis, the separate matrices, the inputs and the outputs are all of a kernel's axes, once.
     axes = muon_axes({name: jax.ShapeDtypeStruct(param.shape, param.dtype) for name, param in built.items()})
     for name, w in ((name, w) for name, w in KERNELS.items() if w.exists(config)):

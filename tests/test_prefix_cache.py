@@ -59,7 +59,7 @@ def test_a_full_index_lets_the_least_recently_used_blocks_go():
 
 @pytest.fixture(scope="module")
 def model():
-    model = GPT(GPTConfig.preset("tiny", block_size=128), rngs=nnx.Rngs(0))
+    model = GPT(GPTConfig.preset("tiny", block_size=128, n_kv_head=2), rngs=nnx.Rngs(0))  # blocks of 2 key heads
     nnx.update(model, jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, nnx.state(model, nnx.Param)))
     return model
 

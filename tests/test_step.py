@@ -21,7 +21,7 @@ from gpt.train.step import init_train_state, make_train_step
 from jaxprs import walk
 
 L, D, N, H, F, V = 2, 8, 2, 4, 12, 10
-SHAPES = {"qkv_kernel": (L, D, 3, N, H), "out_kernel": (L, N, H, D), "fc_kernel": (L, D, F),
+SHAPES = {"q_kernel": (L, D, N, H), "kv_kernel": (L, D, 2, N, H), "out_kernel": (L, N, H, D), "fc_kernel": (L, D, F),
           "proj_kernel": (L, F, D), "ln1_scale": (L, D)}
 MUON = OptimizerConfig(optimizer="muon", lr=1e-2, muon_lr=0.05, warmup_steps=0, max_steps=10, schedule="wsd",
                        decay_fraction=0.2, grad_clip=0.0, weight_decay=0.1)
@@ -29,9 +29,11 @@ MUON = OptimizerConfig(optimizer="muon", lr=1e-2, muon_lr=0.05, warmup_steps=0, 
 
 def as_matrices(name: str, a: np.ndarray) -> list[np.ndarray]:
     """The separate [inputs, outputs] matrices Muon orthogonalizes in a stacked kernel: one per layer
-    (and per q, k, v)."""
-    if name == "qkv_kernel":
-        return [a[layer, :, part].reshape(D, N * H) for layer in range(L) for part in range(3)]
+    (and per k and v)."""
+    if name == "q_kernel":
+        return [a[layer].reshape(D, N * H) for layer in range(L)]
+    if name == "kv_kernel":
+        return [a[layer, :, part].reshape(D, N * H) for layer in range(L) for part in range(2)]
     if name == "out_kernel":
         return [a[layer].reshape(N * H, D) for layer in range(L)]
     return [a[layer] for layer in range(L)]
@@ -59,11 +61,11 @@ def updates_of(optimizer, params, grads) -> list:
 def test_muon_updates_each_matrix_as_optax_muon_does_and_adamw_the_rest():
     params, grads = params_and_grads(0)
     ours = updates_of(make_optimizer(MUON)[0], params, grads)
-    assert muon_or_adamw(params) == {"wte": "adamw", "blocks": {"qkv_kernel": "muon", "out_kernel": "muon",
+    assert muon_or_adamw(params) == {"wte": "adamw", "blocks": {"q_kernel": "muon", "kv_kernel": "muon", "out_kernel": "muon",
                                                                 "fc_kernel": "muon", "proj_kernel": "muon",
                                                                 "ln1_scale": "adamw"}}
     reference_muon = optax.contrib.muon(MUON.muon_lr, beta=MUON.muon_momentum, weight_decay=MUON.weight_decay)
-    for name in ("qkv_kernel", "out_kernel", "fc_kernel", "proj_kernel"):
+    for name in ("q_kernel", "kv_kernel", "out_kernel", "fc_kernel", "proj_kernel"):
         matrices = zip(*(as_matrices(name, g["blocks"][name]) for g in grads))
         for index, (matrix, (grad0, grad1)) in enumerate(zip(as_matrices(name, params["blocks"][name]), matrices)):
             want = updates_of(reference_muon, matrix, [grad0, grad1])

@@ -111,7 +111,7 @@ def test_the_roofline_counts_six_flops_per_matmul_weight_and_token():
     config = GPTConfig.preset("small", n_layer=3, n_head=4, n_embd=64, block_size=128, vocab_size=1000)
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     blocks = model.blocks
-    weights = sum(np.prod(getattr(blocks, name).shape) for name in ("qkv_kernel", "out_kernel", "fc_kernel",
+    weights = sum(np.prod(getattr(blocks, name).shape) for name in ("q_kernel", "kv_kernel", "out_kernel", "fc_kernel",
                                                                     "proj_kernel")) + np.prod(model.wte.shape)
     work = step_profile.roofline(config, micro_batch=4, block_size=128, accumulation=3)
     gemm_flops = sum(flops for name, (flops, _) in work.items() if name.split()[0] in step_profile.GEMM_ROLES)

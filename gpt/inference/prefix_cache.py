@@ -34,7 +34,8 @@ class PrefixCacheBlocks:
     prompt that begins with the same tokens (a multiple-choice item's choices, one context each) runs
     only the rest. Which block holds what is the host's business (`gpt.inference.prefix_cache_index`).
 
-    k, v: per layer, [blocks * N, PREFIX_BLOCK, H] in the compute dtype: block i is rows i*N .. i*N+N-1.
+    k, v: per layer, [blocks * K, PREFIX_BLOCK, H] in the compute dtype (K key heads): block i is rows
+    i*K .. i*K+K-1.
     """
 
     k: tuple[jax.Array, ...]
@@ -44,7 +45,7 @@ class PrefixCacheBlocks:
 def init_prefix_cache(config: GPTConfig, blocks: int) -> PrefixCacheBlocks:
     """An empty prefix cache of `blocks` blocks."""
     def layers():
-        return tuple(jnp.zeros((blocks * config.n_head, PREFIX_BLOCK, config.head_dim), config.compute_dtype)
+        return tuple(jnp.zeros((blocks * config.kv_heads, PREFIX_BLOCK, config.head_dim), config.compute_dtype)
                      for _ in range(config.n_layer))
     return PrefixCacheBlocks(k=layers(), v=layers())
 
@@ -52,7 +53,7 @@ def init_prefix_cache(config: GPTConfig, blocks: int) -> PrefixCacheBlocks:
 def save_blocks(cached: PrefixCacheBlocks, prefix: Prefix, starts_M: jax.Array, ids_M: jax.Array) -> PrefixCacheBlocks:
     """The prefix cache with blocks of row 0 of `prefix` (a one-row Prefix of one page) copied in: the block at
     position starts_M[m] into cache block ids_M[m] (int32 [M]; an id past the cache's end is skipped)."""
-    heads = prefix.cache.k[0][0].shape[0]  # one row: its N heads
+    heads = prefix.cache.k[0][0].shape[0]  # one row: its K key heads
     rows_MN = (ids_M[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
 
     def put(cached_layer, page_NCH):
@@ -69,7 +70,7 @@ def load_prefix(config: GPTConfig, cached: PrefixCacheBlocks, ids_M: jax.Array, 
     from prefix cache blocks ids_M (int32 [ceil(C / PREFIX_BLOCK)], block m for positions 16m..16m+15; ids of
     blocks past `length` may be anything in the cache). tokens_C: int32 [C], the prompt (its first `length`
     tokens are what the prefix has seen)."""
-    C, heads = tokens_C.shape[0], config.n_head
+    C, heads = tokens_C.shape[0], config.kv_heads
     rows_MN = (ids_M[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
 
     def page(cached_layer):

@@ -55,49 +55,55 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.
 
 
 def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.Array | None) -> jax.Array:
-    """Scaled dot-product attention.
+    """Scaled dot-product attention, grouped-query where the keys and values have fewer heads than the queries.
 
     Which form runs is the backend's `attention` choice (`gpt.model.backend`). On GPUs it is
     `jax.nn.dot_product_attention`: cuDNN's fused (flash) kernel where it takes the call (`fused_causal`),
     XLA's otherwise. On TPUs, causal attention without a mask is Pallas' splash kernel where its blocks and the
     mesh divide the shapes (`gpt.model.splash`). Elsewhere it is the plain softmax(q k^T / sqrt(H)) v over
-    rows x heads as one batch axis, which XLA on CPU runs about 1.7x faster (forward + backward) than the
-    fallback inside `jax.nn.dot_product_attention`.
+    rows x key heads as one batch axis, each key head's G query heads as one longer run of queries, which XLA
+    on CPU runs about 1.7x faster (forward + backward) than the fallback inside `jax.nn.dot_product_attention`.
 
     Args:
-      q_BTNH: queries [B, T, N, H].
-      k_MSH, v_MSH: keys and values [B * N, S, H], rows major (the KV cache's layout: one 3-D buffer,
-        so that a batch of 1 adds no degenerate axis for XLA to reshape the cache around).
+      q_BTNH: queries [B, T, N, H]; query head n reads key head n // G, G = N / K (Llama's grouping).
+      k_MSH, v_MSH: keys and values [B * K, S, H], rows major (the KV cache's layout: one 3-D buffer,
+        so that a batch of 1 adds no degenerate axis for XLA to reshape the cache around); K divides N.
       mask_BTS: bool [B, T, S], True where a query may see a key; None means plainly causal with T == S.
         Every query must see at least one key.
     Returns:
       [B, T, N, H] in q's dtype; the softmax is computed in float32.
     """
     B, T, N, H = q_BTNH.shape
-    S = k_MSH.shape[1]
+    S, K = k_MSH.shape[1], k_MSH.shape[0] // B
+    G = N // K
     kind = choices().attention
-    to_BSNH = lambda x: x.reshape(B, N, S, H).transpose(0, 2, 1, 3)  # noqa: E731
+    to_BSKH = lambda x: x.reshape(B, K, S, H).transpose(0, 2, 1, 3)  # noqa: E731
     if kind == "splash" and mask_BTS is None and splash_fits(B, T, N):
-        return splash_causal(q_BTNH, to_BSNH(k_MSH), to_BSNH(v_MSH))
+        every_head = lambda x: jnp.repeat(to_BSKH(x), G, axis=2)  # noqa: E731  (its kernel takes N key heads)
+        return splash_causal(q_BTNH, every_head(k_MSH), every_head(v_MSH))
     if kind == "dot_product":
-        k_BSNH, v_BSNH = to_BSNH(k_MSH), to_BSNH(v_MSH)
+        k_BSKH, v_BSKH = to_BSKH(k_MSH), to_BSKH(v_MSH)
         if mask_BTS is None:
-            return fused_causal(q_BTNH, k_BSNH, v_BSNH)
-        return jax.nn.dot_product_attention(q_BTNH, k_BSNH, v_BSNH, mask=mask_BTS[:, None, :, :])
-    q_MTH = (q_BTNH * jnp.asarray(H ** -0.5, q_BTNH.dtype)).transpose(0, 2, 1, 3).reshape(B * N, T, H)
+            return fused_causal(q_BTNH, k_BSKH, v_BSKH)
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None, :, :])
+    # Rows x key heads as one batch axis M, and each key head's G query heads one after another (G * T queries).
+    q_MQH = (q_BTNH * jnp.asarray(H ** -0.5, q_BTNH.dtype)).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
+    q_MQH = q_MQH.reshape(B * K, G * T, H)
     # Contract H of both directly: `q @ k.swapaxes(-1, -2)` makes XLA on CPU copy a transposed k.
-    scores_MTS = jnp.einsum("MTH,MSH->MTS", q_MTH, k_MSH, preferred_element_type=jnp.float32)
-    mask_MTS = (jnp.tril(jnp.ones((1, T, S), jnp.bool_)) if mask_BTS is None
-                else jnp.repeat(mask_BTS, N, axis=0))  # row b's mask for each of its N heads
-    scores_MTS = jnp.where(mask_MTS, scores_MTS, jnp.finfo(jnp.float32).min)
+    scores_MQS = jnp.einsum("MQH,MSH->MQS", q_MQH, k_MSH, preferred_element_type=jnp.float32)
+    mask_MQS = (jnp.tile(jnp.tril(jnp.ones((1, T, S), jnp.bool_)), (1, G, 1)) if mask_BTS is None
+                else jnp.broadcast_to(mask_BTS[:, None, None], (B, K, G, T, S)).reshape(B * K, G * T, S))
+    scores_MQS = jnp.where(mask_MQS, scores_MQS, jnp.finfo(jnp.float32).min)
     # softmax; the max is a constant for the gradient (the result does not depend on it)
-    exp_MTS = jnp.exp(scores_MTS - jax.lax.stop_gradient(scores_MTS.max(-1, keepdims=True)))
-    weights_MTS = (exp_MTS / exp_MTS.sum(-1, keepdims=True)).astype(v_MSH.dtype)
-    return jnp.einsum("MTS,MSH->MTH", weights_MTS, v_MSH).reshape(B, N, T, H).transpose(0, 2, 1, 3)
+    exp_MQS = jnp.exp(scores_MQS - jax.lax.stop_gradient(scores_MQS.max(-1, keepdims=True)))
+    weights_MQS = (exp_MQS / exp_MQS.sum(-1, keepdims=True)).astype(v_MSH.dtype)
+    out_MQH = jnp.einsum("MQS,MSH->MQH", weights_MQS, v_MSH)
+    return out_MQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
-def fused_causal(q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array) -> jax.Array:
-    """Causal attention [B, T, N, H] through cuDNN's flash kernel where it takes the call, else XLA's.
+def fused_causal(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
+    """Causal attention [B, T, N, H] of keys and values of K heads through cuDNN's flash kernel where it takes
+    the call, else XLA's.
 
     `jax.nn.dot_product_attention` runs XLA's attention (the T x T scores written out) unless cuDNN is
     asked for by name; cuDNN takes 16-bit operands on the GPUs it supports, and says so at trace time
@@ -105,10 +111,10 @@ def fused_causal(q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array) -> jax
     """
     if q_BTNH.dtype in (jnp.bfloat16, jnp.float16):
         try:
-            return jax.nn.dot_product_attention(q_BTNH, k_BSNH, v_BSNH, is_causal=True, implementation="cudnn")
+            return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
         except (RuntimeError, ValueError, NotImplementedError):
             pass
-    return jax.nn.dot_product_attention(q_BTNH, k_BSNH, v_BSNH, is_causal=True, implementation="xla")
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="xla")
 
 
 def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
@@ -126,12 +132,12 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
     (`gpt.model.cpu_kernels`), a float32 cache is read by one of them instead (`kernel_attend_paged`).
 
     Args:
-      q_B1NH: queries [B, 1, N, H].
-      k_pages, v_pages: the cache's keys and values, pages of [B * N, P, H] covering slots 0, 1, ...
-        (of [R * N, P, H], R >= B, with rows_M).
+      q_B1NH: queries [B, 1, N, H]; query head n reads key head n // (N / K).
+      k_pages, v_pages: the cache's keys and values, pages of [B * K, P, H] covering slots 0, 1, ...
+        (of [R * K, P, H], R >= B, with rows_M).
       positions_B1: int32 [B, 1], each row's query position; it sees cache slots 0..position.
-      rows_M: int32 [B * N], the page row of each query row's heads (a view of some of the cache's rows,
-        `KVCache.select`); None when they are rows 0..B*N-1. Only the pages read are gathered.
+      rows_M: int32 [B * K], the page row of each query row's key heads (a view of some of the cache's rows,
+        `KVCache.select`); None when they are rows 0..B*K-1. Only the pages read are gathered.
     Returns:
       [B, 1, N, H] in q's dtype; the softmax is computed in float32.
     """
@@ -143,25 +149,27 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
         S = k_pages[0].shape[1]
         return attend(q_B1NH, take(k_pages[0]), take(v_pages[0]),
                       jnp.arange(S)[None, None, :] <= positions_B1[:, :, None])
-    q_MH = (q_B1NH[:, 0] * jnp.asarray(H ** -0.5, q_B1NH.dtype)).reshape(B * N, H)
-    position_M1 = jnp.repeat(positions_B1, N, axis=0)  # row b's position for each of its N heads
+    K = key_heads(B, k_pages[0], rows_M)
+    M, G = B * K, N // K
+    q_MGH = (q_B1NH[:, 0] * jnp.asarray(H ** -0.5, q_B1NH.dtype)).reshape(M, G, H)
+    position_M1 = jnp.repeat(positions_B1, K, axis=0)  # row b's position for each of its K key heads
     furthest = jnp.max(positions_B1)
-    M = B * N
 
     def page_partial(start, k_MPH, v_MPH):
         """This page's part of the softmax: its max score, the sum of exp(score - max), and the
-        exp-weighted sum of its values (all zero where a row sees none of the page)."""
+        exp-weighted sum of its values (all zero where a row sees none of the page), per query [M, G]."""
         k_MPH, v_MPH = take(k_MPH), take(v_MPH)
-        seen_MP = start + jnp.arange(k_MPH.shape[1])[None, :] <= position_M1
-        scores_MP = jnp.einsum("MH,MPH->MP", q_MH, k_MPH, preferred_element_type=jnp.float32)
-        scores_MP = jnp.where(seen_MP, scores_MP, -jnp.inf)
-        max_M = scores_MP.max(-1)
-        weights_MP = jnp.exp(scores_MP - jnp.where(jnp.isfinite(max_M), max_M, 0.0)[:, None])
-        acc_MH = jnp.einsum("MP,MPH->MH", weights_MP.astype(v_MPH.dtype), v_MPH, preferred_element_type=jnp.float32)
-        return max_M, weights_MP.sum(-1), acc_MH
+        seen_M1P = (start + jnp.arange(k_MPH.shape[1])[None, :] <= position_M1)[:, None, :]
+        scores_MGP = jnp.einsum("MGH,MPH->MGP", q_MGH, k_MPH, preferred_element_type=jnp.float32)
+        scores_MGP = jnp.where(seen_M1P, scores_MGP, -jnp.inf)
+        max_MG = scores_MGP.max(-1)
+        weights_MGP = jnp.exp(scores_MGP - jnp.where(jnp.isfinite(max_MG), max_MG, 0.0)[..., None])
+        acc_MGH = jnp.einsum("MGP,MPH->MGH", weights_MGP.astype(v_MPH.dtype), v_MPH,
+                             preferred_element_type=jnp.float32)
+        return max_MG, weights_MGP.sum(-1), acc_MGH
 
     def unseen(k_MPH, v_MPH):
-        return jnp.full((M,), -jnp.inf), jnp.zeros((M,)), jnp.zeros((M, H))
+        return jnp.full((M, G), -jnp.inf), jnp.zeros((M, G)), jnp.zeros((M, G, H))
 
     # The pages' parts are independent of one another, so XLA may run them at once on different cores;
     # they are combined as flash-decoding does. Page 0 is always read (slot 0 is always seen).
@@ -170,28 +178,36 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
         read = functools.partial(page_partial, start)
         parts.append(read(k_MPH, v_MPH) if page == 0 else jax.lax.cond(start <= furthest, read, unseen, k_MPH, v_MPH))
         start += k_MPH.shape[1]
-    return _combine_pages(parts).astype(q_B1NH.dtype).reshape(B, N, 1, H).transpose(0, 2, 1, 3)
+    return _combine_pages(parts).astype(q_B1NH.dtype).reshape(B, 1, N, H)
+
+
+def key_heads(batch: int, page: jax.Array, rows_M: jax.Array | None) -> int:
+    """K, the key heads of a cache's page [B * K, P, H] (or of its view's rows_M [B * K]) for `batch` rows."""
+    return (page.shape[0] if rows_M is None else rows_M.shape[0]) // batch
 
 
 def _combine_pages(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
-    """The softmax-weighted values [M, H] from each page's part (its max score [M], sum of exp(score - max)
-    [M] and exp-weighted values [M, H]), as flash-decoding combines them."""
-    max_PM = jnp.stack([p[0] for p in parts])
-    max_M = max_PM.max(0)
-    rescale_PM = jnp.exp(max_PM - max_M)  # exp(-inf) = 0 for pages no row has reached
-    sum_M = (rescale_PM * jnp.stack([p[1] for p in parts])).sum(0)
-    acc_MH = (rescale_PM[:, :, None] * jnp.stack([p[2] for p in parts])).sum(0)
-    return acc_MH / sum_M[:, None]
+    """The softmax-weighted values [M, G, H] from each page's part (its max score [M, G], sum of
+    exp(score - max) [M, G] and exp-weighted values [M, G, H]), as flash-decoding combines them."""
+    max_PMG = jnp.stack([p[0] for p in parts])
+    max_MG = max_PMG.max(0)
+    rescale_PMG = jnp.exp(max_PMG - max_MG)  # exp(-inf) = 0 for pages no row has reached
+    sum_MG = (rescale_PMG * jnp.stack([p[1] for p in parts])).sum(0)
+    acc_MGH = (rescale_PMG[..., None] * jnp.stack([p[2] for p in parts])).sum(0)
+    return acc_MGH / sum_MG[..., None]
 
 
 def kernel_attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
                         positions_B1: jax.Array, rows_M: jax.Array | None = None) -> jax.Array:
     """`attend_paged` (the same arguments, float32) in one compiled call (`gpt.model.kernels.decode_attention`):
     each query reads the cache's slots 0..its position, and no more, where XLA ran about 25 small programs a
-    layer. Only where `cpu_kernels.isa()` is not None, for H <= MAX_KERNEL_HEAD_DIM. Returns [B, 1, N, H] float32."""
+    layer. Each of a key head's G query heads reads its row on its own. Only where `cpu_kernels.isa()` is not
+    None, for H <= MAX_KERNEL_HEAD_DIM. Returns [B, 1, N, H] float32."""
     B, _, N, H = q_B1NH.shape
-    rows_M = jnp.arange(B * N, dtype=jnp.int32) if rows_M is None else rows_M.astype(jnp.int32)
-    position_M = jnp.repeat(positions_B1[:, 0].astype(jnp.int32), N)  # row b's position for each of its heads
-    out_MH = cpu_kernels.call("gpt_decode_attention", jax.ShapeDtypeStruct((B * N, H), jnp.float32))(
-        q_B1NH.reshape(B * N, H), position_M, rows_M, *k_pages, *v_pages)
-    return out_MH.reshape(B, 1, N, H)
+    K = key_heads(B, k_pages[0], rows_M)
+    rows_M = jnp.arange(B * K, dtype=jnp.int32) if rows_M is None else rows_M.astype(jnp.int32)
+    rows_Q = jnp.repeat(rows_M, N // K)  # each query head's key row
+    position_Q = jnp.repeat(positions_B1[:, 0].astype(jnp.int32), N)  # row b's position for each of its heads
+    out_QH = cpu_kernels.call("gpt_decode_attention", jax.ShapeDtypeStruct((B * N, H), jnp.float32))(
+        q_B1NH.reshape(B * N, H), position_Q, rows_Q, *k_pages, *v_pages)
+    return out_QH.reshape(B, 1, N, H)

@@ -34,7 +34,9 @@ class GPTConfig:
       vocab_size: number of token ids; 50257 for GPT-2's BPE.
       block_size: the context length, in tokens.
       n_layer: depth, the number of transformer blocks.
-      n_head: attention heads per block.
+      n_head: attention heads per block (query heads).
+      n_kv_head: key and value heads, each shared by n_head / n_kv_head query heads (grouped-query attention:
+        the KV cache holds n_kv_head heads); None for n_head (every query head its own).
       n_embd: the model width (a multiple of n_head).
       position: how positions enter: a `learned` table (GPT-2), a fixed `sinusoidal` table added to the
         token embeddings, or `rope` (rotary, applied to queries and keys in every layer).
@@ -66,6 +68,7 @@ class GPTConfig:
     block_size: int = 1024
     n_layer: int = 12
     n_head: int = 12
+    n_kv_head: int | None = None
     n_embd: int = 768
     position: Position = "learned"
     rope_theta: float = 10000.0
@@ -98,6 +101,10 @@ class GPTConfig:
             raise ConfigError(
                 f"GPTConfig.n_embd={self.n_embd} must be divisible by GPTConfig.n_head={self.n_head}"
             )
+        if self.n_kv_head is not None and (not isinstance(self.n_kv_head, int) or isinstance(self.n_kv_head, bool)
+                                           or self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            raise ConfigError(f"GPTConfig.n_kv_head must be a positive divisor of n_head={self.n_head} or None, "
+                              f"got {self.n_kv_head!r}")
         if self.position not in ("learned", "sinusoidal", "rope"):
             raise ConfigError(
                 f"GPTConfig.position must be 'learned', 'sinusoidal' or 'rope', got {self.position!r}"
@@ -126,6 +133,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """The key and value heads (`n_kv_head`, or n_head)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
     def mlp_dim(self) -> int:

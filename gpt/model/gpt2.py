@@ -48,11 +48,19 @@ _MODEL_WEIGHTS = (
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
-def _table(config: GPTConfig) -> list[tuple[str, str, bool, tuple[int, ...]]]:
-    """(our parameter path, Hugging Face name with {} for the layer, is it per layer, its Hugging Face shape)
-    for every weight a model of `config` has: the model's own, then each block weight's."""
-    return [(path, hf, False, shape(config)) for path, hf, shape in _MODEL_WEIGHTS] + [
-        (f"blocks.{w.name}", w.hf, True, w.hf_dims(config)) for w in block_weights(config)]
+def _table(config: GPTConfig) -> list[tuple[str, bool, tuple[int, ...], list[tuple[str, int]]]]:
+    """(Hugging Face name with {} for the layer, is it per layer, its Hugging Face shape, our parameters in it:
+    (path, how many of its last axis's columns)) for every tensor a model of `config` has: the model's own, then
+    the blocks'. Block weights that share a name are its blocks of columns in their table's order (c_attn: the
+    queries', then the keys' and values')."""
+    table = [(hf, False, shape(config), [(path, shape(config)[-1])]) for path, hf, shape in _MODEL_WEIGHTS]
+    blocks: dict[str, list[tuple[str, int]]] = {}
+    for w in block_weights(config):
+        blocks.setdefault(w.hf, []).append((f"blocks.{w.name}", w.hf_dims(config)[-1]))
+    for hf, parts in blocks.items():
+        first = next(w for w in block_weights(config) if w.hf == hf).hf_dims(config)
+        table.append((hf, True, (*first[:-1], sum(width for _, width in parts)), parts))
+    return table
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -92,6 +100,8 @@ def config_to_hf(config: GPTConfig) -> dict:
     """The Hugging Face `config.json` of a GPT-2; ConfigError naming every field its format cannot hold."""
     unlike = [f"{name}={getattr(config, name)!r} (GPT-2 has {value!r})" for name, value in _GPT2_ARCHITECTURE
               if getattr(config, name) != value]
+    if config.kv_heads != config.n_head:
+        unlike.append(f"n_kv_head={config.n_kv_head} (GPT-2 has a key head per query head, {config.n_head})")
     if unlike:
         raise ConfigError(f"the GPT-2 format cannot hold this model: {', '.join(unlike)}; it can still be "
                           f"sampled, served and evaluated from its training run's out_dir")
@@ -268,7 +278,7 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
         del tensors[name]
 
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-    for path, hf_name, per_layer, expected in _table(config):
+    for hf_name, per_layer, expected, parts in _table(config):
         names = [hf_name.format(i) for i in range(config.n_layer)] if per_layer else [hf_name]
         arrays = []
         for name in names:
@@ -278,9 +288,11 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
             if array.shape != expected:
                 raise ConfigError(f"{directory}: tensor {name!r} has shape {array.shape}, expected {expected}")
             arrays.append(array)
-        param = parameter(model, path)
-        value = (np.stack(arrays) if per_layer else arrays[0]).reshape(param.shape)
-        param.set_value(jnp.asarray(np.asarray(value, np.float32), dtype=config.storage_dtype))  # no copy of float32 data
+        whole = np.stack(arrays) if per_layer else arrays[0]
+        columns = np.cumsum([width for _, width in parts])[:-1]
+        for (path, _), value in zip(parts, np.split(whole, columns, axis=-1)):
+            param = parameter(model, path)
+            param.set_value(jnp.asarray(np.asarray(value.reshape(param.shape), np.float32), dtype=config.storage_dtype))
     if tensors:
         raise ConfigError(f"{directory}: unexpected tensors {sorted(tensors)[:8]}")
     return model
@@ -329,13 +341,14 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
     hf_config = config_to_hf(config)
     _check_export_destination(out_dir)
     tensors = {}
-    for path, hf_name, per_layer, shape in _table(config):
-        value = np.asarray(parameter(model, path)[...], dtype=np.float32)
-        if per_layer:
-            for i in range(config.n_layer):
-                tensors[f"transformer.{hf_name.format(i)}"] = np.ascontiguousarray(value[i].reshape(shape))
-        else:
-            tensors[f"transformer.{hf_name}"] = np.ascontiguousarray(value.reshape(shape))
+    for hf_name, per_layer, shape, parts in _table(config):
+        layers = config.n_layer if per_layer else 1
+        values = [np.asarray(parameter(model, path)[...], np.float32).reshape(layers, *shape[:-1], width)
+                  for path, width in parts]
+        whole = np.concatenate(values, axis=-1)
+        for i in range(layers):
+            name = hf_name.format(i) if per_layer else hf_name
+            tensors[f"transformer.{name}"] = np.ascontiguousarray(whole[i])
 
     umask = os.umask(0)
     os.umask(umask)

@@ -41,7 +41,7 @@ class KVCache:
     """Keys and values of every layer for a batch of sequences.
 
     Attributes:
-      k, v: per layer, a tuple of pages, each [B * N, P, H] (rows major, then heads) in the compute
+      k, v: per layer, a tuple of pages, each [B * K, P, H] (rows major, then key heads) in the compute
         dtype; the pages hold slots 0..P-1, P..2P-1, ... of the preallocated length S (the last page may
         be shorter). Each (row, head) is one contiguous [P, H] block for a decode step's attention; each
         page is its own buffer, so a step neither copies a page out of a larger array nor rewrites more
@@ -65,7 +65,7 @@ class KVCache:
         sizes = [min(page_length, length - start) for start in range(0, length, page_length)]
 
         def pages():
-            shape = lambda size: (batch * config.n_head, size, config.head_dim)  # noqa: E731
+            shape = lambda size: (batch * config.kv_heads, size, config.head_dim)  # noqa: E731
             return tuple(jnp.zeros(shape(size), config.compute_dtype) for size in sizes)
 
         return cls(k=tuple(pages() for _ in range(config.n_layer)), v=tuple(pages() for _ in range(config.n_layer)),
@@ -98,7 +98,7 @@ class KVCache:
         return KVCache(view.k, view.v, self.lengths.at[view.rows].set(view.lengths, unique_indices=True))
 
     def head_rows(self, heads: int) -> jax.Array | None:
-        """int32 [B * N]: the buffer row of each batch row's heads, or None when they are rows 0..B*N-1."""
+        """int32 [B * K]: the buffer row of each batch row's heads, or None when they are rows 0..B*K-1."""
         if self.rows is None:
             return None
         return (self.rows[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
@@ -119,17 +119,17 @@ class KVCache:
         softmax is never over an empty set)."""
         return jnp.arange(self.length, dtype=jnp.int32) <= positions_BT[:, :, None]
 
-    def write(self, layer: int, k_BTNH: jax.Array, v_BTNH: jax.Array, positions_BT: jax.Array) -> KVCache:
+    def write(self, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array, positions_BT: jax.Array) -> KVCache:
         """This cache with layer `layer`'s new keys and values written at each row's `positions_BT`
         (positions past the end are dropped)."""
-        B, T, N, H = k_BTNH.shape
-        rows_M = self.head_rows(N)
-        rows_M = jnp.arange(B * N, dtype=jnp.int32) if rows_M is None else rows_M
-        rows_MT = jnp.broadcast_to(rows_M[:, None], (B * N, T))
-        slots_MT = jnp.repeat(positions_BT, N, axis=0)  # row b's positions for each of its N heads
+        B, T, K, H = k_BTKH.shape
+        rows_M = self.head_rows(K)
+        rows_M = jnp.arange(B * K, dtype=jnp.int32) if rows_M is None else rows_M
+        rows_MT = jnp.broadcast_to(rows_M[:, None], (B * K, T))
+        slots_MT = jnp.repeat(positions_BT, K, axis=0)  # row b's positions for each of its K key heads
 
-        def put(buffers, new_BTNH):
-            new_MTH = new_BTNH.transpose(0, 2, 1, 3).reshape(B * N, T, H)
+        def put(buffers, new_BTKH):
+            new_MTH = new_BTKH.transpose(0, 2, 1, 3).reshape(B * K, T, H)
             pages = []
             for start, page in zip(self.page_starts(), buffers[layer]):
                 # Slots outside this page become an index past its end, which "drop" skips.
@@ -138,16 +138,16 @@ class KVCache:
                                                               unique_indices=True))
             return buffers[:layer] + (tuple(pages),) + buffers[layer + 1:]
 
-        return dataclasses.replace(self, k=put(self.k, k_BTNH), v=put(self.v, v_BTNH))
+        return dataclasses.replace(self, k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
 
     def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
-        """One layer's keys and values, each [B * N, S, H] (a copy when the cache has several pages)."""
+        """One layer's keys and values, each [B * K, S, H] (a copy when the cache has several pages)."""
         assert self.rows is None, "a view is read by pages"
         return tuple(pages[0] if len(pages) == 1 else jnp.concatenate(pages, axis=1)
                      for pages in (self.k[layer], self.v[layer]))
 
     def pages(self, layer: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-        """One layer's key pages and value pages, each [rows * N, P, H]: all the buffers' rows, in a view
+        """One layer's key pages and value pages, each [rows * K, P, H]: all the buffers' rows, in a view
         too (`head_rows` says which are the view's)."""
         return self.k[layer], self.v[layer]
 
@@ -158,9 +158,9 @@ class KVCache:
     def insert(self, other: KVCache, rows_b: jax.Array, lengths_b: jax.Array) -> KVCache:
         """This cache with `other`'s b rows (a prefill's, of S' <= S slots) copied into rows `rows_b` at
         slots 0..S'-1, and those rows' lengths set to `lengths_b`. Rows >= B are dropped (padding)."""
-        N, S2 = self.heads, other.length
-        rows_M = (rows_b[:, None] * N + jnp.arange(N, dtype=jnp.int32)).reshape(-1)  # each row's N heads
-        rows_M = jnp.where(jnp.repeat(rows_b, N) < self.lengths.shape[0], rows_M, self.k[0][0].shape[0])
+        K, S2 = self.heads, other.length
+        rows_M = (rows_b[:, None] * K + jnp.arange(K, dtype=jnp.int32)).reshape(-1)  # each row's K key heads
+        rows_M = jnp.where(jnp.repeat(rows_b, K) < self.lengths.shape[0], rows_M, self.k[0][0].shape[0])
         starts = self.page_starts()
 
         def put(pages, new_MSH):

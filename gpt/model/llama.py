@@ -2,8 +2,8 @@
 a GPT.
 
 Their architecture is GPT's with newer choices, each a `GPTConfig` field: rotary positions, RMSNorm, a gated
-SiLU MLP, no biases but Qwen2's on q, k and v, a head tied or not. Their `nn.Linear` weights are stored
-[out, in]: each maps onto ours by a transpose and a reshape (q, k and v stacked into our [D, 3, N, H]); the
+SiLU MLP, no biases but Qwen2's on q, k and v, grouped-query attention, a head tied or not. Their `nn.Linear` weights are stored
+[out, in]: each maps onto ours by a transpose and a reshape (k and v stacked into our [D, 2, K, H]); the
 table `_BLOCK_NAMES` names them. A config field this loader does not implement is a one-line error naming
 it, never a silent approximation.
 """
@@ -28,11 +28,13 @@ __all__ = ["FAMILIES", "config_from_hf", "load"]
 
 FAMILIES = ("llama", "qwen2")  # Hugging Face model_type values this module reads
 
-# Each block weight's Hugging Face names ({} the layer): one, or q, k and v to stack.
+# Each block weight's Hugging Face names ({} the layer): one, or k and v to stack.
 _BLOCK_NAMES = {
     "ln1_scale": "model.layers.{}.input_layernorm.weight",
-    "qkv_kernel": tuple(f"model.layers.{{}}.self_attn.{x}_proj.weight" for x in "qkv"),
-    "qkv_bias": tuple(f"model.layers.{{}}.self_attn.{x}_proj.bias" for x in "qkv"),
+    "q_kernel": "model.layers.{}.self_attn.q_proj.weight",
+    "kv_kernel": tuple(f"model.layers.{{}}.self_attn.{x}_proj.weight" for x in "kv"),
+    "q_bias": "model.layers.{}.self_attn.q_proj.bias",
+    "kv_bias": tuple(f"model.layers.{{}}.self_attn.{x}_proj.bias" for x in "kv"),
     "out_kernel": "model.layers.{}.self_attn.o_proj.weight",
     "ln2_scale": "model.layers.{}.post_attention_layernorm.weight",
     "gate_kernel": "model.layers.{}.mlp.gate_proj.weight",
@@ -52,7 +54,6 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     # (transformers 5's).
     rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}  # a scaling wins
     unsupported = {
-        "num_key_value_heads": (hf.get("num_key_value_heads", heads), heads, "grouped-query attention"),
         "head_dim": (hf.get("head_dim") or width // heads, width // heads, "a head size other than width / heads"),
         "hidden_act": (hf.get("hidden_act", "silu"), "silu", "an activation other than SiLU"),
         "rope_type": (rope.get("rope_type", rope.get("type", "default")), "default", "rotary frequency scaling"),
@@ -66,7 +67,8 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
                               f"{field}={supported!r}")
     fields = dict(
         vocab_size=hf["vocab_size"], block_size=hf.get("max_position_embeddings", 2048),
-        n_layer=hf["num_hidden_layers"], n_head=heads, n_embd=width, mlp_width=hf["intermediate_size"],
+        n_layer=hf["num_hidden_layers"], n_head=heads, n_kv_head=hf.get("num_key_value_heads", heads), n_embd=width,
+        mlp_width=hf["intermediate_size"],
         position="rope", rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm="rmsnorm",
         layer_norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation="silu", gated_mlp=True, bias=False,
         qkv_bias=family == "qwen2", tied_head=bool(hf.get("tie_word_embeddings", False)),
@@ -90,13 +92,15 @@ def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
 
 def _ours(name: str, array: np.ndarray, config: GPTConfig) -> np.ndarray:
     """A Hugging Face block weight [out, in] (or a bias, a scale) in our layout, without the layer axis."""
-    N, H = config.n_head, config.head_dim
-    if name == "qkv_kernel":  # three [N*H, D] -> [D, 3, N, H]
-        return np.stack([a.T.reshape(-1, N, H) for a in array], axis=1)
-    if name == "qkv_bias":  # three [N*H] -> [3, N, H]
-        return np.stack([a.reshape(N, H) for a in array])
+    H = config.head_dim
+    if name == "q_kernel":  # [N*H, D] -> [D, N, H]
+        return array.T.reshape(-1, config.n_head, H)
+    if name == "kv_kernel":  # k and v, each [K*H, D] -> [D, 2, K, H]
+        return np.stack([a.T.reshape(-1, config.kv_heads, H) for a in array], axis=1)
+    if name in ("q_bias", "kv_bias"):  # [N*H] -> [N, H]; k and v [K*H] -> [2, K, H]
+        return array.reshape(*array.shape[:-1], -1, H)
     if name == "out_kernel":  # [D, N*H] -> [N, H, D]
-        return array.T.reshape(N, H, -1)
+        return array.T.reshape(config.n_head, H, -1)
     return array.T if array.ndim == 2 else array
 
 

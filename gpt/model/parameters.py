@@ -3,8 +3,8 @@ over, when a model has it, and its name and shape in a Hugging Face GPT-2 checkp
 GPT-2's import and export, Muon's matrix axes, decoding's kernel layout and the tests read it; nothing else
 restates a block weight's facts.
 
-Shapes are without the leading `layers` axis that `Blocks` stacks them on. Letters: D model width, N heads,
-H head dim, F MLP width.
+Shapes are without the leading `layers` axis that `Blocks` stacks them on. Letters: D model width, N (query)
+heads, K key and value heads, H head dim, F MLP width.
 """
 
 from __future__ import annotations
@@ -23,17 +23,18 @@ class BlockWeight:
     """One kind of block weight.
 
     name: the `Blocks` attribute (and the parameter path's last part).
-    shape: its letters, e.g. "D3NH" ("3" a literal 3: q, k and v).
+    shape: its letters, e.g. "D2KH" ("2" a literal 2: k and v).
     axes: its logical axis names (`gpt.model.sharding.RULES`), one per letter (None: not sharded).
     init: "normal" (std 0.02, or 0.02 / sqrt(2L) for a projection that writes into the residual stream:
       `residual`), "ones" or "zeros".
     when: the `GPTConfig` flag (or property) it exists under ("" for every model), e.g. "bias" (`exists`).
     norm: a LayerNorm's weight, which the forward reads in float32 (every other weight in the compute dtype).
     inputs: for a matrix, how many leading axes a matmul reduces over (the rest are its outputs); 0 else.
-    separate: for a matrix, leading output axes that hold separate matrices (q, k and v), which Muon
+    separate: for a matrix, leading output axes that hold separate matrices (k and v), which Muon
       orthogonalizes apart.
     hf: its name in a Hugging Face GPT-2 checkpoint, {} for the layer (its shape there: `hf_dims`); "" for a
-      weight GPT-2 has not (`gpt.model.gpt2` refuses a model that has one).
+      weight GPT-2 has not (`gpt.model.gpt2` refuses a model that has one). Weights of one name are its blocks
+      of columns, in this table's order (GPT-2's c_attn: the queries', then the keys' and values').
     """
 
     name: str
@@ -49,7 +50,8 @@ class BlockWeight:
 
     def dims(self, config: GPTConfig) -> tuple[int, ...]:
         """Its shape in `config`, without the layer axis."""
-        size = {"D": config.n_embd, "N": config.n_head, "H": config.head_dim, "F": config.mlp_dim, "3": 3}
+        size = {"D": config.n_embd, "N": config.n_head, "K": config.kv_heads, "H": config.head_dim,
+                "F": config.mlp_dim, "2": 2}
         return tuple(size[letter] for letter in self.shape)
 
     def exists(self, config: GPTConfig) -> bool:
@@ -68,9 +70,11 @@ class BlockWeight:
 BLOCK_WEIGHTS = (  # in the order `Blocks` makes them (the order its random init draws in)
     BlockWeight("ln1_scale", "D", ("embed",), "ones", "h.{}.ln_1.weight", norm=True),
     BlockWeight("ln1_bias", "D", ("embed",), "zeros", "h.{}.ln_1.bias", when="norm_bias", norm=True),
-    BlockWeight("qkv_kernel", "D3NH", ("embed", None, "heads", "head_dim"), "normal", "h.{}.attn.c_attn.weight",
+    BlockWeight("q_kernel", "DNH", ("embed", "heads", "head_dim"), "normal", "h.{}.attn.c_attn.weight", inputs=1),
+    BlockWeight("kv_kernel", "D2KH", ("embed", None, "kv_heads", "head_dim"), "normal", "h.{}.attn.c_attn.weight",
                 inputs=1, separate=1),
-    BlockWeight("qkv_bias", "3NH", (None, "heads", "head_dim"), "zeros", "h.{}.attn.c_attn.bias",
+    BlockWeight("q_bias", "NH", ("heads", "head_dim"), "zeros", "h.{}.attn.c_attn.bias", when="has_qkv_bias"),
+    BlockWeight("kv_bias", "2KH", (None, "kv_heads", "head_dim"), "zeros", "h.{}.attn.c_attn.bias",
                 when="has_qkv_bias"),
     BlockWeight("out_kernel", "NHD", ("heads", "head_dim", "embed"), "normal", "h.{}.attn.c_proj.weight",
                 residual=True, inputs=2),

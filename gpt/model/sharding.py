@@ -27,6 +27,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),  # the batch is split over every data-parallel axis
     "embed": "fsdp",  # parameters are split along their model width over fsdp (ZeRO-3 style)
     "heads": "tensor",  # attention heads over tensor (Megatron-style)
+    "kv_heads": "tensor",  # key and value heads too, where the tensor axis divides them (else replicated)
     "mlp": "tensor",  # the MLP's hidden units over tensor
     "vocab": "tensor",  # the embedding/LM-head rows over tensor
     "batch_heads": ("data", "fsdp", "tensor"),  # the KV cache's rows x heads, one axis: rows major
@@ -103,15 +104,16 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     return Mesh(grid, MESH_AXES)
 
 
-# GPT-2's vocabulary (50257, a prime's multiple) divides almost nothing and is fixed by the checkpoints:
-# a `vocab` dimension that the mesh does not divide is replicated instead of refused.
-_REPLICATED_WHEN_UNEVEN = {"vocab"}
+# GPT-2's vocabulary (50257, a prime's multiple) divides almost nothing and is fixed by the checkpoints, and
+# grouped-query attention has fewer key heads (SmolLM2-135M: 3) than a tensor axis may have devices: a `vocab`
+# or `kv_heads` dimension that the mesh does not divide is replicated instead of refused.
+_REPLICATED_WHEN_UNEVEN = {"vocab", "kv_heads"}
 
 
 def _fit(name: str, axes: Sequence[str | None], shape, mesh: Mesh) -> PartitionSpec:
     """The PartitionSpec of parameter `name` on `mesh`; raises ValueError for a dimension its mesh axes
-    do not divide, except a `vocab` dimension, which is replicated (correct, at the cost of its memory
-    saving; train from scratch with vocab_size=50304 to split it)."""
+    do not divide, except a `vocab` or `kv_heads` dimension, which is replicated (correct, at the cost of its
+    memory saving; train from scratch with vocab_size=50304 to split the vocabulary)."""
     fitted = []
     for dim, (logical, axes) in enumerate(zip(axes, logical_to_spec(axes))):
         names = () if axes is None else (axes,) if isinstance(axes, str) else axes

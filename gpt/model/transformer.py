@@ -151,16 +151,18 @@ def block(
     mlp_kernel = Fp8Kernel if config.fp8 and cache is None else lambda kernel: kernel  # the MLP's products
     attn_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
     B, T, _ = x_BTD.shape
-    N, H = config.n_head, config.head_dim
+    N, K, H = config.n_head, config.kv_heads, config.head_dim
 
     # Each part runs under a named scope: the compiled program's ops carry it, and a profile sorts its time
     # by it (bench/step_profile.py).
     with jax.named_scope("layer_norm"):
         h_BTD = normalize(config, x_BTD, p["ln1_scale"], p["ln1_bias"])
-    qkv_bias = None if p["qkv_bias"] is None else p["qkv_bias"].reshape(3 * N * H)
-    qkv_BTK = _linear("qkv", h_BTD, p["qkv_kernel"], qkv_bias)
+    flat = lambda bias: None if bias is None else bias.reshape(-1)  # noqa: E731
+    q_BTNH = _linear("qkv", h_BTD, p["q_kernel"], flat(p["q_bias"])).reshape(B, T, N, H)
+    kv_BT2KH = _linear("qkv", h_BTD, p["kv_kernel"], flat(p["kv_bias"])).reshape(B, T, 2, K, H)
     with jax.named_scope("attention"):
-        attn_BTNH, cache = _attention(config, qkv_BTK.reshape(B, T, 3, N, H), positions_BT, cache, layer, mask_BTS)
+        attn_BTNH, cache = _attention(config, q_BTNH, kv_BT2KH[:, :, 0], kv_BT2KH[:, :, 1], positions_BT, cache,
+                                      layer, mask_BTS)
     out_BTD = _linear("attn_proj", attn_BTNH.reshape(B, T, N * H), p["out_kernel"], p["out_bias"])
     x_BTD = x_BTD + dropout(out_BTD, config.dropout, attn_key)
 
@@ -194,37 +196,36 @@ def _linear(scope: str, x_BTD: jax.Array, kernel, bias: jax.Array | None) -> jax
         return y_BTK if bias is None else y_BTK + bias
 
 
-def _attention(config: GPTConfig, qkv_BT3NH: jax.Array, positions_BT: jax.Array, cache: KVCache | None,
-               layer: int, mask_BTS: jax.Array | None) -> tuple[jax.Array, KVCache | None]:
-    """The block's attention of its queries, keys and values [B, T, 3, N, H] (as `block` describes):
-    [B, T, N, H] and the cache with this layer's new keys and values written."""
-    B, T, _, N, H = qkv_BT3NH.shape
-    q_BTNH, k_BTNH, v_BTNH = qkv_BT3NH[:, :, 0], qkv_BT3NH[:, :, 1], qkv_BT3NH[:, :, 2]
+def _attention(config: GPTConfig, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, positions_BT: jax.Array,
+               cache: KVCache | None, layer: int, mask_BTS: jax.Array | None) -> tuple[jax.Array, KVCache | None]:
+    """The block's attention of its queries [B, T, N, H] over its keys and values [B, T, K, H] (as `block`
+    describes): [B, T, N, H] and the cache with this layer's new keys and values written."""
+    B, T, K, H = k_BTKH.shape
     if config.qk_norm:
-        q_BTNH, k_BTNH = rms_normalize(q_BTNH), rms_normalize(k_BTNH)
+        q_BTNH, k_BTKH = rms_normalize(q_BTNH), rms_normalize(k_BTKH)
     if config.position == "rope":
         q_BTNH = apply_rope(q_BTNH, positions_BT, config.rope_theta)
-        k_BTNH = apply_rope(k_BTNH, positions_BT, config.rope_theta)
+        k_BTKH = apply_rope(k_BTKH, positions_BT, config.rope_theta)
     q_BTNH = constrain(q_BTNH, ("batch", None, "heads", None))
     if cache is None:
-        k_MTH, v_MTH = (x.transpose(0, 2, 1, 3).reshape(B * N, T, H) for x in (k_BTNH, v_BTNH))
+        k_MTH, v_MTH = (x.transpose(0, 2, 1, 3).reshape(B * K, T, H) for x in (k_BTKH, v_BTKH))
         return attend(q_BTNH, k_MTH, v_MTH, None), None
-    cache = cache.write(layer, k_BTNH, v_BTNH, positions_BT)
+    cache = cache.write(layer, k_BTKH, v_BTKH, positions_BT)
     if T == 1:  # a decode step: read only the pages the rows have reached (one page: all, under the mask)
-        return attend_paged(q_BTNH, *cache.pages(layer), positions_BT, cache.head_rows(N)), cache
+        return attend_paged(q_BTNH, *cache.pages(layer), positions_BT, cache.head_rows(K)), cache
     if cache.rows is not None or len(cache.k[layer]) > 1:  # a few positions a row (a draft's verification)
-        return _attend_each_query(q_BTNH, cache, layer, positions_BT), cache
+        return _attend_each_query(q_BTNH, cache, layer, positions_BT, K), cache
     return attend(q_BTNH, *cache.layer(layer), mask_BTS), cache
 
 
-def _attend_each_query(q_BTNH: jax.Array, cache: KVCache, layer: int, positions_BT: jax.Array) -> jax.Array:
-    """Attention of T queries a row over a paged cache or a view of one, as B * T decode queries, each
-    reading its row's pages up to its own position (the keys of this forward's earlier positions are
-    written already). [B, T, N, H]."""
+def _attend_each_query(q_BTNH: jax.Array, cache: KVCache, layer: int, positions_BT: jax.Array, K: int) -> jax.Array:
+    """Attention of T queries a row over a paged cache (of K key heads) or a view of one, as B * T decode
+    queries, each reading its row's pages up to its own position (the keys of this forward's earlier positions
+    are written already). [B, T, N, H]."""
     B, T, N, H = q_BTNH.shape
-    rows_M = cache.head_rows(N)
-    rows_BN = (jnp.arange(B * N, dtype=jnp.int32) if rows_M is None else rows_M).reshape(B, 1, N)
-    rows_M = jnp.broadcast_to(rows_BN, (B, T, N)).reshape(B * T * N)  # query (b, t)'s heads read row b's
+    rows_M = cache.head_rows(K)
+    rows_BK = (jnp.arange(B * K, dtype=jnp.int32) if rows_M is None else rows_M).reshape(B, 1, K)
+    rows_M = jnp.broadcast_to(rows_BK, (B, T, K)).reshape(B * T * K)  # query (b, t)'s key heads: row b's
     out = attend_paged(q_BTNH.reshape(B * T, 1, N, H), *cache.pages(layer), positions_BT.reshape(B * T, 1), rows_M)
     return out.reshape(B, T, N, H)
 
