@@ -1,4 +1,4 @@
-"""Llama-shaped checkpoints (Llama, Qwen2) load at logit parity with `transformers`, and decode its greedy tokens;
+"""Llama-shaped checkpoints (Llama, Qwen2, Qwen3) load at logit parity with `transformers`, and decode its greedy tokens;
 what the loader does not implement is a one-line refusal."""
 
 import json
@@ -24,6 +24,8 @@ FAMILIES = {  # between them: a key head per query head, one for all (multi-quer
                    dict(tie_word_embeddings=True, num_key_value_heads=4)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
               dict(tie_word_embeddings=True, num_key_value_heads=2)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,  # heads of 16 over a width of 48 / 4
+              dict(tie_word_embeddings=False, num_key_value_heads=2, head_dim=16)),
 }
 
 
@@ -44,20 +46,23 @@ def random_hf_model(tmp_path, family: str, seed: int = 0, **fields):
 
 
 @pytest.mark.parametrize("family", [pytest.param("llama-untied", marks=pytest.mark.slow),
-                                    pytest.param("llama-tied", marks=pytest.mark.slow), "qwen2"])  # quick: Qwen2's
+                                    pytest.param("llama-tied", marks=pytest.mark.slow), "qwen2",
+                                    "qwen3"])  # quick: the Qwens' (every field between them)
 def test_logits_match_transformers(tmp_path, family):
     hf_model, directory = random_hf_model(tmp_path, family)
     model = llama.load(directory)
     assert (directory / "model.safetensors.index.json").is_file() == (family == "qwen2")
     assert (model.config.tied_head, model.config.qkv_bias) == (hf_model.config.tie_word_embeddings, family == "qwen2")
-    assert model.config.kv_heads == hf_model.config.num_key_value_heads
+    assert model.config.kv_heads == hf_model.config.num_key_value_heads and model.config.qk_norm == (family == "qwen3")
+    assert model.config.head_dim == getattr(hf_model.config, "head_dim", SHAPE["hidden_size"] // SHAPE["num_attention_heads"])
     tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (2, 40))
     np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
     with pytest.raises(ConfigError, match="GPT-2 format cannot hold this model: .*norm='rmsnorm'.*gated_mlp=True"):
         gpt2.save(model, tmp_path / "as_gpt2")  # what GPT-2's format cannot hold is refused, not approximated
 
 
-@pytest.mark.parametrize("family", ["llama-untied", pytest.param("qwen2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["llama-untied", pytest.param("qwen2", marks=pytest.mark.slow),
+                                    pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_greedy_generate_equals_transformers(tmp_path, family):
     """Our engine's greedy tokens (prefill, then cached decode steps over the decoding layout) are transformers'."""
     hf_model, directory = random_hf_model(tmp_path, family, seed=1)
@@ -73,7 +78,7 @@ def test_greedy_generate_equals_transformers(tmp_path, family):
     ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_type='linear' .rotary frequency scaling."),
     ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}, "rope_type='llama3' .rotary frequency scaling."),
     ("hidden_act", "gelu", "hidden_act='gelu' .an activation other than SiLU."),
-    ("model_type", "mistral", "model_type 'mistral' is not one of llama, qwen2"),
+    ("model_type", "mistral", "model_type 'mistral' is not one of llama, qwen2, qwen3"),
 ])
 def test_what_the_loader_does_not_implement_is_one_line(tmp_path, field, value, message):
     _, directory = random_hf_model(tmp_path, "llama-tied")

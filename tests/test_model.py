@@ -165,8 +165,8 @@ def plain_forward(config: GPTConfig, p: dict, tokens: np.ndarray) -> np.ndarray:
         x = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + config.layer_norm_epsilon)
         return x * scale
 
-    def rms(x):
-        return x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6)
+    def rms(x, scale):
+        return x / np.sqrt((x**2).mean(-1, keepdims=True) + config.layer_norm_epsilon) * scale
 
     def rotate(x):  # x [T, N, H]: channel i pairs with i + H/2, turned by position x theta^(-i / (H/2))
         half = x.shape[-1] // 2
@@ -184,7 +184,7 @@ def plain_forward(config: GPTConfig, p: dict, tokens: np.ndarray) -> np.ndarray:
         k, v = (np.repeat(np.einsum("td,dkh->tkh", h, blocks["kv_kernel"][layer][:, i]),
                           config.n_head // config.kv_heads, axis=1) for i in range(2))
         if config.qk_norm:
-            q, k = rms(q), rms(k)
+            q, k = rms(q, blocks["q_norm_scale"][layer]), rms(k, blocks["k_norm_scale"][layer])
         q, k = rotate(q), rotate(k)
         scores = np.einsum("tnh,snh->nts", q, k) / np.sqrt(config.head_dim)
         scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
@@ -196,14 +196,18 @@ def plain_forward(config: GPTConfig, p: dict, tokens: np.ndarray) -> np.ndarray:
     return norm(x, p["lnf_scale"]) @ p["lm_head"].T
 
 
-@pytest.mark.parametrize("qk_norm, n_kv_head", [(True, None), (False, None), (True, 2), (False, 1)])
-def test_the_modern_pieces_equal_a_plain_implementation(qk_norm, n_kv_head):
+@pytest.mark.parametrize("qk_norm, n_kv_head, head_size", [(True, None, None), (False, None, None), (True, 2, 12),
+                                                           (False, 1, None)])
+def test_the_modern_pieces_equal_a_plain_implementation(qk_norm, n_kv_head, head_size):
     config = GPTConfig.preset("tiny", position="rope", qk_norm=qk_norm, activation="relu2", tied_head=False,
-                              bias=False, n_kv_head=n_kv_head)
+                              bias=False, n_kv_head=n_kv_head, head_size=head_size)
     model = GPT(config, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model))
-    # Scaled up, so that attention is far from uniform and QK-norm changes it.
-    params = jax.tree.map(lambda a: a * 8.0 if a.ndim >= 3 else a, params)
+    # Scaled up, so that attention is far from uniform and QK-norm changes it; the norms' scales away from 1.
+    rng = np.random.default_rng(1)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: a * 8.0 if a.ndim >= 3 else rng.uniform(0.5, 1.5, a.shape).astype(a.dtype)
+        if str(path[-1].key).endswith("scale") else a, params)
     nnx.update(model, params)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 24)
     want = plain_forward(config, params, tokens)

@@ -26,6 +26,9 @@ def check_dtype(dtype: str, name: str = "dtype") -> None:
         raise ConfigError(f"{name} must be one of {', '.join(_DTYPES)}, got {dtype!r}")
 
 
+_OPTIONAL_SIZES = ("n_kv_head", "head_size", "mlp_width")  # None: derived from the others (see each's docstring)
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """A decoder-only transformer.
@@ -37,7 +40,9 @@ class GPTConfig:
       n_head: attention heads per block (query heads).
       n_kv_head: key and value heads, each shared by n_head / n_kv_head query heads (grouped-query attention:
         the KV cache holds n_kv_head heads); None for n_head (every query head its own).
-      n_embd: the model width (a multiple of n_head).
+      n_embd: the model width (a multiple of n_head, unless `head_size` is set).
+      head_size: each attention head's width, where it is not n_embd / n_head (Qwen3-0.6B: 128 over 1024 / 16);
+        None for n_embd / n_head (`head_dim` is the one to read).
       position: how positions enter: a `learned` table (GPT-2), a fixed `sinusoidal` table added to the
         token embeddings, or `rope` (rotary, applied to queries and keys in every layer).
       rope_theta: the rotary base frequency.
@@ -45,8 +50,9 @@ class GPTConfig:
       bias: biases in linear layers and LayerNorms (GPT-2 has them).
       qkv_bias: biases on the queries, keys and values whatever `bias` says (Qwen2.5 has them alone).
       norm: `layernorm` (GPT-2) or `rmsnorm`, x / RMS(x) times a learned scale (Llama, Qwen), with no bias.
-      qk_norm: normalize each head's queries and keys (RMS, no weights) before the position rotation and the
-        dot product, so that attention logits stay bounded however large the weights grow.
+      qk_norm: RMS-normalize each head's queries and keys, times a learned scale per channel (one for queries,
+        one for keys, shared by the heads: Qwen3's), before the position rotation and the dot product, so that
+        attention logits stay bounded however large the weights grow.
       activation: the MLP's nonlinearity: `gelu` (tanh approximation, GPT-2), `relu2`, relu(x)^2, or `silu`.
       gated_mlp: the MLP's hidden units are act(x @ gate) * (x @ up) (SwiGLU with `silu`: Llama, Qwen), where
         GPT-2's are act(x @ up).
@@ -70,6 +76,7 @@ class GPTConfig:
     n_head: int = 12
     n_kv_head: int | None = None
     n_embd: int = 768
+    head_size: int | None = None
     position: Position = "learned"
     rope_theta: float = 10000.0
     dropout: float = 0.0
@@ -93,33 +100,31 @@ class GPTConfig:
         for field in dataclasses.fields(self):
             if field.type in ("bool", bool) and not isinstance(getattr(self, field.name), bool):
                 raise ConfigError(f"GPTConfig.{field.name} must be true or false, got {getattr(self, field.name)!r}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", *_OPTIONAL_SIZES):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head:
+            if (value is not None or name not in _OPTIONAL_SIZES) and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"GPTConfig.{name} must be a positive integer"
+                                  f"{' or None' if name in _OPTIONAL_SIZES else ''}, got {value!r}")
+        if self.head_size is None and self.n_embd % self.n_head:
             raise ConfigError(
                 f"GPTConfig.n_embd={self.n_embd} must be divisible by GPTConfig.n_head={self.n_head}"
             )
-        if self.n_kv_head is not None and (not isinstance(self.n_kv_head, int) or isinstance(self.n_kv_head, bool)
-                                           or self.n_kv_head < 1 or self.n_head % self.n_kv_head):
-            raise ConfigError(f"GPTConfig.n_kv_head must be a positive divisor of n_head={self.n_head} or None, "
-                              f"got {self.n_kv_head!r}")
+        if self.n_head % self.kv_heads:
+            raise ConfigError(f"GPTConfig.n_kv_head={self.n_kv_head} must divide GPTConfig.n_head={self.n_head}")
         if self.position not in ("learned", "sinusoidal", "rope"):
             raise ConfigError(
                 f"GPTConfig.position must be 'learned', 'sinusoidal' or 'rope', got {self.position!r}"
             )
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(
-                f"GPTConfig.position='rope' needs an even head_dim, but n_embd/n_head = "
-                f"{self.n_embd}/{self.n_head} = {self.head_dim}"
+                f"GPTConfig.position='rope' needs an even head_dim, but it is {self.head_dim} "
+                f"({'head_size' if self.head_size else f'n_embd/n_head = {self.n_embd}/{self.n_head}'})"
             )
         if self.activation not in ("gelu", "relu2", "silu"):
             raise ConfigError(f"GPTConfig.activation must be 'gelu', 'relu2' or 'silu', got {self.activation!r}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"GPTConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
-        if self.mlp_width is not None and (not isinstance(self.mlp_width, int) or self.mlp_width < 1):
-            raise ConfigError(f"GPTConfig.mlp_width must be a positive integer or None, got {self.mlp_width!r}")
         if self.position == "sinusoidal" and self.n_embd % 2:
             raise ConfigError(f"GPTConfig.position='sinusoidal' needs an even n_embd, got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:
@@ -132,7 +137,8 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        """Each attention head's width: `head_size`, or n_embd / n_head."""
+        return self.n_embd // self.n_head if self.head_size is None else self.head_size
 
     @property
     def kv_heads(self) -> int:

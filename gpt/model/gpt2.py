@@ -93,7 +93,7 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
 
 # What GPT-2's format can hold: (field, the value it needs).
 _GPT2_ARCHITECTURE = (("position", "learned"), ("bias", True), ("qk_norm", False), ("activation", "gelu"),
-                      ("tied_head", True), ("norm", "layernorm"), ("gated_mlp", False))
+                      ("tied_head", True), ("norm", "layernorm"), ("gated_mlp", False), ("head_size", None))
 
 
 def config_to_hf(config: GPTConfig) -> dict:

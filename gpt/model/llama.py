@@ -1,8 +1,9 @@
-"""Llama-shaped checkpoints in the Hugging Face format (`LlamaForCausalLM`, `Qwen2ForCausalLM`): load them into
-a GPT.
+"""Llama-shaped checkpoints in the Hugging Face format (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM`): load them into a GPT.
 
 Their architecture is GPT's with newer choices, each a `GPTConfig` field: rotary positions, RMSNorm, a gated
-SiLU MLP, no biases but Qwen2's on q, k and v, grouped-query attention, a head tied or not. Their `nn.Linear` weights are stored
+SiLU MLP, no biases but Qwen2's on q, k and v, Qwen3's QK-norm, grouped-query attention, a head size of
+its own, a head tied or not. Their `nn.Linear` weights are stored
 [out, in]: each maps onto ours by a transpose and a reshape (k and v stacked into our [D, 2, K, H]); the
 table `_BLOCK_NAMES` names them. A config field this loader does not implement is a one-line error naming
 it, never a silent approximation.
@@ -26,7 +27,7 @@ from gpt.model.transformer import GPT, parameter
 
 __all__ = ["FAMILIES", "config_from_hf", "load"]
 
-FAMILIES = ("llama", "qwen2")  # Hugging Face model_type values this module reads
+FAMILIES = ("llama", "qwen2", "qwen3")  # Hugging Face model_type values this module reads
 
 # Each block weight's Hugging Face names ({} the layer): one, or k and v to stack.
 _BLOCK_NAMES = {
@@ -35,6 +36,8 @@ _BLOCK_NAMES = {
     "kv_kernel": tuple(f"model.layers.{{}}.self_attn.{x}_proj.weight" for x in "kv"),
     "q_bias": "model.layers.{}.self_attn.q_proj.bias",
     "kv_bias": tuple(f"model.layers.{{}}.self_attn.{x}_proj.bias" for x in "kv"),
+    "q_norm_scale": "model.layers.{}.self_attn.q_norm.weight",
+    "k_norm_scale": "model.layers.{}.self_attn.k_norm.weight",
     "out_kernel": "model.layers.{}.self_attn.o_proj.weight",
     "ln2_scale": "model.layers.{}.post_attention_layernorm.weight",
     "gate_kernel": "model.layers.{}.mlp.gate_proj.weight",
@@ -45,7 +48,7 @@ _MODEL_NAMES = {"wte": "model.embed_tokens.weight", "lnf_scale": "model.norm.wei
 
 
 def config_from_hf(hf: dict, **overrides) -> GPTConfig:
-    """A GPTConfig from a Llama or Qwen2 `config.json`; ConfigError naming the first field it cannot hold."""
+    """A GPTConfig from a Llama, Qwen2 or Qwen3 `config.json`; ConfigError naming the first field it cannot hold."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise ConfigError(f"config.json: model_type {family!r} is not one of {', '.join(FAMILIES)}")
@@ -54,7 +57,6 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     # (transformers 5's).
     rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}  # a scaling wins
     unsupported = {
-        "head_dim": (hf.get("head_dim") or width // heads, width // heads, "a head size other than width / heads"),
         "hidden_act": (hf.get("hidden_act", "silu"), "silu", "an activation other than SiLU"),
         "rope_type": (rope.get("rope_type", rope.get("type", "default")), "default", "rotary frequency scaling"),
         "mlp_bias": (hf.get("mlp_bias", False), False, "biases in the MLP"),
@@ -71,7 +73,8 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
         mlp_width=hf["intermediate_size"],
         position="rope", rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm="rmsnorm",
         layer_norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation="silu", gated_mlp=True, bias=False,
-        qkv_bias=family == "qwen2", tied_head=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2", qk_norm=family == "qwen3", tied_head=bool(hf.get("tie_word_embeddings", False)),
+        head_size=None if hf.get("head_dim", width // heads) == width // heads else hf["head_dim"],
     )
     return GPTConfig(**{**fields, **overrides})
 
@@ -105,7 +108,7 @@ def _ours(name: str, array: np.ndarray, config: GPTConfig) -> np.ndarray:
 
 
 def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None) -> GPT:
-    """A GPT with the weights of a Hugging Face Llama or Qwen2 checkpoint directory (config.json and
+    """A GPT with the weights of a Hugging Face Llama, Qwen2 or Qwen3 checkpoint directory (config.json and
     model.safetensors, or its shards and their index); dtype the compute dtype, param_dtype the storage
     dtype (default: dtype)."""
     directory = Path(source)

@@ -76,6 +76,8 @@ BLOCK_WEIGHTS = (  # in the order `Blocks` makes them (the order its random init
     BlockWeight("q_bias", "NH", ("heads", "head_dim"), "zeros", "h.{}.attn.c_attn.bias", when="has_qkv_bias"),
     BlockWeight("kv_bias", "2KH", (None, "kv_heads", "head_dim"), "zeros", "h.{}.attn.c_attn.bias",
                 when="has_qkv_bias"),
+    BlockWeight("q_norm_scale", "H", ("head_dim",), "ones", "", when="qk_norm", norm=True),
+    BlockWeight("k_norm_scale", "H", ("head_dim",), "ones", "", when="qk_norm", norm=True),
     BlockWeight("out_kernel", "NHD", ("heads", "head_dim", "embed"), "normal", "h.{}.attn.c_proj.weight",
                 residual=True, inputs=2),
     BlockWeight("out_bias", "D", ("embed",), "zeros", "h.{}.attn.c_proj.bias", when="bias"),

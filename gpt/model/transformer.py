@@ -160,9 +160,12 @@ def block(
     flat = lambda bias: None if bias is None else bias.reshape(-1)  # noqa: E731
     q_BTNH = _linear("qkv", h_BTD, p["q_kernel"], flat(p["q_bias"])).reshape(B, T, N, H)
     kv_BT2KH = _linear("qkv", h_BTD, p["kv_kernel"], flat(p["kv_bias"])).reshape(B, T, 2, K, H)
+    k_BTKH, v_BTKH = kv_BT2KH[:, :, 0], kv_BT2KH[:, :, 1]
     with jax.named_scope("attention"):
-        attn_BTNH, cache = _attention(config, q_BTNH, kv_BT2KH[:, :, 0], kv_BT2KH[:, :, 1], positions_BT, cache,
-                                      layer, mask_BTS)
+        if config.qk_norm:  # before the rotation (Qwen3's order)
+            q_BTNH = rms_norm(q_BTNH, p["q_norm_scale"], config.layer_norm_epsilon)
+            k_BTKH = rms_norm(k_BTKH, p["k_norm_scale"], config.layer_norm_epsilon)
+        attn_BTNH, cache = _attention(config, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, layer, mask_BTS)
     out_BTD = _linear("attn_proj", attn_BTNH.reshape(B, T, N * H), p["out_kernel"], p["out_bias"])
     x_BTD = x_BTD + dropout(out_BTD, config.dropout, attn_key)
 
@@ -201,8 +204,6 @@ def _attention(config: GPTConfig, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: 
     """The block's attention of its queries [B, T, N, H] over its keys and values [B, T, K, H] (as `block`
     describes): [B, T, N, H] and the cache with this layer's new keys and values written."""
     B, T, K, H = k_BTKH.shape
-    if config.qk_norm:
-        q_BTNH, k_BTKH = rms_normalize(q_BTNH), rms_normalize(k_BTKH)
     if config.position == "rope":
         q_BTNH = apply_rope(q_BTNH, positions_BT, config.rope_theta)
         k_BTKH = apply_rope(k_BTKH, positions_BT, config.rope_theta)
@@ -506,4 +507,4 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> float:
     plus 12 x layers x width x sequence for attention's two matmuls (the PaLM paper's formula, appendix B)."""
     tables = (config.block_size if config.position == "learned" else 0) + (0 if config.tied_head else config.vocab_size)
     matmul_params = num_params(config) - tables * config.n_embd
-    return 6 * matmul_params + 12 * config.n_layer * config.n_embd * seq_len
+    return 6 * matmul_params + 12 * config.n_layer * config.n_head * config.head_dim * seq_len
