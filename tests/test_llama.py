@@ -20,8 +20,10 @@ SHAPE = dict(vocab_size=300, hidden_size=48, intermediate_size=100, num_hidden_l
 FAMILIES = {  # between them: a key head per query head, one for all (multi-query), and one per two
     "llama-untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                      dict(tie_word_embeddings=False, num_key_value_heads=1)),
-    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                   dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,  # Llama 3's rotary scaling, its
+                   dict(tie_word_embeddings=True, num_key_value_heads=4,      # context short enough to matter
+                        rope_parameters=dict(rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0,
+                                             high_freq_factor=4.0, original_max_position_embeddings=16))),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
               dict(tie_word_embeddings=True, num_key_value_heads=2)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,  # heads of 16 over a width of 48 / 4
@@ -54,6 +56,7 @@ def test_logits_match_transformers(tmp_path, family):
     assert (directory / "model.safetensors.index.json").is_file() == (family == "qwen2")
     assert (model.config.tied_head, model.config.qkv_bias) == (hf_model.config.tie_word_embeddings, family == "qwen2")
     assert model.config.kv_heads == hf_model.config.num_key_value_heads and model.config.qk_norm == (family == "qwen3")
+    assert model.config.rope_scaling == (8.0 if family == "llama-tied" else 1.0)
     assert model.config.head_dim == getattr(hf_model.config, "head_dim", SHAPE["hidden_size"] // SHAPE["num_attention_heads"])
     tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (2, 40))
     np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
@@ -75,8 +78,10 @@ def test_greedy_generate_equals_transformers(tmp_path, family):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_type='linear' .rotary frequency scaling."),
-    ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}, "rope_type='llama3' .rotary frequency scaling."),
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_type='linear' .a rotary frequency scaling "
+                                                             "other than Llama 3's. is not supported; this loader "
+                                                             "reads rope_type='default' or 'llama3'"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 8.0}, "rope_type='yarn' .a rotary frequency scaling"),
     ("hidden_act", "gelu", "hidden_act='gelu' .an activation other than SiLU."),
     ("model_type", "mistral", "model_type 'mistral' is not one of llama, qwen2, qwen3"),
 ])

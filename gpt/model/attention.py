@@ -9,12 +9,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gpt.model import cpu_kernels
 from gpt.model.backend import choices
 from gpt.model.splash import splash_causal, splash_fits
 
-__all__ = ["attend", "attend_paged", "kernel_attend_paged", "sinusoidal_embedding", "apply_rope", "MAX_KERNEL_HEAD_DIM"]
+__all__ = ["attend", "attend_paged", "kernel_attend_paged", "sinusoidal_embedding", "rope_frequencies", "apply_rope",
+           "MAX_KERNEL_HEAD_DIM"]
 
 MAX_KERNEL_HEAD_DIM = 128  # `kernel_attend_paged` keeps a head in registers; larger ones are XLA's
 
@@ -34,19 +36,31 @@ def sinusoidal_embedding(positions_BT: jax.Array, width: int) -> jax.Array:
     return jnp.stack([jnp.sin(angles_BTK), jnp.cos(angles_BTK)], axis=-1).reshape(*positions_BT.shape, width)
 
 
-def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: float = 1.0, low: float = 1.0, high: float = 4.0,
+                     context: int = 8192) -> np.ndarray:
+    """The rotary angle per position of each channel pair, float32 [head_dim / 2]: theta^(-i / (head_dim / 2)),
+    then Llama 3's scaling: pairs whose wavelength exceeds context / low turn `scaling` times slower, those
+    under context / high as they were, those between by a blend (`scaling` 1 changes nothing)."""
+    half = head_dim // 2
+    inverse = (1.0 / theta ** (np.arange(half, dtype=np.float32) / half)).astype(np.float32)
+    wavelength = 2 * np.pi / inverse
+    slow = np.where(wavelength > context / low, inverse / scaling, inverse)
+    blend = (context / wavelength - low) / (high - low)
+    between = (wavelength >= context / high) & (wavelength <= context / low)
+    return np.where(between, (1 - blend) * slow / scaling + blend * slow, slow).astype(np.float32)
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inverse_freq: np.ndarray) -> jax.Array:
     """Rotary position embedding, rotating the two halves of each head as pairs (GPT-NeoX layout).
 
     Args:
       x_BTNH: queries or keys, [B, T, N, H] with H even.
       positions_BT: int32 positions, [B, T]; rows may differ (ragged batches).
-      theta: base frequency.
+      inverse_freq: float32 [H / 2], each pair's angle per position (`rope_frequencies`).
     Returns:
       [B, T, N, H] in x's dtype; the rotation itself is computed in float32.
     """
-    half = x_BTNH.shape[-1] // 2
-    inverse_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angles_BTK = positions_BT.astype(jnp.float32)[..., None] * inverse_freq
+    angles_BTK = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inverse_freq, jnp.float32)
     cos_BT1K = jnp.cos(angles_BTK)[:, :, None, :]
     sin_BT1K = jnp.sin(angles_BTK)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)

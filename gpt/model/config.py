@@ -46,6 +46,9 @@ class GPTConfig:
       position: how positions enter: a `learned` table (GPT-2), a fixed `sinusoidal` table added to the
         token embeddings, or `rope` (rotary, applied to queries and keys in every layer).
       rope_theta: the rotary base frequency.
+      rope_scaling: Llama 3's slowing of the rotary's long wavelengths for a longer context, by this factor
+        (1: none); rope_scaling_low, rope_scaling_high and rope_scaling_context are its low_freq_factor,
+        high_freq_factor and original_max_position_embeddings (`gpt.model.attention.rope_frequencies`).
       dropout: dropout rate on embeddings and residual branches while training.
       bias: biases in linear layers and LayerNorms (GPT-2 has them).
       qkv_bias: biases on the queries, keys and values whatever `bias` says (Qwen2.5 has them alone).
@@ -79,6 +82,10 @@ class GPTConfig:
     head_size: int | None = None
     position: Position = "learned"
     rope_theta: float = 10000.0
+    rope_scaling: float = 1.0
+    rope_scaling_low: float = 1.0
+    rope_scaling_high: float = 4.0
+    rope_scaling_context: int = 8192
     dropout: float = 0.0
     bias: bool = True
     qkv_bias: bool = False
@@ -100,7 +107,8 @@ class GPTConfig:
         for field in dataclasses.fields(self):
             if field.type in ("bool", bool) and not isinstance(getattr(self, field.name), bool):
                 raise ConfigError(f"GPTConfig.{field.name} must be true or false, got {getattr(self, field.name)!r}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", *_OPTIONAL_SIZES):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "rope_scaling_context",
+                     *_OPTIONAL_SIZES):
             value = getattr(self, name)
             if (value is not None or name not in _OPTIONAL_SIZES) and (
                     not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -129,6 +137,10 @@ class GPTConfig:
             raise ConfigError(f"GPTConfig.position='sinusoidal' needs an even n_embd, got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if not (1 <= self.rope_scaling < math.inf and 0 < self.rope_scaling_low < self.rope_scaling_high < math.inf):
+            raise ConfigError(f"GPTConfig.rope_scaling must be >= 1 and finite, and 0 < rope_scaling_low < "
+                              f"rope_scaling_high, got {self.rope_scaling}, {self.rope_scaling_low}, "
+                              f"{self.rope_scaling_high}")
         for name in ("rope_theta", "layer_norm_epsilon"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"GPTConfig.{name} must be positive and finite, got {getattr(self, name)}")

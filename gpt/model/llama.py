@@ -3,7 +3,7 @@
 
 Their architecture is GPT's with newer choices, each a `GPTConfig` field: rotary positions, RMSNorm, a gated
 SiLU MLP, no biases but Qwen2's on q, k and v, Qwen3's QK-norm, grouped-query attention, a head size of
-its own, a head tied or not. Their `nn.Linear` weights are stored
+its own, Llama 3's rotary scaling, a head tied or not. Their `nn.Linear` weights are stored
 [out, in]: each maps onto ours by a transpose and a reshape (k and v stacked into our [D, 2, K, H]); the
 table `_BLOCK_NAMES` names them. A config field this loader does not implement is a one-line error naming
 it, never a silent approximation.
@@ -56,17 +56,21 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     # The rotary settings: top-level rope_theta and rope_scaling (the hub's files), or one rope_parameters
     # (transformers 5's).
     rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}  # a scaling wins
-    unsupported = {
-        "hidden_act": (hf.get("hidden_act", "silu"), "silu", "an activation other than SiLU"),
-        "rope_type": (rope.get("rope_type", rope.get("type", "default")), "default", "rotary frequency scaling"),
-        "mlp_bias": (hf.get("mlp_bias", False), False, "biases in the MLP"),
-        "attention_bias": (hf.get("attention_bias", False), False, "biases on the attention's projections"),
-        "use_sliding_window": (hf.get("use_sliding_window", False), False, "sliding-window attention"),
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    unsupported = {  # field: (its value, the values this loader reads, what another value would be)
+        "hidden_act": (hf.get("hidden_act", "silu"), ("silu",), "an activation other than SiLU"),
+        "rope_type": (rope_type, ("default", "llama3"), "a rotary frequency scaling other than Llama 3's"),
+        "mlp_bias": (hf.get("mlp_bias", False), (False,), "biases in the MLP"),
+        "attention_bias": (hf.get("attention_bias", False), (False,), "biases on the attention's projections"),
+        "use_sliding_window": (hf.get("use_sliding_window", False), (False,), "sliding-window attention"),
     }
     for field, (value, supported, what) in unsupported.items():
-        if value != supported:
+        if value not in supported:
             raise ConfigError(f"config.json: {field}={value!r} ({what}) is not supported; this loader reads "
-                              f"{field}={supported!r}")
+                              f"{field}={' or '.join(map(repr, supported))}")
+    scaling = {} if rope_type == "default" else dict(
+        rope_scaling=float(rope["factor"]), rope_scaling_low=float(rope["low_freq_factor"]),
+        rope_scaling_high=float(rope["high_freq_factor"]), rope_scaling_context=rope["original_max_position_embeddings"])
     fields = dict(
         vocab_size=hf["vocab_size"], block_size=hf.get("max_position_embeddings", 2048),
         n_layer=hf["num_hidden_layers"], n_head=heads, n_kv_head=hf.get("num_key_value_heads", heads), n_embd=width,
@@ -74,7 +78,7 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
         position="rope", rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm="rmsnorm",
         layer_norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation="silu", gated_mlp=True, bias=False,
         qkv_bias=family == "qwen2", qk_norm=family == "qwen3", tied_head=bool(hf.get("tie_word_embeddings", False)),
-        head_size=None if hf.get("head_dim", width // heads) == width // heads else hf["head_dim"],
+        head_size=None if hf.get("head_dim", width // heads) == width // heads else hf["head_dim"], **scaling,
     )
     return GPTConfig(**{**fields, **overrides})
 

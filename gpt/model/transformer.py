@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from gpt.errors import ConfigError
-from gpt.model.attention import apply_rope, attend, attend_paged, sinusoidal_embedding
+from gpt.model.attention import apply_rope, attend, attend_paged, rope_frequencies, sinusoidal_embedding
 from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
 from gpt.model.layouts import Fp8Kernel, OutputMajor, dense
@@ -205,8 +205,10 @@ def _attention(config: GPTConfig, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: 
     describes): [B, T, N, H] and the cache with this layer's new keys and values written."""
     B, T, K, H = k_BTKH.shape
     if config.position == "rope":
-        q_BTNH = apply_rope(q_BTNH, positions_BT, config.rope_theta)
-        k_BTKH = apply_rope(k_BTKH, positions_BT, config.rope_theta)
+        inverse_freq = rope_frequencies(H, config.rope_theta, config.rope_scaling, config.rope_scaling_low,
+                                        config.rope_scaling_high, config.rope_scaling_context)
+        q_BTNH = apply_rope(q_BTNH, positions_BT, inverse_freq)
+        k_BTKH = apply_rope(k_BTKH, positions_BT, inverse_freq)
     q_BTNH = constrain(q_BTNH, ("batch", None, "heads", None))
     if cache is None:
         k_MTH, v_MTH = (x.transpose(0, 2, 1, 3).reshape(B * K, T, H) for x in (k_BTKH, v_BTKH))
