@@ -1,4 +1,5 @@
-"""Export a training run's checkpoint as a Hugging Face GPT-2 directory.
+"""Export a training run's checkpoint as a Hugging Face directory: GPT-2's format for a model of GPT-2's shape,
+Llama's or Qwen's for one of theirs.
 
     python -m gpt.export --out_dir out --hf_dir exported/
 """
@@ -14,8 +15,9 @@ import dataclasses
 
 import tyro
 
-from gpt.errors import cli_main
-from gpt.model import gpt2
+from gpt.errors import ConfigError, cli_main
+from gpt.model import gpt2, llama
+from gpt.model.config import GPTConfig
 from gpt.train.checkpoint import load_model
 
 
@@ -24,7 +26,7 @@ class ExportConfig:
     out_dir: str = "out"
     """The training run's out_dir."""
     hf_dir: str = "exported"
-    """Where to write config.json + model.safetensors (loadable by GPT2LMHeadModel.from_pretrained): a new or
+    """Where to write config.json + model.safetensors (loadable by transformers' AutoModelForCausalLM): a new or
     empty directory, or a previous export, which is replaced whole."""
     step: int | None = None
     """The checkpoint step (default: the latest)."""
@@ -32,8 +34,22 @@ class ExportConfig:
 
 @cli_main
 def main(config: ExportConfig) -> None:
-    path = gpt2.save(load_model(config.out_dir, config.step), config.hf_dir)
-    print(f"wrote {path}")
+    model = load_model(config.out_dir, config.step)
+    print(f"wrote {format_of(model.config).save(model, config.hf_dir)}")
+
+
+def format_of(config: GPTConfig):
+    """The module (`gpt2` or `llama`) whose Hugging Face format holds a model of `config`; ConfigError naming
+    what neither can hold."""
+    refusals = []
+    for module, check in ((gpt2, gpt2.config_to_hf), (llama, llama.family_of)):
+        try:
+            check(config)
+            return module
+        except ConfigError as error:
+            refusals.append(str(error))
+    raise ConfigError(f"{'; '.join(refusals)}; it can still be sampled, served and evaluated from its training "
+                      f"run's out_dir")
 
 
 if __name__ == "__main__":

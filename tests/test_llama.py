@@ -117,3 +117,45 @@ def test_over_a_mesh_and_in_int8_it_decodes_as_on_one_device(tmp_path, family):
     logits = np.asarray(forward(model.config, model.weights(), tokens)[0])
     int8 = np.asarray(forward(model.config, decoding_weights(model, "int8"), tokens)[0])
     assert np.abs(int8 - logits).max() < 0.1 * np.abs(logits).max()  # 0.058 measured, with 1, 2 or 4 key heads
+
+
+@pytest.mark.parametrize("family", [pytest.param("llama-untied", marks=pytest.mark.slow),
+                                    pytest.param("llama-tied", marks=pytest.mark.slow),
+                                    pytest.param("qwen2", marks=pytest.mark.slow), "qwen3"])
+def test_an_export_is_transformers_model_and_imports_back_byte_equal(tmp_path, family):
+    """An imported model written back: transformers' Auto class loads it to our logits, and importing and
+    exporting it again gives the same bytes."""
+    _, directory = random_hf_model(tmp_path, family, seed=3)
+    model = llama.load(directory)
+    exported = llama.save(model, tmp_path / "exported")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    assert type(theirs).__name__ == json.loads((directory / "config.json").read_text())["architectures"][0]
+    tokens = np.random.default_rng(1).integers(0, SHAPE["vocab_size"], (2, 24))
+    np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(theirs, tokens), atol=1e-4, rtol=0)
+    again = llama.save(llama.load(exported), tmp_path / "again")
+    assert {p.name: p.read_bytes() for p in again.iterdir()} == {p.name: p.read_bytes() for p in exported.iterdir()}
+
+
+def test_what_the_llama_formats_cannot_hold_is_refused_in_one_line(tmp_path):
+    from flax import nnx
+
+    from gpt import GPT, GPTConfig
+
+    with pytest.raises(ConfigError, match="cannot hold this model: position='learned'.*norm='layernorm'.*"
+                                          "gated_mlp=False.*bias=True") as error:
+        llama.save(GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0)), tmp_path / "out")
+    assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
+
+
+def test_gpt_export_writes_the_format_that_holds_the_model():
+    from gpt import GPTConfig
+    from gpt.export import format_of
+
+    assert format_of(GPTConfig.preset("tiny")) is gpt2
+    llama_shaped = GPTConfig.preset("tiny", position="rope", norm="rmsnorm", gated_mlp=True, activation="silu",
+                                    bias=False, n_kv_head=2)
+    assert format_of(llama_shaped) is llama and llama.config_to_hf(llama_shaped)["model_type"] == "llama"
+    with pytest.raises(ConfigError, match="^the GPT-2 format cannot hold .*; the Llama and Qwen formats cannot hold "
+                                          ".*activation='relu2'.*; it can still be sampled") as error:
+        format_of(llama_shaped.replace(activation="relu2"))
+    assert "\n" not in str(error.value)

@@ -14,8 +14,6 @@ import collections
 import json
 import os
 import pickle
-import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -23,11 +21,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
 
-from gpt.errors import ConfigError, MissingInput, write_failed
+from gpt.errors import ConfigError, MissingInput
 from gpt.model.config import GPTConfig
+from gpt.model.hf_files import read_safetensors, write_export
 from gpt.model.parameters import block_weights
 from gpt.model.transformer import GPT, parameter
 from gpt.tokenizer import hf_tokenizer_files
@@ -103,8 +100,7 @@ def config_to_hf(config: GPTConfig) -> dict:
     if config.kv_heads != config.n_head:
         unlike.append(f"n_kv_head={config.n_kv_head} (GPT-2 has a key head per query head, {config.n_head})")
     if unlike:
-        raise ConfigError(f"the GPT-2 format cannot hold this model: {', '.join(unlike)}; it can still be "
-                          f"sampled, served and evaluated from its training run's out_dir")
+        raise ConfigError(f"the GPT-2 format cannot hold this model: {', '.join(unlike)}")
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
         "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_ctx": config.block_size,
@@ -235,11 +231,10 @@ def read_torch_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
-    if (directory / "model.safetensors").is_file():
-        tensors = load_file(directory / "model.safetensors")
-    elif (directory / "pytorch_model.bin").is_file():
+    tensors = read_safetensors(directory)
+    if tensors is None and (directory / "pytorch_model.bin").is_file():
         tensors = read_torch_state_dict(directory / "pytorch_model.bin")
-    else:
+    elif tensors is None:
         raise MissingInput(f"{directory} has neither model.safetensors nor pytorch_model.bin")
     # GPT2LMHeadModel prefixes its names with "transformer."; GPT2Model (the hub's own files) does not.
     return {name.removeprefix("transformer."): array for name, array in tensors.items()}
@@ -298,48 +293,15 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
     return model
 
 
-_TOKENIZER_FILES = {"vocab.json", "merges.txt", "tokenizer_config.json"}
-_EXPORT_FILES = {"config.json", "model.safetensors"}  # and the tokenizer's (an export before they were written lacks them)
-
-
-def _check_export_destination(out_dir: Path) -> None:
-    """Refuse a destination whose contents an export would destroy: the working directory or one of its
-    parents, a training run's out_dir, or a non-empty directory that is not a previous export (exactly
-    config.json + model.safetensors of a GPT-2, with or without the tokenizer's files)."""
-    target, cwd = out_dir.resolve(), Path.cwd().resolve()
-    if target == cwd or target in cwd.parents:
-        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is the working directory or one of its "
-                          f"parents; name a new directory")
-    if target.exists() and not target.is_dir():
-        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is a file")
-    if not target.is_dir() or not any(target.iterdir()):
-        return
-    if (target / "checkpoints").exists() or (target / "metrics.jsonl").exists():
-        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is a training run's out_dir; name a new "
-                          f"directory")
-    names = {entry.name for entry in target.iterdir()}
-    try:
-        previous = names in (_EXPORT_FILES, _EXPORT_FILES | _TOKENIZER_FILES) and json.loads((target / "config.json").read_text()).get("model_type") == "gpt2"
-    except (OSError, ValueError):
-        previous = False
-    if not previous:
-        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is not empty and is not a previous GPT-2 "
-                          f"export (it holds {sorted(names)[:5]}); name a new or empty directory")
-
-
 def save(model: GPT, out_dir: str | os.PathLike) -> Path:
     """Write `model` as a Hugging Face GPT-2 checkpoint (config.json + model.safetensors, float32) with
     GPT-2's tokenizer (vocab.json, merges.txt, tokenizer_config.json: `gpt.tokenizer.hf_tokenizer_files`),
     so that transformers' `AutoModelForCausalLM` and `AutoTokenizer` load the directory offline.
 
-    Never destroys: the destination must be new, empty, or a previous export (see
-    `_check_export_destination`). The directory is written beside its destination and renamed into
-    place, so it appears whole or not at all; a previous export is replaced only once the new one is
-    complete. Files and directory get the usual permissions under the process's umask.
+    Never destroys, and appears whole or not at all (`gpt.model.hf_files.write_export`).
     """
-    config, out_dir = model.config, Path(out_dir)
+    config = model.config
     hf_config = config_to_hf(config)
-    _check_export_destination(out_dir)
     tensors = {}
     for hf_name, per_layer, shape, parts in _table(config):
         layers = config.n_layer if per_layer else 1
@@ -349,35 +311,5 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
         for i in range(layers):
             name = hf_name.format(i) if per_layer else hf_name
             tensors[f"transformer.{name}"] = np.ascontiguousarray(whole[i])
-
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # mkdtemp makes it 0700
-    except OSError as e:
-        raise write_failed(e, f"cannot write an export at {str(out_dir)!r}: {e}") from None
-    retired = staging.with_name(staging.name + ".old")
-    try:
-        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
-        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        for name, text in hf_tokenizer_files(config.block_size).items():
-            (staging / name).write_text(text, encoding="utf-8")
-        for file in staging.iterdir():
-            file.chmod(0o666 & ~umask)
-        staging.chmod(0o777 & ~umask)
-        if out_dir.exists():
-            out_dir.rename(retired)  # a previous export (checked above), replaced by two renames
-        try:
-            staging.rename(out_dir)
-        except OSError:
-            if retired.exists():
-                retired.rename(out_dir)  # the previous export, back where it was
-            raise
-    except (OSError, SafetensorError) as e:  # a full disk, say (safetensors' own error): out_dir is as it was
-        raise write_failed(e, f"writing the export to {str(out_dir)!r} failed, and nothing there changed: {e}"
-                           ) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(retired, ignore_errors=True)
-    return out_dir
+    return write_export(out_dir, tensors, {"config.json": json.dumps(hf_config, indent=2) + "\n",
+                                           **hf_tokenizer_files(config.block_size)})

@@ -1,5 +1,5 @@
 """Llama-shaped checkpoints in the Hugging Face format (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
-`Qwen3ForCausalLM`): load them into a GPT.
+`Qwen3ForCausalLM`): load them into a GPT, and write a GPT of their shape back.
 
 Their architecture is GPT's with newer choices, each a `GPTConfig` field: rotary positions, RMSNorm, a gated
 SiLU MLP, no biases but Qwen2's on q, k and v, Qwen3's QK-norm, grouped-query attention, a head size of
@@ -18,14 +18,14 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file
 
 from gpt.errors import ConfigError, MissingInput
 from gpt.model.config import GPTConfig
+from gpt.model.hf_files import read_safetensors, write_export
 from gpt.model.parameters import block_weights
 from gpt.model.transformer import GPT, parameter
 
-__all__ = ["FAMILIES", "config_from_hf", "load"]
+__all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "load", "save"]
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # Hugging Face model_type values this module reads
 
@@ -45,6 +45,10 @@ _BLOCK_NAMES = {
     "proj_kernel": "model.layers.{}.mlp.down_proj.weight",
 }
 _MODEL_NAMES = {"wte": "model.embed_tokens.weight", "lnf_scale": "model.norm.weight", "lm_head": "lm_head.weight"}
+_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# What these formats hold, whatever the family: (field, the value it needs).
+_LLAMA_ARCHITECTURE = (("position", "rope"), ("norm", "rmsnorm"), ("gated_mlp", True), ("activation", "silu"),
+                       ("bias", False))
 
 
 def config_from_hf(hf: dict, **overrides) -> GPTConfig:
@@ -83,20 +87,6 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     return GPTConfig(**{**fields, **overrides})
 
 
-def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
-    """Every tensor of `model.safetensors`, or of the shards its index names."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        tensors = {}
-        for shard in shards:
-            tensors.update(load_file(directory / shard))
-        return tensors
-    if (directory / "model.safetensors").is_file():
-        return load_file(directory / "model.safetensors")
-    raise MissingInput(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
-
-
 def _ours(name: str, array: np.ndarray, config: GPTConfig) -> np.ndarray:
     """A Hugging Face block weight [out, in] (or a bias, a scale) in our layout, without the layer axis."""
     H = config.head_dim
@@ -111,6 +101,68 @@ def _ours(name: str, array: np.ndarray, config: GPTConfig) -> np.ndarray:
     return array.T if array.ndim == 2 else array
 
 
+def _theirs(name: str, value: np.ndarray, config: GPTConfig) -> np.ndarray:
+    """`_ours` undone: a block weight of ours (without the layer axis) as Hugging Face stores it (k and v
+    stacked on a leading axis)."""
+    D = config.n_embd
+    if name == "q_kernel":  # [D, N, H] -> [N*H, D]
+        return value.reshape(D, -1).T
+    if name == "kv_kernel":  # [D, 2, K, H] -> k and v, each [K*H, D]
+        return np.stack([value[:, i].reshape(D, -1).T for i in range(2)])
+    if name in ("q_bias", "kv_bias"):  # [N, H] -> [N*H]; [2, K, H] -> k and v [K*H]
+        return value.reshape(*value.shape[:-2], -1)
+    if name == "out_kernel":  # [N, H, D] -> [D, N*H]
+        return value.reshape(-1, D).T
+    return value.T if value.ndim == 2 else value
+
+
+def family_of(config: GPTConfig) -> str:
+    """The Hugging Face model_type that holds a model of `config`; ConfigError naming every field none can hold."""
+    unlike = [f"{name}={getattr(config, name)!r} (these formats have {value!r})"
+              for name, value in _LLAMA_ARCHITECTURE if getattr(config, name) != value]
+    if config.qkv_bias and config.qk_norm:
+        unlike.append("qkv_bias=True with qk_norm=True (Qwen2 has the one, Qwen3 the other)")
+    if unlike:
+        raise ConfigError(f"the Llama and Qwen formats cannot hold this model: {', '.join(unlike)}")
+    return "qwen2" if config.qkv_bias else "qwen3" if config.qk_norm else "llama"
+
+
+def config_to_hf(config: GPTConfig) -> dict:
+    """The Hugging Face `config.json` of a Llama-shaped GPT (`config_from_hf` undone): Qwen2's with q, k and v
+    biases, Qwen3's with QK-norm, else Llama's."""
+    family = family_of(config)
+    scaling = None if config.rope_scaling == 1.0 else dict(
+        rope_type="llama3", factor=config.rope_scaling, low_freq_factor=config.rope_scaling_low,
+        high_freq_factor=config.rope_scaling_high, original_max_position_embeddings=config.rope_scaling_context)
+    return {
+        "architectures": [_CLASSES[family]], "model_type": family, "vocab_size": config.vocab_size,
+        "hidden_size": config.n_embd, "intermediate_size": config.mlp_dim, "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head, "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
+        "max_position_embeddings": config.block_size, "rms_norm_eps": config.layer_norm_epsilon,
+        "rope_theta": config.rope_theta, "rope_scaling": scaling, "tie_word_embeddings": config.tied_head,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "use_sliding_window": False,
+        "torch_dtype": "float32",
+    }
+
+
+def save(model: GPT, out_dir: str | os.PathLike) -> Path:
+    """Write a Llama-shaped `model` as a Hugging Face checkpoint (config.json + model.safetensors, float32) that
+    transformers' `AutoModelForCausalLM` loads, and `load` reads back to the same weights. Never destroys, and
+    appears whole or not at all (`gpt.model.hf_files.write_export`)."""
+    config = model.config
+    hf_config = config_to_hf(config)
+    value = lambda path: np.asarray(parameter(model, path)[...], np.float32)  # noqa: E731
+    tensors = {_MODEL_NAMES[path]: value(path) for path in ("wte", "lnf_scale", *(() if config.tied_head
+                                                                                  else ("lm_head",)))}
+    for w in block_weights(config):
+        names, stacked = _BLOCK_NAMES[w.name], value(f"blocks.{w.name}")
+        for i in range(config.n_layer):
+            theirs = _theirs(w.name, stacked[i], config)
+            for name, array in zip(names, theirs) if isinstance(names, tuple) else [(names, theirs)]:
+                tensors[name.format(i)] = np.ascontiguousarray(array)
+    return write_export(out_dir, tensors, {"config.json": json.dumps(hf_config, indent=2) + "\n"})
+
+
 def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None) -> GPT:
     """A GPT with the weights of a Hugging Face Llama, Qwen2 or Qwen3 checkpoint directory (config.json and
     model.safetensors, or its shards and their index); dtype the compute dtype, param_dtype the storage
@@ -120,7 +172,9 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
         raise MissingInput(f"{directory} has no config.json")
     config = config_from_hf(json.loads((directory / "config.json").read_text()), dtype=dtype,
                             param_dtype=param_dtype or dtype)
-    tensors = _read_tensors(directory)
+    tensors = read_safetensors(directory)
+    if tensors is None:
+        raise MissingInput(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
 
     def take(name: str) -> np.ndarray:
         if name not in tensors:

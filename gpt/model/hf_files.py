@@ -1,0 +1,104 @@
+"""Hugging Face checkpoint directories as files: their safetensors read (one file, or shards and their index),
+and an export written whole or not at all. What the tensors and config.json mean is each model family's
+module's business (`gpt.model.gpt2`, `gpt.model.llama`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from gpt.errors import ConfigError, write_failed
+
+__all__ = ["read_safetensors", "write_export"]
+
+_WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
+# What an export of ours holds: config.json and the weights, and the tokenizer's files where it has them (GPT-2's).
+_EXPORT_FILES = {"config.json", _WEIGHTS}
+_TOKENIZER_FILES = {"vocab.json", "merges.txt", "tokenizer_config.json"}
+
+
+def read_safetensors(directory: Path) -> dict[str, np.ndarray] | None:
+    """Every tensor of `model.safetensors`, or of the shards `model.safetensors.index.json` names; None when
+    the directory has neither."""
+    if (directory / _INDEX).is_file():
+        tensors = {}
+        for shard in sorted(set(json.loads((directory / _INDEX).read_text())["weight_map"].values())):
+            tensors.update(load_file(directory / shard))
+        return tensors
+    if (directory / _WEIGHTS).is_file():
+        return load_file(directory / _WEIGHTS)
+    return None
+
+
+def write_export(out_dir: str | os.PathLike, tensors: dict[str, np.ndarray], texts: dict[str, str]) -> Path:
+    """`tensors` as out_dir/model.safetensors and each of `texts` (config.json, the tokenizer's) as a file.
+
+    Never destroys: the destination must be new, empty, or a previous export (`_check_destination`). The
+    directory is written beside its destination and renamed into place, so it appears whole or not at all; a
+    previous export is replaced only once the new one is complete. Files and directory get the usual
+    permissions under the process's umask."""
+    out_dir = Path(out_dir)
+    _check_destination(out_dir)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # mkdtemp makes it 0700
+    except OSError as e:
+        raise write_failed(e, f"cannot write an export at {str(out_dir)!r}: {e}") from None
+    retired = staging.with_name(staging.name + ".old")
+    try:
+        save_file(tensors, staging / _WEIGHTS, metadata={"format": "pt"})
+        for name, text in texts.items():
+            (staging / name).write_text(text, encoding="utf-8")
+        for file in staging.iterdir():
+            file.chmod(0o666 & ~umask)
+        staging.chmod(0o777 & ~umask)
+        if out_dir.exists():
+            out_dir.rename(retired)  # a previous export (checked above), replaced by two renames
+        try:
+            staging.rename(out_dir)
+        except OSError:
+            if retired.exists():
+                retired.rename(out_dir)  # the previous export, back where it was
+            raise
+    except (OSError, SafetensorError) as e:  # a full disk, say (safetensors' own error): out_dir is as it was
+        raise write_failed(e, f"writing the export to {str(out_dir)!r} failed, and nothing there changed: {e}"
+                           ) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(retired, ignore_errors=True)
+    return out_dir
+
+
+def _check_destination(out_dir: Path) -> None:
+    """Refuse a destination whose contents an export would destroy: the working directory or one of its
+    parents, a training run's out_dir, or a non-empty directory that is not a previous export (exactly
+    config.json, with a model_type, and model.safetensors, with or without GPT-2's tokenizer files)."""
+    target, cwd = out_dir.resolve(), Path.cwd().resolve()
+    if target == cwd or target in cwd.parents:
+        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is the working directory or one of its "
+                          f"parents; name a new directory")
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is a file")
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if (target / "checkpoints").exists() or (target / "metrics.jsonl").exists():
+        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is a training run's out_dir; name a new "
+                          f"directory")
+    names = {entry.name for entry in target.iterdir()}
+    try:
+        previous = (names in (_EXPORT_FILES, _EXPORT_FILES | _TOKENIZER_FILES)
+                    and "model_type" in json.loads((target / "config.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        previous = False
+    if not previous:
+        raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is not empty and is not a previous export "
+                          f"(it holds {sorted(names)[:5]}); name a new or empty directory")
