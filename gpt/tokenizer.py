@@ -61,6 +61,10 @@ class Tokenizer:
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         return self.encoding.decode_bytes(list(ids))
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for."""
+        return self.encoding.decode_single_token_bytes(token)
+
     @staticmethod
     def _special(allow_special: bool) -> dict:
         if allow_special:
@@ -68,7 +72,7 @@ class Tokenizer:
         return {"allowed_special": set(), "disallowed_special": ()}
 
 
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: each byte as a printable character (printable Latin-1 bytes as
     themselves, the others as the characters from U+0100 on, in byte order), as its vocab.json spells tokens."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -95,7 +99,7 @@ def hf_tokenizer_files(model_max_length: int) -> dict[str, str]:
     tokenizer_config.json), made from the vendored ranks: an exported directory then loads with
     `AutoTokenizer.from_pretrained` offline, and tokenizes as tiktoken does."""
     ranks = load_tiktoken_bpe(str(_RANKS), expected_hash=_RANKS_SHA256)
-    spell = _byte_to_unicode()
+    spell = byte_to_unicode()
     text = lambda token: "".join(spell[b] for b in token)  # noqa: E731
     vocab = {text(token): rank for token, rank in ranks.items()} | {EOT: len(ranks)}
     merges = [_split(token, ranks) for token, _ in sorted(ranks.items(), key=lambda item: item[1]) if len(token) > 1]

@@ -27,7 +27,7 @@ class TextStream:
         stop_strings = (stop_strings,) if isinstance(stop_strings, str) else stop_strings  # one, not its characters
         self.stop_strings = tuple(s for s in stop_strings if s)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._token_bytes = get_tokenizer().encoding.decode_single_token_bytes
+        self._token_bytes = get_tokenizer().token_bytes
         self.text = ""  # everything decoded so far, cut at the stop string once one appears
         self.stopped = False
         self._shown = 0

@@ -83,8 +83,8 @@ class Parsed:
 
 @functools.cache
 def _longest_token_bytes() -> int:
-    encoding = get_tokenizer().encoding
-    return max(len(encoding.decode_single_token_bytes(i)) for i in range(encoding.n_vocab))
+    tokenizer = get_tokenizer()
+    return max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
 
 
 def describe(value, limit: int = 80) -> str:

@@ -1,0 +1,88 @@
+"""A Hugging Face model's own tokenizer (its `tokenizer.json`) through the `tokenizers` library, with the same
+methods as GPT-2's `gpt.tokenizer.Tokenizer`: the byte-level BPEs of Llama 3, Qwen2/3 and SmolLM2.
+
+Ids are those transformers' `AutoTokenizer` gives: the file's normalizer, pre-tokenizer, model and
+post-processor (which adds a BOS where the model's tokenizer does), and `add_bos_token` of
+tokenizer_config.json where it is set. A special token's text inside the text is ordinary text unless
+`allow_special` (GPT-2's rule: a corpus that contains the string does not inject document breaks).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+
+from gpt.errors import ConfigError, MissingInput
+from gpt.tokenizer import byte_to_unicode
+
+__all__ = ["TokenizerJson"]
+
+
+class TokenizerJson:
+    """Encode text to a Hugging Face tokenizer's ids and back.
+
+    Args:
+      directory: a model directory with tokenizer.json (and tokenizer_config.json, where the BOS and EOS
+        tokens are named).
+    """
+
+    def __init__(self, directory: str | Path):
+        directory = Path(directory)
+        if not (directory / "tokenizer.json").is_file():
+            raise MissingInput(f"{directory} has no tokenizer.json")
+        spec = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+        decoder = (spec.get("decoder") or {}).get("type")
+        if decoder != "ByteLevel":
+            raise ConfigError(f"{directory}/tokenizer.json: decoder {decoder!r} is not supported; this reader "
+                              f"decodes byte-level BPE (decoder 'ByteLevel': Llama 3, Qwen, SmolLM2)")
+        self.tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self._as_text = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))  # specials as text:
+        self._as_text.encode_special_tokens = True  # two objects, so that no thread changes one under another
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        self._bos = self._id_of(config.get("bos_token")) if config.get("add_bos_token") else None
+        self._eos = self._id_of(config.get("eos_token"))
+        self._specials = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+        self._unspell = {char: byte for byte, char in byte_to_unicode().items()}  # GPT-2's byte alphabet, undone
+
+    def _id_of(self, token) -> int | None:
+        """The id of a token named in tokenizer_config.json (a string, or {"content": ...}); None if unnamed."""
+        text = token.get("content") if isinstance(token, dict) else token
+        return None if text is None else self.tokenizer.token_to_id(text)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eot_id(self) -> int | None:
+        """The id of the end-of-sequence token (tokenizer_config.json's eos_token); None where it names none."""
+        return self._eos
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        ids = (self.tokenizer if allow_special else self._as_text).encode(text, add_special_tokens=True).ids
+        return ids if self._bos is None or ids[:1] == [self._bos] else [self._bos, *ids]
+
+    def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:
+        """Each text's ids (a list of its own), each distinct text encoded once."""
+        encoded = {text: self.encode(text, allow_special) for text in dict.fromkeys(texts)}
+        return [list(encoded[text]) for text in texts]
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a special token: its text)."""
+        if token in self._specials:
+            return self._specials[token].encode("utf-8")
+        spelled = self.tokenizer.id_to_token(token)
+        if spelled is None:
+            raise ConfigError(f"token id {token} is outside the tokenizer's vocabulary of {self.vocab_size}")
+        return bytes(self._unspell[char] for char in spelled)
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        return b"".join(self.token_bytes(token) for token in ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text for token ids; byte sequences that are not valid UTF-8 become U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
