@@ -46,7 +46,7 @@ from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, cli_main
 from gpt.inference.decoder import Decoder
 from gpt.inference.scoring import scored_positions
-from gpt.loading import ModelChoice, load
+from gpt.loading import ModelChoice, gpt2_tokenized, load
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.model.transformer import GPT, forward
@@ -237,7 +237,9 @@ def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
         raise ConfigError(f"EvalConfig.batch_size must be >= 1, got {config.batch_size}")
     streams = _streams(config)
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
-    model = model if model is not None else load(config.init_from, config.dtype)
+    if model is None:
+        gpt2_tokenized(config.init_from, "gpt.eval")
+        model = load(config.init_from, config.dtype)
     if config.split:  # the run's own shards, checked against their record and the run's before anything is scored
         _check_split(Path(config.init_from), config.split, model.config.vocab_size)
     context = model.config.block_size

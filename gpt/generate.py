@@ -34,10 +34,11 @@ __all__ = ["generate", "generate_text", "new_tokens_that_fit", "cache_length_for
 _MIN_NEW_BUCKET = 16
 
 
-def new_tokens_that_fit(config, prompt: str, wanted: int) -> int:
-    """min(wanted, the tokens the model's context holds after `prompt`); ConfigError when it holds none.
-    For defaults that must work on any model (an explicit max_new_tokens must fit, or it is an error)."""
-    prompt_tokens = len(get_tokenizer().encode(prompt))
+def new_tokens_that_fit(config, prompt: str, wanted: int, tokenizer=None) -> int:
+    """min(wanted, the tokens the model's context holds after `prompt`, encoded by `tokenizer`, GPT-2's by
+    default); ConfigError when it holds none. For defaults that must work on any model (an explicit
+    max_new_tokens must fit, or it is an error)."""
+    prompt_tokens = len((tokenizer or get_tokenizer()).encode(prompt))
     if prompt_tokens >= config.block_size:
         raise ConfigError(f"the prompt has {prompt_tokens} tokens: the model's context of {config.block_size} "
                           "tokens leaves no room for new ones")
@@ -59,6 +60,7 @@ def generate(
     max_batch: int = 64,
     draft: str | GPT | Decoder | Drafter | None = None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    tokenizer=None,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens.
 
@@ -90,13 +92,15 @@ def generate(
         made once for many calls). The same tokens as without a draft, sooner where the
         draft guesses well. None (or "none") decodes without one.
       draft_tokens: the most drafted tokens a step verifies.
+      tokenizer: what the stop strings are read through: GPT-2's (the default), or a model's own
+        (`gpt.tokenizer_json.TokenizerJson`).
     Returns:
       One list of new token ids per prompt.
     """
     prompts, max_new_tokens, stop_tokens = _checked(model.config, prompts, max_new_tokens, stop_tokens, max_batch,
                                                     sampling)
     engine = _engine_for(model, prompts, max_new_tokens, len(stop_tokens), on_token is not None, max_batch,
-                         quantize=quantize, mesh=mesh, draft=draft, draft_tokens=draft_tokens)
+                         quantize=quantize, mesh=mesh, draft=draft, draft_tokens=draft_tokens, tokenizer=tokenizer)
     completions = [engine.submit(Request(prompt, max_new_tokens, sampling, seed=seed, stream=row,
                                          stop_tokens=stop_tokens, stop_strings=stop_strings),
                                  None if on_token is None else _streamer(on_token, row))
@@ -138,7 +142,7 @@ def cache_length_for(config, longest_prompt: int, max_new_tokens: int) -> int:
 def _engine_for(model: GPT | Decoder, prompts: list[list[int]], max_new_tokens: int, stop_tokens: int,
                 streaming: bool, max_batch: int, **settings) -> Engine:
     """An engine sized for one `generate` call (see the module docstring); `settings`: the Engine's
-    quantize, mesh, draft and draft_tokens."""
+    quantize, mesh, draft, draft_tokens and tokenizer."""
     cache_length = cache_length_for(model.config, max(len(p) for p in prompts), max_new_tokens)
     # Streaming hands each token out as it is made (a device call per step, ~5% of the speed); otherwise one
     # call runs the whole decode.
@@ -154,18 +158,19 @@ def generate_text(
     *,
     stop_strings: Sequence[str] = (),
     on_text: Callable[[int, str], None] | None = None,
+    tokenizer=None,
     **settings,
 ) -> list[str]:
-    """`generate` on strings: encodes each prompt with GPT-2's tokenizer and returns each continuation,
-    cut before the first stop string. `on_text(row, piece)` streams decoded text as it is produced.
-    Other keyword arguments are `generate`'s."""
+    """`generate` on strings: encodes each prompt with `tokenizer` (GPT-2's by default, or a model's own:
+    `gpt.tokenizer_json.TokenizerJson`) and returns each continuation, cut before the first stop string.
+    `on_text(row, piece)` streams decoded text as it is produced. Other keyword arguments are `generate`'s."""
     if isinstance(prompts, str):
         raise ConfigError("prompts must be a list of strings, got one string")
     for row, prompt in enumerate(prompts):
         if not isinstance(prompt, str):
             raise ConfigError(f"prompts must be a list of strings; prompt {row} is {type(prompt).__name__}")
-    tokenizer = get_tokenizer()
-    streams = [TextStream(stop_strings) for _ in prompts]  # each row's text, decoded once
+    tokenizer = tokenizer or get_tokenizer()
+    streams = [TextStream(stop_strings, tokenizer) for _ in prompts]  # each row's text, decoded once
 
     def stream_text(row: int, token: int) -> None:
         stream = streams[row]
@@ -175,7 +180,7 @@ def generate_text(
                 on_text(row, piece)
 
     outputs = generate(model, tokenizer.encode_batch(prompts), max_new_tokens, stop_strings=stop_strings,
-                       on_token=stream_text if on_text is not None else None, **settings)
+                       on_token=stream_text if on_text is not None else None, tokenizer=tokenizer, **settings)
     texts = []
     for row, (stream, tokens) in enumerate(zip(streams, outputs)):
         if on_text is None:

@@ -1,20 +1,24 @@
-"""A model from wherever it is: a training run's out_dir, a Hugging Face GPT-2 directory, or a GPT-2 hub
-name in the local cache (what sample.py, serve.py and gpt.eval take as --init_from)."""
+"""A model from wherever it is: a training run's out_dir, a Hugging Face GPT-2, Llama or Qwen directory, or a
+GPT-2 hub name in the local cache (what sample.py, serve.py and gpt.eval take as --init_from), and the
+tokenizer that reads its text."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Literal
 
-from gpt.errors import MissingInput
+from gpt.errors import ConfigError, MissingInput
 from gpt.inference.speculation import DRAFTS
-from gpt.model import gpt2
+from gpt.model import gpt2, llama
 from gpt.model.config import DType, GPTConfig, check_dtype
 from gpt.model.transformer import GPT
 from gpt.run_dir import has_checkpoint
+from gpt.tokenizer import Tokenizer, get_tokenizer
+from gpt.tokenizer_json import TokenizerJson
 
-__all__ = ["load", "load_draft", "model_config_of", "ModelChoice"]
+__all__ = ["load", "load_draft", "model_config_of", "tokenizer_of", "gpt2_tokenized", "ModelChoice"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +27,8 @@ class ModelChoice:
     are this one with their own fields after it), each a flag."""
 
     init_from: str = "out"
-    """A training out_dir, a Hugging Face GPT-2 directory, or a hub name (gpt2, gpt2-medium, gpt2-large,
-    gpt2-xl) in the local Hugging Face cache."""
+    """A training out_dir, a Hugging Face GPT-2, Llama, Qwen2 or Qwen3 directory, or a hub name (gpt2,
+    gpt2-medium, gpt2-large, gpt2-xl) in the local Hugging Face cache."""
     dtype: DType = "float32"
     """Compute dtype (bfloat16 on GPUs)."""
     quantize: Literal["none", "int8", "bf16"] = "none"
@@ -36,8 +40,8 @@ class ModelChoice:
 
 
 def load(init_from: str, dtype: str = "float32", flag: str = "init_from", also: str = "") -> GPT:
-    """A GPT from a training out_dir, a Hugging Face GPT-2 directory, or a cached hub name (MissingInput
-    naming `flag`, and the `also` it could have been, when it is none of them)."""
+    """A GPT from a training out_dir, a Hugging Face GPT-2, Llama or Qwen directory, or a cached hub name
+    (MissingInput naming `flag`, and the `also` it could have been, when it is none of them)."""
     check_dtype(dtype)  # before looking at init_from: a bad dtype is the caller's, not the checkpoint's
     if has_checkpoint(init_from):
         # Imported here: the trainer's packages (Orbax, optax) are a quarter of a second of imports that
@@ -46,13 +50,43 @@ def load(init_from: str, dtype: str = "float32", flag: str = "init_from", also: 
 
         return load_model(init_from, dtype=dtype)
     if (Path(init_from) / "config.json").is_file() or init_from in gpt2.HUB_NAMES:
-        return gpt2.load(init_from, dtype=dtype)
+        return _family(init_from).load(init_from, dtype=dtype)
     raise _not_a_model(init_from, flag, also)
+
+
+def _family(init_from: str):
+    """The module that reads a Hugging Face directory or hub name: `llama` for a Llama, Qwen2 or Qwen3
+    config.json, `gpt2` for the rest (which refuses what is not a GPT-2)."""
+    config_path = Path(init_from) / "config.json"
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type") if config_path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        model_type = None  # gpt2's reader says what is wrong with it
+    return llama if model_type in llama.FAMILIES else gpt2
+
+
+def tokenizer_of(init_from: str) -> Tokenizer | TokenizerJson:
+    """The tokenizer of what `load(init_from)` loads: a Llama's or Qwen's own (its directory's tokenizer.json),
+    else GPT-2's."""
+    if has_checkpoint(init_from) or _family(init_from) is gpt2:
+        return get_tokenizer()
+    if not (Path(init_from) / "tokenizer.json").is_file():
+        raise MissingInput(f"{init_from} has no tokenizer.json: put the model's tokenizer files beside its weights "
+                           f"(they come with it from the Hugging Face hub)")
+    return TokenizerJson(init_from)
+
+
+def gpt2_tokenized(init_from: str, script: str) -> None:
+    """ConfigError unless what `init_from` names reads text with GPT-2's tokenizer (what `script` reads
+    text with as yet)."""
+    if not isinstance(tokenizer_of(init_from), Tokenizer):
+        raise ConfigError(f"{script} reads text with GPT-2's tokenizer as yet, and {init_from} has its own; "
+                          f"sample.py samples it")
 
 
 def _not_a_model(init_from: str, flag: str = "init_from", also: str = "") -> MissingInput:
     return MissingInput(f"--{flag} {init_from!r} is not {also}a training out_dir with checkpoints, a Hugging Face "
-                        f"GPT-2 directory, or a GPT-2 hub name ({', '.join(gpt2.HUB_NAMES)})")
+                        f"GPT-2, Llama or Qwen directory, or a GPT-2 hub name ({', '.join(gpt2.HUB_NAMES)})")
 
 
 def model_config_of(init_from: str, dtype: str = "float32") -> GPTConfig:
@@ -71,7 +105,7 @@ def model_config_of(init_from: str, dtype: str = "float32") -> GPTConfig:
             raise MissingInput(f"no finished checkpoint in {manager.directory}")
         return GPTConfig(**newest[1]["model_config"]).replace(dtype=dtype)
     if (Path(init_from) / "config.json").is_file():
-        return gpt2.read_config(init_from, dtype=dtype)
+        return _family(init_from).read_config(init_from, dtype=dtype)
     if init_from in gpt2.HUB_NAMES:
         return GPTConfig.preset(init_from, dtype=dtype)
     raise _not_a_model(init_from)

@@ -16,9 +16,8 @@ from gpt.inference.drafters import make_drafter
 from gpt.inference.engine_settings import DraftChoice
 from gpt.inference.sampling import Sampling
 from gpt.inference.speculation import check_draft
-from gpt.loading import ModelChoice, load, load_draft
+from gpt.loading import ModelChoice, load, load_draft, tokenizer_of
 from gpt.model.sharding import make_mesh, parse_mesh
-from gpt.tokenizer import get_tokenizer
 
 __all__ = ["SampleConfig", "sample"]
 
@@ -73,14 +72,14 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
                          "the samples' prompts and tokens", "ask for fewer --num_samples")
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     # Laid out for decoding (and quantized) once, for every sample.
+    tokenizer = tokenizer_of(config.init_from)  # the model's own where it has one (Llama's, Qwen's), else GPT-2's
     draft, model = load_draft(config.draft, config.dtype), load(config.init_from, config.dtype)
     max_new_tokens = config.max_new_tokens
     if max_new_tokens is None:
-        max_new_tokens = new_tokens_that_fit(model.config, start, _DEFAULT_NEW_TOKENS)
+        max_new_tokens = new_tokens_that_fit(model.config, start, _DEFAULT_NEW_TOKENS, tokenizer)
     decoder = Decoder.of(model, config.quantize, mesh)
     # Made once, for every sample, over the positions the rows hold, as generate's engine makes it.
-    draft = make_drafter(draft, decoder, cache_length_for(model.config, len(get_tokenizer().encode(start)),
-                                                          max_new_tokens))
+    draft = make_drafter(draft, decoder, cache_length_for(model.config, len(tokenizer.encode(start)), max_new_tokens))
     texts = []
     for i in range(config.num_samples if config.stream else 1):
         rows = 1 if config.stream else config.num_samples
@@ -88,7 +87,8 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
         if config.stream:
             out.write(start)
         batch = generate_text(decoder, [start] * rows, max_new_tokens, seed=config.seed + i, on_text=on_text,
-                              sampling=config.sampling, draft=draft, draft_tokens=config.draft_tokens)
+                              sampling=config.sampling, draft=draft, draft_tokens=config.draft_tokens,
+                              tokenizer=tokenizer)
         texts.extend(batch)
         if config.stream:
             out.write("\n---------------\n")

@@ -1,7 +1,11 @@
-"""Random-weight `transformers` GPT-2 models, the outside reference for parity tests."""
+"""Random-weight `transformers` GPT-2 models and small trained tokenizers, the outside references for parity
+tests."""
+
+import json
 
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 
 def random_hf_gpt2(tmp_path, seed: int = 0, weight_scale: float = 1.0, **config_fields):
@@ -26,3 +30,21 @@ def random_hf_gpt2(tmp_path, seed: int = 0, weight_scale: float = 1.0, **config_
 def hf_logits(model, tokens) -> "torch.Tensor":
     with torch.no_grad():
         return model(torch.as_tensor(tokens)).logits.float().numpy()
+
+
+def make_tokenizer(directory, corpus: str, bos: bool, vocab_size: int = 700):
+    """A byte-level BPE trained on `corpus`, saved as a Hugging Face tokenizer directory; with a template that
+    puts <s> first when `bos`."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator([corpus], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
+    directory.mkdir(exist_ok=True)  # beside a model's weights too
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    return directory

@@ -13,7 +13,7 @@ from gpt.generate import generate
 from gpt.inference.sampling import GREEDY
 from gpt.model import gpt2, llama
 
-from hf_reference import hf_logits
+from hf_reference import hf_logits, make_tokenizer
 
 SHAPE = dict(vocab_size=300, hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0, eos_token_id=None)
@@ -159,3 +159,26 @@ def test_gpt_export_writes_the_format_that_holds_the_model():
                                           ".*activation='relu2'.*; it can still be sampled") as error:
         format_of(llama_shaped.replace(activation="relu2"))
     assert "\n" not in str(error.value)
+
+
+def test_sample_py_samples_a_llama_directory_through_its_own_tokenizer(tmp_path, corpus_text):
+    """sample.py on a Llama directory with its tokenizer.json: transformers' greedy continuation of the prompt as
+    AutoTokenizer encodes it, as text; what reads text with GPT-2's tokenizer as yet refuses it in one line."""
+    import io
+
+    from gpt.loading import gpt2_tokenized
+    from gpt.sample import SampleConfig, sample
+    from gpt.tokenizer_json import TokenizerJson
+
+    hf_model, directory = random_hf_model(tmp_path, "llama-untied", seed=4)
+    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=SHAPE["vocab_size"])
+    start = "def main():\n    "
+    texts = sample(SampleConfig(init_from=str(directory), start=start, num_samples=1, max_new_tokens=12,
+                                sampling=GREEDY), io.StringIO())
+    ids = transformers.AutoTokenizer.from_pretrained(directory)(start)["input_ids"]
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):]
+    assert texts == [TokenizerJson(directory).decode(theirs.tolist())]
+    for script in ("serve.py", "gpt.eval"):
+        with pytest.raises(ConfigError, match=f"^{script} reads text with GPT-2's tokenizer as yet"):
+            gpt2_tokenized(str(directory), script)

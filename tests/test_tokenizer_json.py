@@ -4,10 +4,11 @@
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from gpt.errors import ConfigError
 from gpt.tokenizer_json import TokenizerJson
+
+from hf_reference import make_tokenizer
 
 TEXTS = [
     "",
@@ -18,24 +19,6 @@ TEXTS = [
     "it's they're I'll we've he'd 1234567890 3.14159",
     "\x00\x01 control chars \u200b zero-width",
 ]
-
-
-def make_tokenizer(directory, corpus: str, bos: bool):
-    """A byte-level BPE trained on `corpus`, saved as a Hugging Face tokenizer directory; with a template that
-    puts <s> first when `bos`."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator([corpus], trainers.BpeTrainer(
-        vocab_size=700, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    if bos:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
-    directory.mkdir()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
-    return directory
 
 
 @pytest.mark.parametrize("bos", [True, False], ids=["a BOS first (Llama 3)", "no BOS (Qwen, SmolLM2)"])

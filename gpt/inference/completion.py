@@ -27,10 +27,11 @@ class Completion:
     string), "length" (max_tokens reached), "cancelled" (`cancel`) or "abort" (cut by the engine's
     shutdown). `done` is set when it ends. `on_update`, when given, is called on the engine's thread after
     each batch of new tokens and at the end (and on the cancelling thread, for a request cancelled while
-    it waited).
+    it waited). `tokenizer` decodes the text (GPT-2's by default).
     """
 
-    def __init__(self, request: Request, on_update: Callable[[Completion], None] | None = None, settings=None):
+    def __init__(self, request: Request, on_update: Callable[[Completion], None] | None = None, settings=None,
+                 tokenizer=None):
         self.request, self.on_update = request, on_update
         self.settings = settings  # the request's knobs as host values (`Engine.check`)
         self.tokens: list[int] = []
@@ -39,7 +40,7 @@ class Completion:
         self.stop_token: tuple[int, float, list[tuple[int, float]]] | None = None
         self.prompt_logprobs: list[float | None] = [None] if request.prompt_logprobs else []
         self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = [None] if request.prompt_logprobs else []
-        self.text = TextStream(request.stop_strings)
+        self.text = TextStream(request.stop_strings, tokenizer)
         self.finish_reason: str | None = None
         self.done = threading.Event()
         self.cancel_requested = False

@@ -83,10 +83,12 @@ class Engine:
       quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
         (`gpt.inference.decoder.decoding_weights`); a Decoder's own.
       mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`); a Decoder's own.
+      tokenizer: what decodes the completions' text and its stop strings: GPT-2's (`gpt.tokenizer`, the
+        default), or a model's own (`gpt.tokenizer_json.TokenizerJson`).
     """
 
     def __init__(self, model: GPT | Decoder, settings: EngineSettings | None = None, *, quantize: str | None = None,
-                 mesh: Mesh | None = None, **changes):
+                 mesh: Mesh | None = None, tokenizer=None, **changes):
         config = model.config
         self.settings = s = dataclasses.replace(settings or EngineSettings(), **changes).checked(config)
         decoder = Decoder.of(model, quantize, mesh)
@@ -106,7 +108,8 @@ class Engine:
         self._scheduler = Scheduler(self.num_slots, s.max_queue, self.device.rows_per_prefill, self.prefill_chunk,
                                     prefix_cached)
         self._thread: threading.Thread | None = None
-        get_tokenizer()  # each Completion's text stream needs it: load it now, not on a request's clock
+        # Each Completion's text stream needs it: loaded now, not on a request's clock.
+        self.tokenizer = tokenizer or get_tokenizer()
 
     # ------------------------------------------------------------------------------ clients (any thread)
 
@@ -120,7 +123,7 @@ class Engine:
     def submit(self, request: Request, on_update: Callable[[Completion], None] | None = None) -> Completion:
         """Queue a request (checked first); returns its Completion. Raises ConfigError, QueueFull or
         EngineStopped."""
-        completion = Completion(request, on_update, self.check(request))
+        completion = Completion(request, on_update, self.check(request), self.tokenizer)
         self._scheduler.submit(completion)
         return completion
 

@@ -20,14 +20,15 @@ class TextStream:
     """The text of a growing token sequence, cut before the first stop string.
 
     `push(token)` adds a token and says whether a stop string has now appeared; `take()` returns the text
-    that is safe to show and not shown yet; `finish()` returns the rest.
+    that is safe to show and not shown yet; `finish()` returns the rest. `tokenizer` says what bytes a token
+    is (its `token_bytes`): GPT-2's by default.
     """
 
-    def __init__(self, stop_strings: Sequence[str] | str = ()):
+    def __init__(self, stop_strings: Sequence[str] | str = (), tokenizer=None):
         stop_strings = (stop_strings,) if isinstance(stop_strings, str) else stop_strings  # one, not its characters
         self.stop_strings = tuple(s for s in stop_strings if s)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._token_bytes = get_tokenizer().token_bytes
+        self._token_bytes = (tokenizer or get_tokenizer()).token_bytes
         self.text = ""  # everything decoded so far, cut at the stop string once one appears
         self.stopped = False
         self._shown = 0

@@ -47,8 +47,10 @@ class GPTConfig:
         token embeddings, or `rope` (rotary, applied to queries and keys in every layer).
       rope_theta: the rotary base frequency.
       rope_scaling: Llama 3's slowing of the rotary's long wavelengths for a longer context, by this factor
-        (1: none); rope_scaling_low, rope_scaling_high and rope_scaling_context are its low_freq_factor,
-        high_freq_factor and original_max_position_embeddings (`gpt.model.attention.rope_frequencies`).
+        (1: none; `gpt.model.attention.rope_frequencies`).
+      rope_scaling_low: Llama 3's low_freq_factor: wavelengths over rope_scaling_context / this are slowed.
+      rope_scaling_high: Llama 3's high_freq_factor: wavelengths under rope_scaling_context / this are kept.
+      rope_scaling_context: Llama 3's original_max_position_embeddings, the context it was trained at.
       dropout: dropout rate on embeddings and residual branches while training.
       bias: biases in linear layers and LayerNorms (GPT-2 has them).
       qkv_bias: biases on the queries, keys and values whatever `bias` says (Qwen2.5 has them alone).

@@ -24,7 +24,7 @@ from flax import nnx
 
 from gpt.errors import ConfigError, MissingInput
 from gpt.model.config import GPTConfig
-from gpt.model.hf_files import read_safetensors, write_export
+from gpt.model.hf_files import read_config_json, read_safetensors, write_export
 from gpt.model.parameters import block_weights
 from gpt.model.transformer import GPT, parameter
 from gpt.tokenizer import hf_tokenizer_files
@@ -244,14 +244,7 @@ def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
 
 def read_config(source: str | os.PathLike, **overrides) -> GPTConfig:
     """The GPTConfig of a checkpoint directory or cached hub name, from its config.json alone."""
-    config_path = resolve(source) / "config.json"
-    if not config_path.is_file():
-        raise MissingInput(f"{config_path.parent} has no config.json")
-    try:
-        hf = json.loads(config_path.read_text())
-    except ValueError as error:
-        raise ConfigError(f"{config_path} is not valid JSON: {error}") from None
-    return config_from_hf(hf, **overrides)
+    return config_from_hf(read_config_json(resolve(source)), **overrides)
 
 
 def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None) -> GPT:

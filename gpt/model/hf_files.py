@@ -14,14 +14,29 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from gpt.errors import ConfigError, write_failed
+from gpt.errors import ConfigError, MissingInput, first_line, write_failed
 
-__all__ = ["read_safetensors", "write_export"]
+__all__ = ["read_config_json", "read_safetensors", "write_export"]
 
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 # What an export of ours holds: config.json and the weights, and the tokenizer's files where it has them (GPT-2's).
 _EXPORT_FILES = {"config.json", _WEIGHTS}
 _TOKENIZER_FILES = {"vocab.json", "merges.txt", "tokenizer_config.json"}
+
+
+def read_config_json(directory: Path) -> dict:
+    """A checkpoint directory's config.json; MissingInput or ConfigError in one line when it has none or it
+    is not a JSON object."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise MissingInput(f"{directory} has no config.json")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path} is not valid JSON: {first_line(error)}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return config
 
 
 def read_safetensors(directory: Path) -> dict[str, np.ndarray] | None:

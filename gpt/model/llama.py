@@ -21,11 +21,11 @@ from flax import nnx
 
 from gpt.errors import ConfigError, MissingInput
 from gpt.model.config import GPTConfig
-from gpt.model.hf_files import read_safetensors, write_export
+from gpt.model.hf_files import read_config_json, read_safetensors, write_export
 from gpt.model.parameters import block_weights
 from gpt.model.transformer import GPT, parameter
 
-__all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "load", "save"]
+__all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "read_config", "load", "save"]
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # Hugging Face model_type values this module reads
 
@@ -163,15 +163,17 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
     return write_export(out_dir, tensors, {"config.json": json.dumps(hf_config, indent=2) + "\n"})
 
 
+def read_config(source: str | os.PathLike, **overrides) -> GPTConfig:
+    """The GPTConfig of a checkpoint directory, from its config.json alone."""
+    return config_from_hf(read_config_json(Path(source)), **overrides)
+
+
 def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None) -> GPT:
     """A GPT with the weights of a Hugging Face Llama, Qwen2 or Qwen3 checkpoint directory (config.json and
     model.safetensors, or its shards and their index); dtype the compute dtype, param_dtype the storage
     dtype (default: dtype)."""
     directory = Path(source)
-    if not (directory / "config.json").is_file():
-        raise MissingInput(f"{directory} has no config.json")
-    config = config_from_hf(json.loads((directory / "config.json").read_text()), dtype=dtype,
-                            param_dtype=param_dtype or dtype)
+    config = read_config(directory, dtype=dtype, param_dtype=param_dtype or dtype)
     tensors = read_safetensors(directory)
     if tensors is None:
         raise MissingInput(f"{directory} has neither model.safetensors nor model.safetensors.index.json")

@@ -222,6 +222,9 @@ def serve(config: ServeConfig) -> None:
     if config.compile_only:
         _compile_only(config)
         return
+    from gpt.loading import gpt2_tokenized
+
+    gpt2_tokenized(config.init_from, "serve.py")
     if config.api_key is None and os.environ.get(API_KEY_VARIABLE):
         config = dataclasses.replace(config, api_key=os.environ[API_KEY_VARIABLE])
     _file_descriptors(config.max_connections)
