@@ -1,11 +1,12 @@
 """A model from wherever it is: a training run's out_dir, a Hugging Face GPT-2, Llama or Qwen directory, or a
-GPT-2 hub name in the local cache (what sample.py, serve.py and gpt.eval take as --init_from), and the
+hub name in the local Hugging Face cache (what sample.py, serve.py and gpt.eval take as --init_from), and the
 tokenizer that reads its text."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -13,6 +14,7 @@ from gpt.errors import ConfigError, MissingInput
 from gpt.inference.speculation import DRAFTS
 from gpt.model import gpt2, llama
 from gpt.model.config import DType, GPTConfig, check_dtype
+from gpt.model.hf_files import hub_snapshot
 from gpt.model.transformer import GPT
 from gpt.run_dir import has_checkpoint
 from gpt.tokenizer import Tokenizer, get_tokenizer
@@ -27,8 +29,8 @@ class ModelChoice:
     are this one with their own fields after it), each a flag."""
 
     init_from: str = "out"
-    """A training out_dir, a Hugging Face GPT-2, Llama, Qwen2 or Qwen3 directory, or a hub name (gpt2,
-    gpt2-medium, gpt2-large, gpt2-xl) in the local Hugging Face cache."""
+    """A training out_dir, a Hugging Face GPT-2, Llama, Qwen2 or Qwen3 directory, or a hub name in the local
+    Hugging Face cache (gpt2, gpt2-medium, gpt2-large, gpt2-xl; HuggingFaceTB/SmolLM2-135M, ...)."""
     dtype: DType = "float32"
     """Compute dtype (bfloat16 on GPUs)."""
     quantize: Literal["none", "int8", "bf16"] = "none"
@@ -43,6 +45,7 @@ def load(init_from: str, dtype: str = "float32", flag: str = "init_from", also: 
     """A GPT from a training out_dir, a Hugging Face GPT-2, Llama or Qwen directory, or a cached hub name
     (MissingInput naming `flag`, and the `also` it could have been, when it is none of them)."""
     check_dtype(dtype)  # before looking at init_from: a bad dtype is the caller's, not the checkpoint's
+    init_from = located(init_from, flag)
     if has_checkpoint(init_from):
         # Imported here: the trainer's packages (Orbax, optax) are a quarter of a second of imports that
         # GPT-2 weights never need.
@@ -52,6 +55,20 @@ def load(init_from: str, dtype: str = "float32", flag: str = "init_from", also: 
     if (Path(init_from) / "config.json").is_file() or init_from in gpt2.HUB_NAMES:
         return _family(init_from).load(init_from, dtype=dtype)
     raise _not_a_model(init_from, flag, also)
+
+
+def located(init_from: str, flag: str = "init_from") -> str:
+    """`init_from` as a path: itself, or for a Hugging Face hub name ("HuggingFaceTB/SmolLM2-135M") that is no
+    path here, its snapshot in the local cache (offline; MissingInput saying how to get it when absent)."""
+    if not _HUB_NAME.fullmatch(init_from) or Path(init_from).exists():
+        return init_from
+    try:
+        return str(hub_snapshot(init_from))
+    except MissingInput as error:
+        raise MissingInput(f"--{flag} {init_from!r} is no directory here, and {error}") from None
+
+
+_HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # owner/model, as the hub names a model
 
 
 def _family(init_from: str):
@@ -68,6 +85,7 @@ def _family(init_from: str):
 def tokenizer_of(init_from: str) -> Tokenizer | TokenizerJson:
     """The tokenizer of what `load(init_from)` loads: a Llama's or Qwen's own (its directory's tokenizer.json),
     else GPT-2's."""
+    init_from = located(init_from)
     if has_checkpoint(init_from) or _family(init_from) is gpt2:
         return get_tokenizer()
     if not (Path(init_from) / "tokenizer.json").is_file():
@@ -93,6 +111,7 @@ def model_config_of(init_from: str, dtype: str = "float32") -> GPTConfig:
     """The GPTConfig of what `load(init_from)` would load, with no weights read: a training run's newest
     checkpoint's record, a Hugging Face directory's config.json, or a GPT-2 hub name's shape (its preset)."""
     check_dtype(dtype)
+    init_from = located(init_from)
     if has_checkpoint(init_from):
         from gpt.train.checkpoint import CheckpointManager
 

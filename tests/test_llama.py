@@ -182,3 +182,27 @@ def test_sample_py_samples_a_llama_directory_through_its_own_tokenizer(tmp_path,
     for script in ("serve.py", "gpt.eval"):
         with pytest.raises(ConfigError, match=f"^{script} reads text with GPT-2's tokenizer as yet"):
             gpt2_tokenized(str(directory), script)
+
+
+def test_a_hub_name_loads_from_the_local_cache_or_says_how_to_get_it(tmp_path, monkeypatch):
+    import shutil
+
+    from gpt.errors import MissingInput
+    from gpt.loading import load, model_config_of, tokenizer_of
+
+    _, directory = random_hf_model(tmp_path, "qwen3", seed=5)
+    make_tokenizer(directory, "some text to learn a few merges from " * 40, bos=False, vocab_size=SHAPE["vocab_size"])
+    snapshot = tmp_path / "hub" / "models--Org--Tiny-Qwen" / "snapshots" / "0123abc"
+    shutil.copytree(directory, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    tokens = np.arange(10)[None]
+    np.testing.assert_array_equal(np.asarray(load("Org/Tiny-Qwen")(tokens)), np.asarray(llama.load(directory)(tokens)))
+    assert model_config_of("Org/Tiny-Qwen") == llama.read_config(directory)
+    assert tokenizer_of("Org/Tiny-Qwen").encode("some text") == tokenizer_of(str(directory)).encode("some text")
+    with pytest.raises(MissingInput, match=r"^--init_from 'Org/Other' is no directory here, and 'Org/Other' is not in "
+                                           r"the local Hugging Face cache .*huggingface-cli download Org/Other") as error:
+        load("Org/Other")
+    assert "\n" not in str(error.value)

@@ -24,7 +24,7 @@ from flax import nnx
 
 from gpt.errors import ConfigError, MissingInput
 from gpt.model.config import GPTConfig
-from gpt.model.hf_files import read_config_json, read_safetensors, write_export
+from gpt.model.hf_files import hub_snapshot, read_config_json, read_safetensors, write_export
 from gpt.model.parameters import block_weights
 from gpt.model.transformer import GPT, parameter
 from gpt.tokenizer import hf_tokenizer_files
@@ -114,36 +114,13 @@ def config_to_hf(config: GPTConfig) -> dict:
 
 # ----------------------------------------------------------------------------------------------- files
 
-def _hub_cache_dirs() -> list[Path]:
-    if os.environ.get("HF_HUB_CACHE"):
-        return [Path(os.environ["HF_HUB_CACHE"])]
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-    return [home / "hub"]
-
-
 def resolve(source: str | os.PathLike) -> Path:
     """The checkpoint directory for a path, or for a hub name found in the local Hugging Face cache."""
     path = Path(source)
     if path.is_dir():
         return path
     if str(source) in HUB_NAMES:
-        looked = []
-        for cache in _hub_cache_dirs():
-            for repo in (f"models--{source}", f"models--openai-community--{source}"):
-                repo_dir = cache / repo
-                looked.append(str(repo_dir))
-                ref = repo_dir / "refs" / "main"
-                snapshots = [repo_dir / "snapshots" / ref.read_text().strip()] if ref.is_file() else sorted(
-                    (repo_dir / "snapshots").glob("*")
-                )
-                for snapshot in snapshots:
-                    if (snapshot / "config.json").is_file():
-                        return snapshot
-        raise MissingInput(
-            f"GPT-2 checkpoint {str(source)!r} is not in the local Hugging Face cache (looked in "
-            f"{', '.join(looked)}); download it where there is a network (`huggingface-cli download "
-            f"{source}`) or pass a directory with config.json and model.safetensors"
-        )
+        return hub_snapshot(str(source), also=f"openai-community/{source}")
     raise MissingInput(
         f"{str(source)!r} is neither a directory nor a GPT-2 hub name ({', '.join(HUB_NAMES)})"
     )

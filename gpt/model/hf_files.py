@@ -16,12 +16,39 @@ from safetensors.numpy import load_file, save_file
 
 from gpt.errors import ConfigError, MissingInput, first_line, write_failed
 
-__all__ = ["read_config_json", "read_safetensors", "write_export"]
+__all__ = ["hub_snapshot", "read_config_json", "read_safetensors", "write_export"]
 
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 # What an export of ours holds: config.json and the weights, and the tokenizer's files where it has them (GPT-2's).
 _EXPORT_FILES = {"config.json", _WEIGHTS}
 _TOKENIZER_FILES = {"vocab.json", "merges.txt", "tokenizer_config.json"}
+
+
+def _hub_cache_dirs() -> list[Path]:
+    if os.environ.get("HF_HUB_CACHE"):
+        return [Path(os.environ["HF_HUB_CACHE"])]
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    return [home / "hub"]
+
+
+def hub_snapshot(name: str, also: str | None = None) -> Path:
+    """The directory of hub model `name` (e.g. "HuggingFaceTB/SmolLM2-135M"; or of `also`, another name it goes
+    by) in the local Hugging Face cache, offline: its main snapshot, else any with a config.json. MissingInput
+    in one line, saying how to get it, when the cache has none."""
+    looked = []
+    for cache in _hub_cache_dirs():
+        for repo in (name, *([also] if also else [])):
+            repo_dir = cache / f"models--{repo.replace('/', '--')}"
+            looked.append(str(repo_dir))
+            ref = repo_dir / "refs" / "main"
+            snapshots = ([repo_dir / "snapshots" / ref.read_text().strip()] if ref.is_file()
+                         else sorted((repo_dir / "snapshots").glob("*")))
+            for snapshot in snapshots:
+                if (snapshot / "config.json").is_file():
+                    return snapshot
+    raise MissingInput(f"{name!r} is not in the local Hugging Face cache (looked in {', '.join(looked)}); download "
+                       f"it where there is a network (`huggingface-cli download {name}`) or pass a directory with "
+                       f"config.json and model.safetensors")
 
 
 def read_config_json(directory: Path) -> dict:
