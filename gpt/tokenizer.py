@@ -42,6 +42,12 @@ class Tokenizer:
         """The id of `<|endoftext|>` (50256)."""
         return self.encoding.eot_token
 
+    hf_class = "GPT2Tokenizer"  # transformers' class for it (the server's /tokenizer_info says it)
+
+    def special_tokens(self) -> dict[str, str | None]:
+        """Its BOS, EOS and unknown tokens' text, as transformers names them: all three `<|endoftext|>`."""
+        return dict.fromkeys(("bos_token", "eos_token", "unk_token"), EOT)
+
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         return self.encoding.encode(text, **self._special(allow_special))
 

@@ -43,15 +43,25 @@ class TokenizerJson:
         self._as_text.encode_special_tokens = True  # two objects, so that no thread changes one under another
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        self._named = {name: self._text_of(config.get(name)) for name in ("bos_token", "eos_token", "unk_token")}
         self._bos = self._id_of(config.get("bos_token")) if config.get("add_bos_token") else None
         self._eos = self._id_of(config.get("eos_token"))
+        self.hf_class = config.get("tokenizer_class", "PreTrainedTokenizerFast")  # transformers' class for it
         self._specials = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
         self._unspell = {char: byte for byte, char in byte_to_unicode().items()}  # GPT-2's byte alphabet, undone
 
+    @staticmethod
+    def _text_of(token) -> str | None:
+        """A token named in tokenizer_config.json (a string, or {"content": ...}): its text; None if unnamed."""
+        return token.get("content") if isinstance(token, dict) else token
+
     def _id_of(self, token) -> int | None:
-        """The id of a token named in tokenizer_config.json (a string, or {"content": ...}); None if unnamed."""
-        text = token.get("content") if isinstance(token, dict) else token
+        text = self._text_of(token)
         return None if text is None else self.tokenizer.token_to_id(text)
+
+    def special_tokens(self) -> dict[str, str | None]:
+        """Its BOS, EOS and unknown tokens' text, as tokenizer_config.json names them (None where it does not)."""
+        return dict(self._named)
 
     @property
     def vocab_size(self) -> int:

@@ -179,9 +179,37 @@ def test_sample_py_samples_a_llama_directory_through_its_own_tokenizer(tmp_path,
     with torch.no_grad():
         theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):]
     assert texts == [TokenizerJson(directory).decode(theirs.tolist())]
-    for script in ("serve.py", "gpt.eval"):
-        with pytest.raises(ConfigError, match=f"^{script} reads text with GPT-2's tokenizer as yet"):
-            gpt2_tokenized(str(directory), script)
+    with pytest.raises(ConfigError, match="^gpt.eval reads text with GPT-2's tokenizer as yet"):
+        gpt2_tokenized(str(directory), "gpt.eval")
+
+
+def test_the_server_reads_and_writes_text_through_the_models_tokenizer(tmp_path, corpus_text):
+    """serve.py over a Qwen-shaped model and its tokenizer.json: completions' text, logprobs' token strings,
+    /tokenize and /tokenizer_info are that tokenizer's (transformers' ids), and a completion stops at its EOS."""
+    import httpx
+
+    from gpt.generate import generate_text
+    from gpt.tokenizer_json import TokenizerJson
+
+    from serving import Server
+
+    _, directory = random_hf_model(tmp_path, "qwen2", seed=6)
+    make_tokenizer(directory, corpus_text[:50_000], bos=False, vocab_size=SHAPE["vocab_size"])
+    tokenizer, model = TokenizerJson(directory), llama.load(directory)
+    start = "import os\nimport sys\n"
+    want = generate_text(model, [start], 10, sampling=GREEDY, stop_tokens=[tokenizer.eot_id], tokenizer=tokenizer)[0]
+    server = Server(model, warmup=False, tokenizer=tokenizer, slots=2, cache_length=64)
+    try:
+        reply = server.client.completions.create(model="tiny", prompt=start, max_tokens=10, temperature=0, logprobs=1)
+        choice = reply.choices[0]
+        stopped = "</s>" if choice.finish_reason == "stop" else ""  # the EOS that ended it is scored, not text
+        assert choice.text == want and "".join(choice.logprobs.tokens) == want + stopped
+        ids = httpx.post(f"{server.url}/tokenize", json={"prompt": start}).json()["tokens"]
+        assert ids == transformers.AutoTokenizer.from_pretrained(directory)(start)["input_ids"]
+        info = httpx.get(f"{server.url}/tokenizer_info").json()
+        assert (info["eos_token"], info["tokenizer_class"]) == ("</s>", "PreTrainedTokenizerFast")
+    finally:
+        server.stop()
 
 
 def test_a_hub_name_loads_from_the_local_cache_or_says_how_to_get_it(tmp_path, monkeypatch):

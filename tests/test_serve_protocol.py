@@ -60,9 +60,9 @@ def test_hostile_values_are_refused_naming_the_field(raw, param, message):
 def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("tokenized")
-    monkeypatch.setattr(protocol.get_tokenizer(), "encode", never)
+    monkeypatch.setattr(LIMITS.tokenizer, "encode", never)
     refused(body(prompt="x" * (LIMITS.max_prompt_chars + 1)))
-    assert LIMITS.max_prompt_chars == 128 * protocol._longest_token_bytes()
+    assert LIMITS.max_prompt_chars == 128 * protocol._longest_token_bytes(LIMITS.tokenizer)
 
 
 def test_tokenizer_bodies_are_checked():

@@ -14,9 +14,10 @@
                            inter-token latency, completion requests by status
     GET  /                 the playground page (`gpt.serve.playground`), unless playground=False
 
-Text becomes tokens as Hugging Face's GPT-2 tokenizer makes them (`<|endoftext|>` in a prompt is the
-special token, 50256), the same in completions and /tokenize, so that a client that counts tokens
-(lm-evaluation-harness) counts what is scored. The engine runs on a thread of its own; each request waits
+Text becomes tokens as the engine's tokenizer makes them, Hugging Face's GPT-2 tokenizer's or a model's own
+tokenizer.json's (a special token's text in a prompt is the special token: GPT-2's `<|endoftext|>`, 50256),
+the same in completions and /tokenize, so that a client that counts tokens (lm-evaluation-harness) counts
+what is scored. The engine runs on a thread of its own; each request waits
 on an asyncio queue that the engine's thread feeds. Bodies are parsed and prompts tokenized off the event
 loop (`gpt.serve.protocol`), so a long prompt holds up no stream. Every error, expected or not, becomes
 OpenAI's error JSON in one place (`error_reply`): 400 naming the field, 401 without the API key, 413 for
@@ -50,7 +51,6 @@ from gpt.serve.metrics import Metrics
 from gpt.serve.playground import PAGE_PATHS, add_playground_routes
 from gpt.serve.protocol import ApiError, Limits, parse_completion, parse_detokenize, parse_tokenize
 from gpt.serve.replies import Choice, choice_json, stream_events, usage, wait_for_update
-from gpt.tokenizer import EOT, get_tokenizer
 
 __all__ = ["create_app", "error_reply", "OPEN_PATHS"]
 
@@ -142,10 +142,10 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
     stops it (running requests get up to `shutdown_deadline_s`, then end with finish_reason "abort"). A
     body over `max_request_bytes` gets 413; with `api_key`, a request without it gets 401. `playground`
     serves the page at `/`."""
-    tokenizer = get_tokenizer()
-    eot = tokenizer.eot_id if engine.config.vocab_size > tokenizer.eot_id else None
+    tokenizer = engine.tokenizer
+    eot = tokenizer.eot_id if tokenizer.eot_id is not None and engine.config.vocab_size > tokenizer.eot_id else None
     limits = Limits(model_name, engine.config.vocab_size, engine.cache_length, engine.max_queue,
-                    engine.max_stop_tokens, eot)
+                    engine.max_stop_tokens, eot, tokenizer)
     served = _Served(engine, model_name, limits, Metrics(engine), max_request_bytes)
     state = {"serving": False}
 
@@ -232,10 +232,12 @@ def _add_info_routes(app: FastAPI, served: _Served, state: dict) -> None:
 
 def _add_tokenizer_routes(app: FastAPI, served: _Served) -> None:
     """/tokenizer_info, /tokenize and /detokenize (and under /v1), as vLLM answers them."""
-    tokenizer, limits, cache_length = get_tokenizer(), served.limits, served.engine.cache_length
-    special = EOT if limits.eot is not None else None
-    info = {"tokenizer_class": "GPT2Tokenizer", "bos_token": special, "eos_token": special, "unk_token": special,
-            "pad_token": None, "model_max_length": cache_length, "vocab_size": limits.vocab_size}
+    limits, cache_length = served.limits, served.engine.cache_length
+    tokenizer = limits.tokenizer
+    specials = tokenizer.special_tokens() if limits.eot is not None else dict.fromkeys(("bos_token", "eos_token",
+                                                                                          "unk_token"))
+    info = {"tokenizer_class": tokenizer.hf_class, **specials, "pad_token": None, "model_max_length": cache_length,
+            "vocab_size": limits.vocab_size}
 
     @app.get("/tokenizer_info")
     @app.get("/v1/tokenizer_info")

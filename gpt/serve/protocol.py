@@ -48,9 +48,10 @@ class Limits:
 
     model_name: the name clients must send; vocab_size, cache_length, max_queue, max_stop_tokens: the
     engine's; eot: the end-of-text id every completion stops at (None when the vocabulary has none);
-    max_depth: how deeply JSON arrays and objects may nest; max_prompt_chars (derived): the most characters
-    a prompt string can have and still fit the cache in tokens, found from the vocabulary's longest token
-    when the limits are made (at start-up, not on a request's clock).
+    tokenizer: what reads and writes the text (the engine's: GPT-2's, or a model's own); max_depth: how deeply
+    JSON arrays and objects may nest; max_prompt_chars (derived): the most characters a prompt string can
+    have and still fit the cache in tokens, found from the vocabulary's longest token when the limits are
+    made (at start-up, not on a request's clock).
     """
 
     model_name: str
@@ -59,18 +60,19 @@ class Limits:
     max_queue: int
     max_stop_tokens: int
     eot: int | None
+    tokenizer: object = dataclasses.field(default_factory=get_tokenizer, compare=False)
     max_depth: int = 32
     max_prompt_chars: int = dataclasses.field(init=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "max_prompt_chars", self.cache_length * _longest_token_bytes())
+        object.__setattr__(self, "max_prompt_chars", self.cache_length * _longest_token_bytes(self.tokenizer))
 
 
 @dataclasses.dataclass(frozen=True)
 class Parsed:
     """A completions request, parsed: the engine's requests (n per prompt, prompt after prompt), what
     `echo` puts before each completion, and how to answer (stream, logprobs: None or how many
-    alternatives, echo, prompt_tokens for the usage, include_usage)."""
+    alternatives, echo, prompt_tokens for the usage, include_usage, the tokenizer that spells its tokens)."""
 
     requests: list[Request]
     prompt_texts: list[str]
@@ -79,11 +81,11 @@ class Parsed:
     echo: bool
     prompt_tokens: int
     include_usage: bool
+    tokenizer: object
 
 
 @functools.cache
-def _longest_token_bytes() -> int:
-    tokenizer = get_tokenizer()
+def _longest_token_bytes(tokenizer) -> int:
     return max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
 
 
@@ -171,9 +173,9 @@ def _prompt_list(body: dict) -> list[str | list[int]]:
 
 
 def _tokenized(prompts: list[str | list[int]], limits: Limits) -> list[list[int]]:
-    """Each prompt as token ids (strings through GPT-2's tokenizer, `<|endoftext|>` its special id); a
-    string too long to fit the cache is refused before it is tokenized."""
-    tokenizer = get_tokenizer()
+    """Each prompt as token ids (strings through the tokenizer, a special token's text its id: GPT-2's
+    `<|endoftext|>`); a string too long to fit the cache is refused before it is tokenized."""
+    tokenizer = limits.tokenizer
     for p in prompts:
         if isinstance(p, str) and len(p) > limits.max_prompt_chars:
             raise ApiError(400, f"prompt has {len(p)} characters; at most {limits.max_prompt_chars} can fit the "
@@ -252,7 +254,7 @@ def parse_completion(raw: bytes, limits: Limits) -> Parsed:
     prompts = _tokenized(raw_prompts, limits)  # after every cheaper check
     requests, texts = [], []
     for prompt, sent in zip(prompts, raw_prompts):
-        text = sent if isinstance(sent, str) else get_tokenizer().decode(prompt) if echo else ""
+        text = sent if isinstance(sent, str) else limits.tokenizer.decode(prompt) if echo else ""
         requests += [Request(prompt, stream=j, **knobs) for j in range(n)]
         texts += [text] * n
     try:
@@ -261,7 +263,7 @@ def parse_completion(raw: bytes, limits: Limits) -> Parsed:
     except ConfigError as e:
         raise ApiError(400, str(e), _field_of(str(e))) from None
     return Parsed(requests, texts, stream, logprobs, echo, sum(map(len, prompts)),
-                  stream_options.get("include_usage", False))
+                  stream_options.get("include_usage", False), limits.tokenizer)
 
 
 def parse_tokenize(raw: bytes, limits: Limits) -> str:
@@ -272,7 +274,7 @@ def parse_tokenize(raw: bytes, limits: Limits) -> str:
 
 def parse_detokenize(raw: bytes, limits: Limits) -> list[int]:
     """A /detokenize body's ids ({"tokens": ids}, each in the vocabulary); ApiError 400 naming it otherwise."""
-    vocab = get_tokenizer().vocab_size
+    vocab = limits.tokenizer.vocab_size
     in_vocabulary = lambda ids: isinstance(ids, list) and all(is_int(t) and 0 <= t < vocab for t in ids)  # noqa: E731
     return _tokenizer_body(raw, limits, "tokens", in_vocabulary, f"a list of token ids in [0, {vocab})")["tokens"]
 

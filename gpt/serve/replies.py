@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gpt.inference.completion import Completion
 from gpt.serve.protocol import Parsed
-from gpt.tokenizer import get_tokenizer
 
 __all__ = ["Choice", "choice_json", "usage", "stream_events", "wait_for_update"]
 
@@ -48,9 +47,9 @@ def _completion_scores(choice: Choice, start: int, end: int, done: bool) -> list
     return scored + [c.stop_token] if done and c.stop_token is not None else scored
 
 
-def _logprobs(scored: list[_Scored], text_offset: int, top: int) -> dict:
-    """OpenAI's legacy completions logprobs object for `scored` tokens, the first at `text_offset`."""
-    tokenizer = get_tokenizer()
+def _logprobs(scored: list[_Scored], text_offset: int, top: int, tokenizer) -> dict:
+    """OpenAI's legacy completions logprobs object for `scored` tokens, the first at `text_offset`, spelled by
+    `tokenizer`."""
     strings = [tokenizer.decode([t]) for t, _, _ in scored]
     offsets, at = [], text_offset
     for s in strings:
@@ -71,7 +70,7 @@ def choice_json(choice: Choice, parsed: Parsed) -> dict:
     scored = (_prompt_scores(choice) if parsed.echo else []) + _completion_scores(choice, 0, len(c.tokens), True)
     return {"text": (choice.prompt_text if parsed.echo else "") + c.text.finish(), "index": choice.index,
             "finish_reason": c.finish_reason,
-            "logprobs": _logprobs(scored, 0, parsed.logprobs) if parsed.logprobs is not None else None}
+            "logprobs": _logprobs(scored, 0, parsed.logprobs, parsed.tokenizer) if parsed.logprobs is not None else None}
 
 
 def usage(choices: list[Choice], prompt_tokens: int) -> dict:
@@ -105,7 +104,8 @@ async def stream_events(header: dict, choices: list[Choice], parsed: Parsed,
             text, scored = choice.prompt_text + text, (_prompt_scores(choice) if logprobs is not None else []) + scored
         if text or done:
             chunk = {"text": text, "index": choice.index, "finish_reason": c.finish_reason if done else None,
-                     "logprobs": _logprobs(scored, offsets[choice.index], logprobs) if logprobs is not None else None}
+                     "logprobs": (_logprobs(scored, offsets[choice.index], logprobs, parsed.tokenizer)
+                                  if logprobs is not None else None)}
             choice.sent_tokens = end
             offsets[choice.index] += len(text)
             yield f"data: {json.dumps({**header, 'choices': [chunk]})}\n\n"

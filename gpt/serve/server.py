@@ -222,9 +222,6 @@ def serve(config: ServeConfig) -> None:
     if config.compile_only:
         _compile_only(config)
         return
-    from gpt.loading import gpt2_tokenized
-
-    gpt2_tokenized(config.init_from, "serve.py")
     if config.api_key is None and os.environ.get(API_KEY_VARIABLE):
         config = dataclasses.replace(config, api_key=os.environ[API_KEY_VARIABLE])
     _file_descriptors(config.max_connections)
@@ -250,15 +247,16 @@ def _compile_only(config: ServeConfig) -> None:
 
 def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | None) -> None:
     from gpt.compilation_cache import enable_compilation_cache
-    from gpt.loading import load, load_draft
+    from gpt.loading import load, load_draft, tokenizer_of
 
     enable_compilation_cache(config.compile_cache)
     log = lambda line: print(line, flush=True)  # noqa: E731
     # Loading and warm-up run before uvicorn takes the signals (a GPT-2 warm-up takes 20-40 s on a CPU), so
     # that one stops serve.py at once (`cli_main`), not after the warm-up.
+    tokenizer = tokenizer_of(config.init_from)  # the model's own where it has one (Llama's, Qwen's), else GPT-2's
     draft = load_draft(config.engine.draft, config.dtype)
     model = load(config.init_from, config.dtype)
-    engine = Engine(model, config.engine, quantize=config.quantize, mesh=mesh, draft=draft)
+    engine = Engine(model, config.engine, quantize=config.quantize, mesh=mesh, draft=draft, tokenizer=tokenizer)
     engine.warmup(log)
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,
