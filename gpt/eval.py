@@ -3,10 +3,11 @@
     python -m gpt.eval --init_from out --data held_out/ [--stride 256] [--batch_size 8] [--json]
     python -m gpt.eval --init_from out --split val      # a training run's own validation split
 
-`--init_from` is a training out_dir, a Hugging Face GPT-2 directory or a cached hub name; `--data` takes
-what the trainer reads (files, directories, globs; text, JSONL, Parquet, saved datasets, with
-`--text_field`). Each input's documents, each ended by `<|endoftext|>` as the trainer reads them, are one
-token stream, cut into windows of the model's context moved by `stride` tokens. Each window scores only
+`--init_from` is a training out_dir, a Hugging Face GPT-2, Llama or Qwen directory or a cached hub name; `--data`
+takes what the trainer reads (files, directories, globs; text, JSONL, Parquet, saved datasets, with
+`--text_field`). Each input's documents, read through the model's tokenizer (GPT-2's, or its own
+tokenizer.json: its BOS before each), each ended by the end-of-text token (`<|endoftext|>` as the trainer
+reads them), are one token stream, cut into windows of the model's context moved by `stride` tokens. Each window scores only
 the tokens the previous one did not (Hugging Face's "Perplexity of fixed-length models"), each with up to
 a context of tokens before it. `stride` = context (the default) is the fastest: windows do not overlap,
 the first tokens of each window see little context, and each window's first token is not scored. A
@@ -46,7 +47,7 @@ from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, cli_main
 from gpt.inference.decoder import Decoder
 from gpt.inference.scoring import scored_positions
-from gpt.loading import ModelChoice, gpt2_tokenized, load
+from gpt.loading import ModelChoice, load, tokenizer_of
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.model.transformer import GPT, forward
@@ -120,14 +121,17 @@ def windows(pieces: Iterable[np.ndarray], context: int, stride: int) -> Iterator
         buffer, start = buffer[begin - start:], begin
 
 
-def _token_pieces(path: Path, text_field: str, counted: Score) -> Iterator[np.ndarray]:
-    """The token ids of `path`'s documents, a section at a time, <|endoftext|> after each document;
-    adds the text's UTF-8 bytes to `counted.bytes`."""
-    tokenizer = get_tokenizer()
+def _token_pieces(path: Path, text_field: str, counted: Score, tokenizer) -> Iterator[np.ndarray]:
+    """The token ids of `path`'s documents through `tokenizer`, a section at a time: what it puts before a
+    text (a BOS: the ids of an empty text) before each document, its end-of-text token (GPT-2's
+    <|endoftext|>, where it has one) after; adds the text's UTF-8 bytes to `counted.bytes`."""
+    opening, closing = tokenizer.encode(""), [] if tokenizer.eot_id is None else [tokenizer.eot_id]
+    starts = True
     for section in read_sections(path, text_field, BadRecords()):
         counted.bytes += len(section.text.encode("utf-8", errors="surrogatepass"))
-        ids = tokenizer.encode(section.text)
-        yield np.asarray(ids + [tokenizer.eot_id] if section.last else ids, np.int32)
+        ids = (opening if starts else []) + tokenizer.encode(section.text, add_special=False)
+        yield np.asarray(ids + closing if section.last else ids, np.int32)
+        starts = section.last
 
 
 def _shard_pieces(path: Path, dtype: np.dtype, piece_tokens: int = 1 << 20) -> Iterator[np.ndarray]:
@@ -137,9 +141,9 @@ def _shard_pieces(path: Path, dtype: np.dtype, piece_tokens: int = 1 << 20) -> I
         yield np.asarray(tokens[start: start + piece_tokens], np.int32)
 
 
-def _streams(config: EvalConfig) -> list[tuple[str, Callable[[Score], Iterator[np.ndarray]]]]:
-    """(name, pieces) of each token stream to score: `pieces(counted)` yields its token ids and counts the
-    text's bytes into `counted` (prepared shards have no text: none counted)."""
+def _streams(config: EvalConfig, tokenizer) -> list[tuple[str, Callable[[Score], Iterator[np.ndarray]]]]:
+    """(name, pieces) of each token stream to score: `pieces(counted)` yields its token ids (files' text through
+    `tokenizer`) and counts the text's bytes into `counted` (prepared shards have no text: none counted)."""
     if config.split:
         if config.data:
             raise ConfigError("EvalConfig.split and EvalConfig.data are exclusive: score a run's own split, or files")
@@ -152,7 +156,7 @@ def _streams(config: EvalConfig) -> list[tuple[str, Callable[[Score], Iterator[n
     if not config.data:
         raise ConfigError("EvalConfig.data is empty: name the files, directories or globs to score (--data), "
                           "or a run's --split")
-    return [(str(path), lambda counted, path=path: _token_pieces(path, config.text_field, counted))
+    return [(str(path), lambda counted, path=path: _token_pieces(path, config.text_field, counted, tokenizer))
             for path in expand_inputs(config.data)]
 
 
@@ -232,14 +236,13 @@ def _check_split(out_dir: Path, split: str, vocab_size: int) -> None:
 
 def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
     """{"inputs": [{"path", "nats_per_token", "perplexity", "bits_per_byte", "tokens"}, ...], "overall": {...}}
-    of `config` (or of `model`, when given, instead of loading `config.init_from`)."""
+    of `config` (or of `model`, when given, instead of loading `config.init_from`: a GPT-2-tokenized one). Text is
+    read through the model's own tokenizer where it has one (a Llama's or Qwen's tokenizer.json), else GPT-2's."""
     if config.batch_size < 1:
         raise ConfigError(f"EvalConfig.batch_size must be >= 1, got {config.batch_size}")
-    streams = _streams(config)
+    streams = _streams(config, get_tokenizer() if model is not None else tokenizer_of(config.init_from))
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
-    if model is None:
-        gpt2_tokenized(config.init_from, "gpt.eval")
-        model = load(config.init_from, config.dtype)
+    model = model if model is not None else load(config.init_from, config.dtype)
     if config.split:  # the run's own shards, checked against their record and the run's before anything is scored
         _check_split(Path(config.init_from), config.split, model.config.vocab_size)
     context = model.config.block_size

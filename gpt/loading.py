@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from gpt.errors import ConfigError, MissingInput
+from gpt.errors import MissingInput
 from gpt.inference.speculation import DRAFTS
 from gpt.model import gpt2, llama
 from gpt.model.config import DType, GPTConfig, check_dtype
@@ -20,7 +20,7 @@ from gpt.run_dir import has_checkpoint
 from gpt.tokenizer import Tokenizer, get_tokenizer
 from gpt.tokenizer_json import TokenizerJson
 
-__all__ = ["load", "load_draft", "model_config_of", "tokenizer_of", "gpt2_tokenized", "ModelChoice"]
+__all__ = ["load", "load_draft", "model_config_of", "tokenizer_of", "ModelChoice"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +92,6 @@ def tokenizer_of(init_from: str) -> Tokenizer | TokenizerJson:
         raise MissingInput(f"{init_from} has no tokenizer.json: put the model's tokenizer files beside its weights "
                            f"(they come with it from the Hugging Face hub)")
     return TokenizerJson(init_from)
-
-
-def gpt2_tokenized(init_from: str, script: str) -> None:
-    """ConfigError unless what `init_from` names reads text with GPT-2's tokenizer (what `script` reads
-    text with as yet)."""
-    if not isinstance(tokenizer_of(init_from), Tokenizer):
-        raise ConfigError(f"{script} reads text with GPT-2's tokenizer as yet, and {init_from} has its own; "
-                          f"sample.py samples it")
 
 
 def _not_a_model(init_from: str, flag: str = "init_from", also: str = "") -> MissingInput:

@@ -48,7 +48,9 @@ class Tokenizer:
         """Its BOS, EOS and unknown tokens' text, as transformers names them: all three `<|endoftext|>`."""
         return dict.fromkeys(("bos_token", "eos_token", "unk_token"), EOT)
 
-    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+    def encode(self, text: str, allow_special: bool = False, add_special: bool = True) -> list[int]:
+        """Its ids; GPT-2 adds no special tokens around a text (`add_special`, for a model's own tokenizer's
+        BOS, changes nothing here)."""
         return self.encoding.encode(text, **self._special(allow_special))
 
     def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:

@@ -72,9 +72,11 @@ class TokenizerJson:
         """The id of the end-of-sequence token (tokenizer_config.json's eos_token); None where it names none."""
         return self._eos
 
-    def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        ids = (self.tokenizer if allow_special else self._as_text).encode(text, add_special_tokens=True).ids
-        return ids if self._bos is None or ids[:1] == [self._bos] else [self._bos, *ids]
+    def encode(self, text: str, allow_special: bool = False, add_special: bool = True) -> list[int]:
+        """Its ids, with the special tokens the model's tokenizer adds around a text (its BOS) unless not
+        `add_special` (a document's later pieces)."""
+        ids = (self.tokenizer if allow_special else self._as_text).encode(text, add_special_tokens=add_special).ids
+        return ids if not add_special or self._bos is None or ids[:1] == [self._bos] else [self._bos, *ids]
 
     def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:
         """Each text's ids (a list of its own), each distinct text encoded once."""

@@ -163,10 +163,9 @@ def test_gpt_export_writes_the_format_that_holds_the_model():
 
 def test_sample_py_samples_a_llama_directory_through_its_own_tokenizer(tmp_path, corpus_text):
     """sample.py on a Llama directory with its tokenizer.json: transformers' greedy continuation of the prompt as
-    AutoTokenizer encodes it, as text; what reads text with GPT-2's tokenizer as yet refuses it in one line."""
+    AutoTokenizer encodes it, as text."""
     import io
 
-    from gpt.loading import gpt2_tokenized
     from gpt.sample import SampleConfig, sample
     from gpt.tokenizer_json import TokenizerJson
 
@@ -179,8 +178,23 @@ def test_sample_py_samples_a_llama_directory_through_its_own_tokenizer(tmp_path,
     with torch.no_grad():
         theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):]
     assert texts == [TokenizerJson(directory).decode(theirs.tolist())]
-    with pytest.raises(ConfigError, match="^gpt.eval reads text with GPT-2's tokenizer as yet"):
-        gpt2_tokenized(str(directory), "gpt.eval")
+
+
+def test_gpt_eval_scores_a_llama_directorys_text_through_its_own_tokenizer(tmp_path, corpus_text):
+    """gpt.eval's perplexity of a document is transformers' mean loss over AutoTokenizer's ids of it (its BOS
+    first) and the EOS after it."""
+    from gpt.eval import EvalConfig, evaluate
+
+    hf_model, directory = random_hf_model(tmp_path, "llama-tied", seed=7)
+    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=SHAPE["vocab_size"])
+    text = corpus_text[300_000:300_060]
+    (tmp_path / "doc.txt").write_text(text)
+    ids = transformers.AutoTokenizer.from_pretrained(directory)(text)["input_ids"] + [1]  # </s>, the EOS
+    assert len(ids) <= SHAPE["max_position_embeddings"]
+    with torch.no_grad():
+        want = float(hf_model(torch.tensor([ids]), labels=torch.tensor([ids])).loss)
+    got = evaluate(EvalConfig(init_from=str(directory), data=(str(tmp_path / "doc.txt"),)))["overall"]
+    assert got["tokens"] == len(ids) - 1 and abs(got["nats_per_token"] - want) < 1e-4
 
 
 def test_the_server_reads_and_writes_text_through_the_models_tokenizer(tmp_path, corpus_text):
