@@ -248,3 +248,15 @@ def test_a_hub_name_loads_from_the_local_cache_or_says_how_to_get_it(tmp_path, m
                                            r"the local Hugging Face cache .*huggingface-cli download Org/Other") as error:
         load("Org/Other")
     assert "\n" not in str(error.value)
+
+
+def test_a_bfloat16_checkpoint_loads_to_transformers_logits(tmp_path):
+    """The hub's Llama and Qwen weights are bfloat16: they load (in float32) to the logits transformers gives
+    with the same weights."""
+    hf_model, directory = random_hf_model(tmp_path, "qwen3", seed=8)
+    hf_model.to(torch.bfloat16).save_pretrained(directory)
+    assert json.loads((directory / "config.json").read_text())["dtype"] == "bfloat16"
+    model = llama.load(directory)
+    tokens = np.random.default_rng(2).integers(0, SHAPE["vocab_size"], (2, 20))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(theirs, tokens), atol=1e-4, rtol=0)

@@ -10,9 +10,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from gpt.errors import ConfigError, MissingInput, first_line, write_failed
 
@@ -67,16 +68,23 @@ def read_config_json(directory: Path) -> dict:
 
 
 def read_safetensors(directory: Path) -> dict[str, np.ndarray] | None:
-    """Every tensor of `model.safetensors`, or of the shards `model.safetensors.index.json` names; None when
-    the directory has neither."""
+    """Every tensor of `model.safetensors`, or of the shards `model.safetensors.index.json` names, as numpy
+    arrays of their stored dtypes (bfloat16 as ml_dtypes'); None when the directory has neither."""
     if (directory / _INDEX).is_file():
         tensors = {}
         for shard in sorted(set(json.loads((directory / _INDEX).read_text())["weight_map"].values())):
-            tensors.update(load_file(directory / shard))
+            tensors.update(_read_file(directory / shard))
         return tensors
     if (directory / _WEIGHTS).is_file():
-        return load_file(directory / _WEIGHTS)
+        return _read_file(directory / _WEIGHTS)
     return None
+
+
+def _read_file(path: Path) -> dict[str, np.ndarray]:
+    """One safetensors file's tensors. Read through its JAX reader, on the host: the numpy one refuses
+    bfloat16, the dtype the hub's Llama and Qwen checkpoints are stored in."""
+    with jax.default_device(jax.devices("cpu")[0]), safe_open(path, framework="flax") as file:
+        return {name: np.asarray(file.get_tensor(name)) for name in file.keys()}
 
 
 def write_export(out_dir: str | os.PathLike, tensors: dict[str, np.ndarray], texts: dict[str, str]) -> Path:
