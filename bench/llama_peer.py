@@ -25,12 +25,13 @@ def build() -> tuple[Path, Path]:
 
 
 def convert(hf_directory: Path, outtype: str) -> Path:
-    """The GGUF (`outtype` f32 or q8_0) of a GPT-2 HF directory that holds vocab.json and merges.txt
+    """The GGUF (`outtype` f32 or q8_0) of a GPT-2 or Llama HF directory that holds GPT-2's tokenizer
     (`sample_bench.write_gpt2_vocab`), by llama.cpp's own converter."""
     _, source = build()
     config_path = Path(hf_directory) / "config.json"
     config = json.loads(config_path.read_text())
-    config.setdefault("n_ctx", config["n_positions"])  # the converter's gpt2 reads n_ctx
+    if "n_positions" in config:
+        config.setdefault("n_ctx", config["n_positions"])  # the converter's gpt2 reads n_ctx
     config_path.write_text(json.dumps(config))
     out = Path(hf_directory) / f"model-{outtype}.gguf"
     if not out.exists():

@@ -1,15 +1,17 @@
-"""Sampling speed: gpt.generate against transformers' GPT2LMHeadModel.generate on the same weights, and
+"""Sampling speed: gpt.generate against transformers' `generate` on the same weights, and
 (with --ctranslate2) CTranslate2's Generator in float32 and int8, (with --llama-cpp) llama.cpp in f32 and
 q8_0 (bench/llama_peer.py: its own GGUF of the same weights, llama-batched-bench's timing, greedy tokens
 from llama-server; its first-token column is its prefill, there being nothing to compile).
 
     python bench/sample_bench.py                     # GPT-2 124M shapes, float32, CPU
+    python bench/sample_bench.py --shape smollm2-135m --quantize none int8 --llama-cpp   # a Llama shape
     python bench/sample_bench.py --quantize none int8 --ctranslate2 --llama-cpp     # the CPU peers
     python bench/sample_bench.py --dtype bfloat16 --batches 1 8 64   # on a GPU (the torch peer too)
     python bench/sample_bench.py --dtype bfloat16 --variants baseline chunk16 command_buffers all   # decode levers
     python bench/sample_bench.py --smoke --variants baseline all      # tiny shapes, the code path (the suite)
 
-Random weights at the real gpt2 shapes, a 64-token prompt, 128 new tokens, greedy. For each batch size:
+Random weights at the real gpt2 shapes (or SmolLM2-135M's, `--shape`: grouped-query attention, RMSNorm, a gated
+MLP, with GPT-2's vocabulary and tokenizer so that every peer reads the same ids), a 64-token prompt, 128 new tokens, greedy. For each batch size:
 time to the first token in a fresh process state (compile and our weight layout included, measured
 through streaming), and decode throughput after warm-up (best of --repeats, llama-batched-bench's runs too),
 and for ours the bytes a decode step reads (every weight once, and the KV cache at the decode's mean length) and
@@ -40,7 +42,7 @@ import numpy as np
 from gpt.generate import generate
 from gpt.inference.decoder import Decoder
 from gpt.inference.sampling import GREEDY
-from gpt.model import gpt2
+from gpt.loading import load
 
 from machine import cpu_name
 from variants import Lever, Levers, ran_with, report, run_worker
@@ -66,7 +68,7 @@ def decode_levers() -> Levers:
 
 def bench_ours(directory, prompts, new_tokens, dtype, repeats, quantize="none"):
     """(first token s, tokens/s, greedy tokens, bytes a decode step reads) of `generate` in this process."""
-    model = gpt2.load(directory, dtype=dtype)
+    model = load(str(directory), dtype=dtype)
     start, first = time.perf_counter(), []
     # Laid out (and quantized) once, as the peers load and convert once; the first token's time includes it.
     decoder = Decoder.of(model, quantize)
@@ -142,6 +144,15 @@ def write_gpt2_vocab(directory: Path) -> None:
     vocab = {text(token): rank for token, rank in ranks.items()} | {"<|endoftext|>": 50256}
     (directory / "vocab.json").write_text(json.dumps(vocab))
     (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    # The same as tokenizer.json, which a Llama directory's converter reads (through AutoTokenizer).
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.BPE.from_file(str(directory / "vocab.json"), str(directory / "merges.txt")))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}))
 
 
 def bench_ctranslate2(directory, prompts, new_tokens, repeats, compute_type):
@@ -183,7 +194,7 @@ def bench_torch(directory, prompts, new_tokens, repeats, dtype, compiled=False):
     import transformers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=getattr(torch, dtype)).to(device).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).to(device).eval()
     if compiled:
         model.generation_config.cache_implementation = "static"
         model.forward = torch.compile(model.forward, mode="reduce-overhead" if device == "cuda" else None)
@@ -199,6 +210,19 @@ def bench_torch(directory, prompts, new_tokens, repeats, dtype, compiled=False):
 
         best = min(_timed(run) for _ in range(repeats))
     return ttft, len(prompts) * new_tokens / best, out["ids"][:, ids.shape[1]:].tolist()
+
+
+# --shape: (transformers' config class, model class, the shape, what --smoke changes of it).
+SHAPES = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}, dict(n_layer=2, n_embd=64, n_head=2)),
+    "smollm2-135m": ("LlamaConfig", "LlamaForCausalLM",  # HuggingFaceTB/SmolLM2-135M's, GPT-2's vocabulary
+                     dict(vocab_size=50257, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                          rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=50256,
+                          eos_token_id=50256),
+                     dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2)),
+}
 
 
 def _timed(fn) -> float:
@@ -224,6 +248,7 @@ def main():
     parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp f32 and q8_0 (built on first use)")
     parser.add_argument("--rounds", type=int, default=1, help="run each batch's comparison this many times in turn")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model, short prompts: the code path")
+    parser.add_argument("--shape", default="gpt2", choices=sorted(SHAPES), help="the model's architecture and size")
     args = parser.parse_args()
     decode_levers().check(args.variants)
     if args.smoke:
@@ -233,8 +258,9 @@ def main():
     import transformers
 
     torch.manual_seed(0)
-    shape = dict(n_layer=2, n_embd=64, n_head=2) if args.smoke else {}
-    reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape))
+    config_class, model_class, shape, smoke = SHAPES[args.shape]
+    fields = {**shape, **(smoke if args.smoke else {})}
+    reference = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
     print(f"# {cpu_name()}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), {time.strftime('%Y-%m-%d')}")
     print("| batch | impl | first token (s, compile incl.) | tokens/s | vs torch | MB a step | MBU "

@@ -191,6 +191,19 @@ def test_sample_bench_runs_each_decode_variant_with_its_levers_and_the_same_gree
     assert all(row["step_bytes"] > 0 and row["mbu"] is None for row in rows)  # no rated bandwidth for a CPU
 
 
+@pytest.mark.slow
+def test_sample_bench_runs_a_llama_shape_as_gpt2s():
+    """--shape smollm2-135m: a Llama-shaped directory (grouped-query attention), loaded as its family, the
+    int8 decode's greedy tokens the float32 one's."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "sample_bench.py"), "--smoke", "--shape",
+                           "smollm2-135m", "--batches", "2", "--skip-torch", "--quantize", "none", "int8"], env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [row["impl"] for row in rows] == ["gpt (jax, float32, weights none)", "gpt (jax, float32, weights int8)"]
+    assert all(row["tokens_per_s"] > 0 and row["step_bytes"] > 0 for row in rows)
+
+
 def test_a_decode_step_reads_every_weight_once_and_the_cache_at_its_length():
     sys.path.insert(0, str(ROOT / "bench"))
     from flax import nnx
