@@ -8,8 +8,9 @@
 #                               # bin/llama-lookup, bin/llama-speculative)
 #                               # and the source (convert_hf_to_gguf.py, gguf-py)
 #
-# The benches convert their own HF directory to GGUF with the vendored converter (gpt2 architecture; it
-# needs n_ctx in config.json) and quantize it to q8_0 there (`--outtype q8_0`).
+# The benches convert their own HF directory to GGUF with the vendored converter (gpt2 architecture: it
+# needs n_ctx in config.json; a Llama's imports sentencepiece, `pip install sentencepiece`, before it reads
+# tokenizer.json) and quantize it to q8_0 there (`--outtype q8_0`).
 set -euo pipefail
 cd "$(dirname "$0")"
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
