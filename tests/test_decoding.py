@@ -43,7 +43,7 @@ def test_laying_out_a_deeper_model_compiles_one_program_per_kind_of_matrix():
     model = GPT(GPTConfig.preset("tiny", n_layer=5, n_embd=40, n_head=4), rngs=nnx.Rngs(0))
     before = decoder._kernel_layout._cache_size()
     weights = decoding_weights(model, "int8")
-    assert decoder._kernel_layout._cache_size() - before == 5  # q, kv, out, fc, proj: not 5 x 5
+    assert decoder._kernel_layout._cache_size() - before == 4  # qkv, out, fc, proj: not 4 x 5
     kernel = model.blocks.fc_kernel[...][3]
     np.testing.assert_allclose(weights.layers[3]["fc_kernel"].dequantize(), kernel.T,
                                atol=float(np.abs(kernel).max()) / 127)

@@ -75,9 +75,16 @@ def test_decodings_matrices_are_the_tables_kernels_read_as_inputs_by_outputs(cho
     model = GPT(config, rngs=nnx.Rngs(0))
     layer = decoding_weights(model).layers[0]
     stacked = model.weights().layers
+    # Each kernel read as inputs by outputs, the queries' and the keys' and values' as the one matrix the block
+    # multiplies by (`qkv_kernel`: its rows theirs, in the table's order).
+    fused = ("q_kernel", "kv_kernel")
+    wanted = {}
     for name, w in ((name, w) for name, w in KERNELS.items() if w.exists(config)):
         dims = w.dims(config)
         inputs, outputs = math.prod(dims[: w.inputs]), math.prod(dims[w.inputs:])
-        matrix = np.asarray(layer[name].matrix_KD)
-        assert matrix.shape == (outputs, inputs)
-        np.testing.assert_array_equal(matrix, np.asarray(stacked[name][0]).reshape(inputs, outputs).T)
+        wanted[name] = np.asarray(stacked[name][0]).reshape(inputs, outputs).T
+        if name not in fused:
+            matrix = np.asarray(layer[name].matrix_KD)
+            assert matrix.shape == (outputs, inputs)
+            np.testing.assert_array_equal(matrix, wanted[name])
+    np.testing.assert_array_equal(np.asarray(layer["qkv_kernel"].matrix_KD), np.concatenate([wanted[n] for n in fused]))

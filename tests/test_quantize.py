@@ -66,23 +66,23 @@ def test_logits_stay_close_to_float32(quantize, bound, tied_head):
 
 @pytest.mark.slow
 def test_no_float_copy_of_a_quantized_matrix_in_the_decode_loop():
-    # Distinctive sizes: D = 48, keys and values 96, MLP 192, vocabulary 300. A float32 array of any quantized
+    # Distinctive sizes: D = 48, qkv 144, MLP 192, vocabulary 300. A float32 array of any quantized
     # matrix's shape (either orientation) in the compiled decode program would be a dequantized copy.
     config = GPTConfig.preset("tiny", n_embd=48, n_head=4, vocab_size=300)
     model = GPT(config, rngs=nnx.Rngs(0))
     engine = Engine(model, slots=2, cache_length=32, quantize="int8")
-    shapes = [(96, 48), (192, 48), (48, 192), (300, 48)]
+    shapes = [(144, 48), (192, 48), (48, 192), (300, 48)]
     device = engine.device
     text = compiled_decode.lower(config, device.weights, device.slots, np.int32(1), np.bool_(False),
                                  max_steps=1).compile().as_text()
-    assert "s8[96,48]" in text  # the int8 matrices are there...
+    assert "s8[144,48]" in text  # the int8 matrices are there...
     for k, d in shapes:
         for shape in (f"f32[{k},{d}]", f"f32[{d},{k}]", f"bf16[{k},{d}]", f"bf16[{d},{k}]"):
             assert not re.search(re.escape(shape) + r"[{ ]", text), shape  # ...and no float copy of them
     device = Engine(model, slots=2, cache_length=32).device
     text = compiled_decode.lower(config, device.weights, device.slots, np.int32(1), np.bool_(False),
                                  max_steps=1).compile().as_text()
-    assert re.search(r"f32\[96,48\][{ ]", text)  # the check can see a float matrix when there is one
+    assert re.search(r"f32\[144,48\][{ ]", text)  # the check can see a float matrix when there is one
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -87,9 +88,15 @@ def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
         raise ConfigError(f"quantize must be one of none, {', '.join(QUANTIZED_LAYOUTS)}; got {quantize!r}")
     weights = model.weights()
     layers = []
+    stacked = weights.layers
+    # The queries', keys' and values' kernels as the one matrix the block multiplies by (`qkv_kernel`).
+    fused = jnp.concatenate([stacked["q_kernel"].reshape(*stacked["q_kernel"].shape[:2], -1),
+                             stacked["kv_kernel"].reshape(*stacked["kv_kernel"].shape[:2], -1)], axis=-1)
     for layer in range(model.config.n_layer):  # each kernel sliced once, by the program that lays it out
-        layers.append({name: None if a is None else _kernel_layout(a, layer, quantize, KERNELS[name].inputs)
-                       if name in KERNELS else _layer_of(a, layer) for name, a in weights.layers.items()})
+        laid_out = {name: None if a is None or name in ("q_kernel", "kv_kernel")
+                    else _kernel_layout(a, layer, quantize, KERNELS[name].inputs)
+                    if name in KERNELS else _layer_of(a, layer) for name, a in stacked.items()}
+        layers.append({**laid_out, "qkv_kernel": _kernel_layout(fused, layer, quantize, 1)})
     if quantize == "none":
         return dataclasses.replace(weights, layers=tuple(layers))
     table = _matrix_layout(weights.embedding, quantize)  # [V, D] is already output-major for the head

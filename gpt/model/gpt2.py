@@ -25,7 +25,7 @@ from flax import nnx
 from gpt.errors import ConfigError, MissingInput
 from gpt.model.config import GPTConfig
 from gpt.model.hf_files import hub_snapshot, read_config_json, read_safetensors, write_export
-from gpt.model.parameters import block_weights
+from gpt.model.parameters import weight_tensors
 from gpt.model.transformer import GPT, parameter
 from gpt.tokenizer import hf_tokenizer_files
 
@@ -51,12 +51,10 @@ def _table(config: GPTConfig) -> list[tuple[str, bool, tuple[int, ...], list[tup
     the blocks'. Block weights that share a name are its blocks of columns in their table's order (c_attn: the
     queries', then the keys' and values')."""
     table = [(hf, False, shape(config), [(path, shape(config)[-1])]) for path, hf, shape in _MODEL_WEIGHTS]
-    blocks: dict[str, list[tuple[str, int]]] = {}
-    for w in block_weights(config):
-        blocks.setdefault(w.hf, []).append((f"blocks.{w.name}", w.hf_dims(config)[-1]))
-    for hf, parts in blocks.items():
-        first = next(w for w in block_weights(config) if w.hf == hf).hf_dims(config)
-        table.append((hf, True, (*first[:-1], sum(width for _, width in parts)), parts))
+    for tensor in weight_tensors(config):
+        parts = [(f"blocks.{w.name}", w.hf_dims(config)[-1]) for w in tensor]
+        shape = (*tensor[0].hf_dims(config)[:-1], sum(width for _, width in parts))
+        table.append((tensor[0].hf, True, shape, parts))
     return table
 
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 from gpt.model.config import GPTConfig
 
-__all__ = ["BlockWeight", "BLOCK_WEIGHTS", "KERNELS", "block_weights"]
+__all__ = ["BlockWeight", "BLOCK_WEIGHTS", "KERNELS", "block_weights", "weight_tensors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,3 +96,14 @@ KERNELS = {w.name: w for w in BLOCK_WEIGHTS if w.inputs}  # the matrices, by nam
 def block_weights(config: GPTConfig) -> tuple[BlockWeight, ...]:
     """The block weights a model of `config` has (`BlockWeight.exists`)."""
     return tuple(w for w in BLOCK_WEIGHTS if w.exists(config))
+
+
+def weight_tensors(config: GPTConfig) -> list[tuple[BlockWeight, ...]]:
+    """The block weights a model of `config` has, as GPT-2 stores them: the weights of one Hugging Face name
+    together, its blocks of columns in the table's order (c_attn's: the queries', then the keys' and values'),
+    each other weight alone. `Blocks` draws each such tensor's init at once (a GPT-2's c_attn the one array it
+    always was), and GPT-2's import and export read and write them."""
+    tensors: dict[str, list[BlockWeight]] = {}
+    for w in block_weights(config):
+        tensors.setdefault(w.hf or w.name, []).append(w)
+    return [tuple(group) for group in tensors.values()]

@@ -29,7 +29,7 @@ from gpt.model.config import GPTConfig
 from gpt.model.kv_cache import KVCache
 from gpt.model.layouts import Fp8Kernel, OutputMajor, dense
 from gpt.model.loss import lm_head_cross_entropy
-from gpt.model.parameters import BLOCK_WEIGHTS
+from gpt.model.parameters import BLOCK_WEIGHTS, weight_tensors
 from gpt.model.sharding import constrain
 
 __all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_norm",
@@ -42,6 +42,20 @@ def standard_normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
     is the element's flat index), but XLA compiles a 1-D draw several times faster than a 5-D one (a tiny
     model's first init took seconds in these compiles)."""
     return jax.random.normal(key, (math.prod(shape),), dtype).reshape(shape)
+
+
+def _initial(rngs: nnx.Rngs, config: GPTConfig, tensor: tuple) -> list[jax.Array]:
+    """The initial values of one tensor's block weights (`weight_tensors`), each stacked [L, ...]: ones or
+    zeros, or one normal draw [L, inputs..., the weights' outputs together] split into them by columns, with
+    std 0.02 (0.02 / sqrt(2L) for a projection that writes into the residual stream, as GPT-2 scales it)."""
+    L, dtype, first = config.n_layer, config.storage_dtype, tensor[0]
+    if first.init != "normal":
+        return [jnp.full((L, *w.dims(config)), 1.0 if w.init == "ones" else 0.0, dtype) for w in tensor]
+    widths = [math.prod(w.dims(config)[w.inputs:]) for w in tensor]
+    std = 0.02 / (2 * L) ** 0.5 if first.residual else 0.02
+    drawn = std * standard_normal(rngs.params(), (L, *first.dims(config)[:first.inputs], sum(widths)), jnp.dtype(dtype))
+    parts = jnp.split(drawn, np.cumsum(widths)[:-1].tolist(), axis=-1)
+    return [part.reshape(L, *w.dims(config)) for w, part in zip(tensor, parts)]
 
 
 def _normal(rngs: nnx.Rngs, shape, axes, dtype, std: float) -> nnx.Param:
@@ -101,18 +115,13 @@ class Blocks(nnx.Module):
     weight, which one `lax.scan` can run (`GPTConfig.scan_layers`) and the optimizer updates as a whole."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        L, dtype, std = config.n_layer, config.storage_dtype, 0.02
         self.config = config
-        for w in BLOCK_WEIGHTS:  # each as `gpt.model.parameters` declares it, in its order
-            shape, axes = (L, *w.dims(config)), ("layers", *w.axes)
-            if not w.exists(config):
-                param = None
-            elif w.init == "normal":
-                # GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2L).
-                param = _normal(rngs, shape, axes, dtype, std / (2 * L) ** 0.5 if w.residual else std)
-            else:
-                param = _constant(1.0 if w.init == "ones" else 0.0, shape, axes, dtype)
-            setattr(self, w.name, param)
+        params = {}
+        for tensor in weight_tensors(config):  # in the table's order: the random draws are the table's
+            for w, value in zip(tensor, _initial(rngs, config, tensor)):
+                params[w.name] = nnx.Param(value, axes=("layers", *w.axes))
+        for w in BLOCK_WEIGHTS:  # each as `gpt.model.parameters` declares it, in its order (None: absent)
+            setattr(self, w.name, params.get(w.name))
 
     NAMES = tuple(w.name for w in BLOCK_WEIGHTS)
 
@@ -158,8 +167,10 @@ def block(
     with jax.named_scope("layer_norm"):
         h_BTD = normalize(config, x_BTD, p["ln1_scale"], p["ln1_bias"])
     flat = lambda bias: None if bias is None else bias.reshape(-1)  # noqa: E731
-    q_BTNH = _linear("qkv", h_BTD, p["q_kernel"], flat(p["q_bias"])).reshape(B, T, N, H)
-    kv_BT2KH = _linear("qkv", h_BTD, p["kv_kernel"], flat(p["kv_bias"])).reshape(B, T, 2, K, H)
+    bias = None if p["q_bias"] is None else jnp.concatenate([flat(p["q_bias"]), flat(p["kv_bias"])])
+    qkv_BTK = _linear("qkv", h_BTD, qkv_kernel(p), bias)
+    q_BTNH = qkv_BTK[..., :N * H].reshape(B, T, N, H)
+    kv_BT2KH = qkv_BTK[..., N * H:].reshape(B, T, 2, K, H)
     k_BTKH, v_BTKH = kv_BT2KH[:, :, 0], kv_BT2KH[:, :, 1]
     with jax.named_scope("attention"):
         if config.qk_norm:  # before the rotation (Qwen3's order)
@@ -179,6 +190,17 @@ def block(
     h_BTD = _linear("mlp_down", h_BTF, mlp_kernel(p["proj_kernel"]), p["proj_bias"])
     x_BTD = x_BTD + dropout(h_BTD, config.dropout, mlp_key)
     return constrain(x_BTD, ("batch", None, None)), cache
+
+
+def qkv_kernel(p: dict):
+    """A block's queries', keys' and values' kernels as one matrix [D, (N + 2K) H] (GPT-2's c_attn), for one
+    product: the same bits as the runs that stored it whole computed. The decoding layout holds it laid out
+    once (`qkv_kernel`, `gpt.inference.decoder`); stored parameters are joined here (a copy of the weights,
+    small beside their product over a batch of tokens)."""
+    if p.get("qkv_kernel") is not None:
+        return p["qkv_kernel"]
+    D = p["q_kernel"].shape[0]
+    return jnp.concatenate([p["q_kernel"].reshape(D, -1), p["kv_kernel"].reshape(D, -1)], axis=-1)
 
 
 def in_compute_dtype(config: GPTConfig, p: dict) -> dict:

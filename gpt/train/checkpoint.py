@@ -39,6 +39,7 @@ from gpt.errors import ConfigError, MissingInput, causes, first_line, write_fail
 from gpt.model.config import GPTConfig, check_dtype
 from gpt.model.sharding import abstract, replicated
 from gpt.model.transformer import GPT
+from gpt.train.fused_qkv import fused, unfused, written_fused
 from gpt.train.step import all_finite
 
 __all__ = ["CheckpointManager", "load_model", "checksums", "is_finite"]
@@ -197,10 +198,13 @@ class CheckpointManager:
 
     def _restore_verified(self, step: int, trees: dict, shardings: dict) -> tuple[dict, dict]:
         """Restore the named trees of `step` onto `shardings` and verify them; raises ValueError with the
-        reason when a checksum or finiteness check fails (reading errors propagate as they are)."""
+        reason when a checksum or finiteness check fails (reading errors propagate as they are). A step of a
+        run that kept one `qkv_kernel` is restored as it was written, verified, then split (`fused_qkv`)."""
+        older = written_fused(self.metadata(step))
+        targets = {name: abstract(tree, shardings[name]) for name, tree in trees.items()}
         restored = self.manager.restore(step, args=ocp.args.Composite(
             metadata=ocp.args.JsonRestore(),
-            **{name: ocp.args.StandardRestore(abstract(tree, shardings[name])) for name, tree in trees.items()},
+            **{name: ocp.args.StandardRestore(fused(target) if older else target) for name, target in targets.items()},
         ))
         metadata = restored["metadata"]
         saved = metadata.get("checksums")
@@ -211,6 +215,8 @@ class CheckpointManager:
                     raise ValueError(f"checksum mismatch in {name}{path}")
             if not is_finite(restored[name]):
                 raise ValueError(f"non-finite values in {name}")
+        if older:
+            return {name: unfused(restored[name], shardings[name]) for name in trees}, metadata
         return {name: restored[name] for name in trees}, metadata
 
     def restore_newest_intact(self, trees: dict, shardings: dict, log=print) -> tuple[int, dict, dict] | None:
