@@ -5,16 +5,15 @@ tokenizer that reads its text."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Literal
 
-from gpt.errors import MissingInput
+from gpt.errors import MissingInput, UserError
 from gpt.inference.speculation import DRAFTS
 from gpt.model import gpt2, llama
 from gpt.model.config import DType, GPTConfig, check_dtype
-from gpt.model.hf_files import hub_snapshot
+from gpt.model.hf_files import hub_snapshot, read_config_json
 from gpt.model.transformer import GPT
 from gpt.run_dir import has_checkpoint
 from gpt.tokenizer import Tokenizer, get_tokenizer
@@ -74,11 +73,10 @@ _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # owner/model, as the hub names a mo
 def _family(init_from: str):
     """The module that reads a Hugging Face directory or hub name: `llama` for a Llama, Qwen2 or Qwen3
     config.json, `gpt2` for the rest (which refuses what is not a GPT-2)."""
-    config_path = Path(init_from) / "config.json"
     try:
-        model_type = json.loads(config_path.read_text()).get("model_type") if config_path.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        model_type = None  # gpt2's reader says what is wrong with it
+        model_type = read_config_json(Path(init_from)).get("model_type")
+    except UserError:
+        model_type = None  # no or no readable config.json: gpt2's reader says what is wrong
     return llama if model_type in llama.FAMILIES else gpt2
 
 

@@ -163,6 +163,14 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
         S = k_pages[0].shape[1]
         return attend(q_B1NH, take(k_pages[0]), take(v_pages[0]),
                       jnp.arange(S)[None, None, :] <= positions_B1[:, :, None])
+    return _attend_pages(q_B1NH, k_pages, v_pages, positions_B1, rows_M, take)
+
+
+def _attend_pages(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
+                  positions_B1: jax.Array, rows_M: jax.Array | None, take) -> jax.Array:
+    """`attend_paged` over several pages in XLA's ops, flash-decoding's way: each page read gives its part of
+    the softmax, combined at the end; `take` gathers a page's rows of the view. [B, 1, N, H]."""
+    B, _, N, H = q_B1NH.shape
     K = key_heads(B, k_pages[0], rows_M)
     M, G = B * K, N // K
     q_MGH = (q_B1NH[:, 0] * jnp.asarray(H ** -0.5, q_B1NH.dtype)).reshape(M, G, H)
@@ -185,8 +193,8 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
     def unseen(k_MPH, v_MPH):
         return jnp.full((M, G), -jnp.inf), jnp.zeros((M, G)), jnp.zeros((M, G, H))
 
-    # The pages' parts are independent of one another, so XLA may run them at once on different cores;
-    # they are combined as flash-decoding does. Page 0 is always read (slot 0 is always seen).
+    # The pages' parts are independent of one another, so XLA may run them at once on different cores.
+    # Page 0 is always read (slot 0 is always seen).
     parts, start = [], 0
     for page, (k_MPH, v_MPH) in enumerate(zip(k_pages, v_pages)):
         read = functools.partial(page_partial, start)
