@@ -11,6 +11,7 @@ from gpt.compilation_cache import enable_compilation_cache  # noqa: E402
 from gpt.errors import cli_main  # noqa: E402
 from gpt.generate import generate_text, new_tokens_that_fit  # noqa: E402
 from gpt.inference.sampling import Sampling  # noqa: E402
+from gpt.run_tokenizer import run_tokenizer  # noqa: E402
 from gpt.train.compile_only import FIT_ADVICE, compile_train_step  # noqa: E402
 from gpt.train.trainer import train  # noqa: E402
 
@@ -28,9 +29,10 @@ def main(argv: list[str]) -> int:
     if result.signal is not None:
         return 128 + result.signal  # stopped, not finished: the shell's convention for a signal
     if config.sample_tokens and result.val_loss is not None:
-        prompt, model = "def ", result.model
-        tokens = new_tokens_that_fit(model.config, prompt, config.sample_tokens)  # a small context holds fewer
-        text = generate_text(model, [prompt], tokens, sampling=Sampling(temperature=0.8, top_k=200))[0]
+        prompt, model, tokenizer = "def ", result.model, run_tokenizer(config.out_dir)  # a fine-tuned model's own
+        tokens = new_tokens_that_fit(model.config, prompt, config.sample_tokens, tokenizer)  # a small context: fewer
+        text = generate_text(model, [prompt], tokens, sampling=Sampling(temperature=0.8, top_k=200),
+                             tokenizer=tokenizer)[0]
         print(f"\nval loss {result.val_loss:.3f}; a sample:\n{prompt}{text}")
     return 0
 

@@ -18,6 +18,7 @@ import tyro
 from gpt.errors import ConfigError, cli_main
 from gpt.model import gpt2, llama
 from gpt.model.config import GPTConfig
+from gpt.run_tokenizer import hf_files
 from gpt.train.checkpoint import load_model
 
 
@@ -26,8 +27,8 @@ class ExportConfig:
     out_dir: str = "out"
     """The training run's out_dir."""
     hf_dir: str = "exported"
-    """Where to write config.json + model.safetensors (loadable by transformers' AutoModelForCausalLM): a new or
-    empty directory, or a previous export, which is replaced whole."""
+    """Where to write config.json + model.safetensors (loadable by transformers' AutoModelForCausalLM) and the run's
+    tokenizer (by AutoTokenizer): a new or empty directory, or a previous export, which is replaced whole."""
     step: int | None = None
     """The checkpoint step (default: the latest)."""
 
@@ -35,7 +36,8 @@ class ExportConfig:
 @cli_main
 def main(config: ExportConfig) -> None:
     model = load_model(config.out_dir, config.step)
-    print(f"wrote {format_of(model.config).save(model, config.hf_dir)}")
+    tokenizer_files = hf_files(config.out_dir, model.config.block_size)
+    print(f"wrote {format_of(model.config).save(model, config.hf_dir, tokenizer_files)}")
 
 
 def format_of(config: GPTConfig):

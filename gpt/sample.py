@@ -73,7 +73,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
     # Laid out for decoding (and quantized) once, for every sample.
     tokenizer = tokenizer_of(config.init_from)  # the model's own where it has one (Llama's, Qwen's), else GPT-2's
-    draft, model = load_draft(config.draft, config.dtype), load(config.init_from, config.dtype)
+    draft, model = load_draft(config.draft, config.dtype, tokenizer), load(config.init_from, config.dtype)
     max_new_tokens = config.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = new_tokens_that_fit(model.config, start, _DEFAULT_NEW_TOKENS, tokenizer)

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
@@ -43,6 +44,7 @@ class Tokenizer:
         return self.encoding.eot_token
 
     hf_class = "GPT2Tokenizer"  # transformers' class for it (the server's /tokenizer_info says it)
+    name = "gpt2"  # what a prepared corpus's meta.json records of the tokenizer that made its ids
 
     def special_tokens(self) -> dict[str, str | None]:
         """Its BOS, EOS and unknown tokens' text, as transformers names them: all three `<|endoftext|>`."""
@@ -52,6 +54,11 @@ class Tokenizer:
         """Its ids; GPT-2 adds no special tokens around a text (`add_special`, for a model's own tokenizer's
         BOS, changes nothing here)."""
         return self.encoding.encode(text, **self._special(allow_special))
+
+    def encode_to_numpy(self, text: str, add_special: bool = True) -> np.ndarray:
+        """`encode(text)` as uint32 [T] (`add_special` changes nothing), written straight into a numpy buffer: a
+        corpus's preparation, where a Python list of ints would cost ~40 ns a token, a fifth of tiktoken's time."""
+        return self.encoding.encode_to_numpy(text, **self._special(False))
 
     def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:
         """Each text's ids (a list of its own), each distinct text encoded once.

@@ -9,16 +9,20 @@ tokenizer_config.json where it is set. A special token's text inside the text is
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import tokenizers
 
 from gpt.errors import ConfigError, MissingInput
 from gpt.tokenizer import byte_to_unicode
 
-__all__ = ["TokenizerJson"]
+__all__ = ["TokenizerJson", "FILES"]
+
+FILES = ("tokenizer.json", "tokenizer_config.json")  # what it reads of a directory (the second where there is one)
 
 
 class TokenizerJson:
@@ -33,16 +37,21 @@ class TokenizerJson:
         directory = Path(directory)
         if not (directory / "tokenizer.json").is_file():
             raise MissingInput(f"{directory} has no tokenizer.json")
-        spec = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+        self.files = {name: (directory / name).read_text(encoding="utf-8") for name in FILES
+                      if (directory / name).is_file()}
+        """The files it was made from, by name: a training run keeps them, an export writes them."""
+        digest = hashlib.sha256(json.dumps(self.files, sort_keys=True).encode()).hexdigest()
+        self.name = f"tokenizer.json sha256:{digest}"
+        """What a prepared corpus's meta.json records of the tokenizer that made its ids."""
+        spec = json.loads(self.files["tokenizer.json"])
         decoder = (spec.get("decoder") or {}).get("type")
         if decoder != "ByteLevel":
             raise ConfigError(f"{directory}/tokenizer.json: decoder {decoder!r} is not supported; this reader "
                               f"decodes byte-level BPE (decoder 'ByteLevel': Llama 3, Qwen, SmolLM2)")
-        self.tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-        self._as_text = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))  # specials as text:
+        self.tokenizer = tokenizers.Tokenizer.from_str(self.files["tokenizer.json"])
+        self._as_text = tokenizers.Tokenizer.from_str(self.files["tokenizer.json"])  # special tokens as text:
         self._as_text.encode_special_tokens = True  # two objects, so that no thread changes one under another
-        config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        config = json.loads(self.files.get("tokenizer_config.json", "{}"))
         self._named = {name: self._text_of(config.get(name)) for name in ("bos_token", "eos_token", "unk_token")}
         self._bos = self._id_of(config.get("bos_token")) if config.get("add_bos_token") else None
         self._eos = self._id_of(config.get("eos_token"))
@@ -77,6 +86,10 @@ class TokenizerJson:
         `add_special` (a document's later pieces)."""
         ids = (self.tokenizer if allow_special else self._as_text).encode(text, add_special_tokens=add_special).ids
         return ids if not add_special or self._bos is None or ids[:1] == [self._bos] else [self._bos, *ids]
+
+    def encode_to_numpy(self, text: str, add_special: bool = True) -> np.ndarray:
+        """`encode(text, add_special=add_special)` as uint32 [T]."""
+        return np.asarray(self.encode(text, add_special=add_special), np.uint32)
 
     def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:
         """Each text's ids (a list of its own), each distinct text encoded once."""

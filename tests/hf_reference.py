@@ -1,5 +1,5 @@
-"""Random-weight `transformers` GPT-2 models and small trained tokenizers, the outside references for parity
-tests."""
+"""Random-weight `transformers` models (GPT-2's and the Llama family's) and small trained tokenizers, the outside
+references for parity tests."""
 
 import json
 
@@ -24,6 +24,38 @@ def random_hf_gpt2(tmp_path, seed: int = 0, weight_scale: float = 1.0, **config_
                     param.mul_(weight_scale)
     directory = tmp_path / f"hf-gpt2-{seed}"
     model.save_pretrained(directory)
+    return model, directory
+
+
+LLAMA_SHAPE = dict(vocab_size=300, hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
+                   max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0, eos_token_id=None)
+LLAMA_FAMILIES = {  # between them: a key head per query head, one for all (multi-query), and one per two
+    "llama-untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                     dict(tie_word_embeddings=False, num_key_value_heads=1)),
+    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,  # Llama 3's rotary scaling, its
+                   dict(tie_word_embeddings=True, num_key_value_heads=4,      # context short enough to matter
+                        rope_parameters=dict(rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0,
+                                             high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(tie_word_embeddings=True, num_key_value_heads=2)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,  # heads of 16 over a width of 48 / 4
+              dict(tie_word_embeddings=False, num_key_value_heads=2, head_dim=16)),
+}
+
+
+def random_hf_llama(tmp_path, family: str, seed: int = 0, **fields):
+    """A transformers model of `family` with random weights (matrices scaled so that greedy paths have no
+    near-ties), saved as a Hugging Face directory: (model, directory)."""
+    config_class, model_class, own = LLAMA_FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**LLAMA_SHAPE, **own, **fields})).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)  # norms' scales and Qwen2's biases away from 1 and 0
+            if param.ndim == 2:
+                param.mul_(4.0)
+    directory = tmp_path / family
+    model.save_pretrained(directory, max_shard_size="100KB" if family == "qwen2" else "5GB")  # Qwen2's in shards
     return model, directory
 
 

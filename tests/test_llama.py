@@ -13,52 +13,21 @@ from gpt.generate import generate
 from gpt.inference.sampling import GREEDY
 from gpt.model import gpt2, llama
 
-from hf_reference import hf_logits, make_tokenizer
-
-SHAPE = dict(vocab_size=300, hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0, eos_token_id=None)
-FAMILIES = {  # between them: a key head per query head, one for all (multi-query), and one per two
-    "llama-untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                     dict(tie_word_embeddings=False, num_key_value_heads=1)),
-    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,  # Llama 3's rotary scaling, its
-                   dict(tie_word_embeddings=True, num_key_value_heads=4,      # context short enough to matter
-                        rope_parameters=dict(rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0,
-                                             high_freq_factor=4.0, original_max_position_embeddings=16))),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-              dict(tie_word_embeddings=True, num_key_value_heads=2)),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,  # heads of 16 over a width of 48 / 4
-              dict(tie_word_embeddings=False, num_key_value_heads=2, head_dim=16)),
-}
-
-
-def random_hf_model(tmp_path, family: str, seed: int = 0, **fields):
-    """A transformers model of `family` with random weights (matrices scaled so that greedy paths have no
-    near-ties), saved as a Hugging Face directory: (model, directory)."""
-    config_class, model_class, own = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = model_class(config_class(**{**SHAPE, **own, **fields})).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)  # norms' scales and Qwen2's biases away from 1 and 0
-            if param.ndim == 2:
-                param.mul_(4.0)
-    directory = tmp_path / family
-    model.save_pretrained(directory, max_shard_size="100KB" if family == "qwen2" else "5GB")  # Qwen2's in shards
-    return model, directory
+from hf_reference import LLAMA_SHAPE, hf_logits, make_tokenizer, random_hf_llama
 
 
 @pytest.mark.parametrize("family", [pytest.param("llama-untied", marks=pytest.mark.slow),
                                     pytest.param("llama-tied", marks=pytest.mark.slow), "qwen2",
                                     "qwen3"])  # quick: the Qwens' (every field between them)
 def test_logits_match_transformers(tmp_path, family):
-    hf_model, directory = random_hf_model(tmp_path, family)
+    hf_model, directory = random_hf_llama(tmp_path, family)
     model = llama.load(directory)
     assert (directory / "model.safetensors.index.json").is_file() == (family == "qwen2")
     assert (model.config.tied_head, model.config.qkv_bias) == (hf_model.config.tie_word_embeddings, family == "qwen2")
     assert model.config.kv_heads == hf_model.config.num_key_value_heads and model.config.qk_norm == (family == "qwen3")
     assert model.config.rope_scaling == (8.0 if family == "llama-tied" else 1.0)
-    assert model.config.head_dim == getattr(hf_model.config, "head_dim", SHAPE["hidden_size"] // SHAPE["num_attention_heads"])
-    tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (2, 40))
+    assert model.config.head_dim == getattr(hf_model.config, "head_dim", LLAMA_SHAPE["hidden_size"] // LLAMA_SHAPE["num_attention_heads"])
+    tokens = np.random.default_rng(0).integers(0, LLAMA_SHAPE["vocab_size"], (2, 40))
     np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
     with pytest.raises(ConfigError, match="GPT-2 format cannot hold this model: .*norm='rmsnorm'.*gated_mlp=True"):
         gpt2.save(model, tmp_path / "as_gpt2")  # what GPT-2's format cannot hold is refused, not approximated
@@ -68,7 +37,7 @@ def test_logits_match_transformers(tmp_path, family):
                                     pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_greedy_generate_equals_transformers(tmp_path, family):
     """Our engine's greedy tokens (prefill, then cached decode steps over the decoding layout) are transformers'."""
-    hf_model, directory = random_hf_model(tmp_path, family, seed=1)
+    hf_model, directory = random_hf_llama(tmp_path, family, seed=1)
     model = llama.load(directory)
     prompts = [[5, 17, 250, 3, 9], [42]]
     for prompt, ours in zip(prompts, generate(model, prompts, 20, sampling=GREEDY)):
@@ -86,7 +55,7 @@ def test_greedy_generate_equals_transformers(tmp_path, family):
     ("model_type", "mistral", "model_type 'mistral' is not one of llama, qwen2, qwen3"),
 ])
 def test_what_the_loader_does_not_implement_is_one_line(tmp_path, field, value, message):
-    _, directory = random_hf_model(tmp_path, "llama-tied")
+    _, directory = random_hf_llama(tmp_path, "llama-tied")
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises(ConfigError, match=message) as error:
@@ -108,7 +77,7 @@ def test_over_a_mesh_and_in_int8_it_decodes_as_on_one_device(tmp_path, family):
     from gpt.model.sharding import make_mesh
     from gpt.model.transformer import forward
 
-    _, directory = random_hf_model(tmp_path, family, seed=2)
+    _, directory = random_hf_llama(tmp_path, family, seed=2)
     model = llama.load(directory)
     prompts = [[5, 17, 250, 3, 9], [42, 7]]
     want = generate(model, prompts, 16, sampling=GREEDY)
@@ -125,12 +94,12 @@ def test_over_a_mesh_and_in_int8_it_decodes_as_on_one_device(tmp_path, family):
 def test_an_export_is_transformers_model_and_imports_back_byte_equal(tmp_path, family):
     """An imported model written back: transformers' Auto class loads it to our logits, and importing and
     exporting it again gives the same bytes."""
-    _, directory = random_hf_model(tmp_path, family, seed=3)
+    _, directory = random_hf_llama(tmp_path, family, seed=3)
     model = llama.load(directory)
     exported = llama.save(model, tmp_path / "exported")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     assert type(theirs).__name__ == json.loads((directory / "config.json").read_text())["architectures"][0]
-    tokens = np.random.default_rng(1).integers(0, SHAPE["vocab_size"], (2, 24))
+    tokens = np.random.default_rng(1).integers(0, LLAMA_SHAPE["vocab_size"], (2, 24))
     np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(theirs, tokens), atol=1e-4, rtol=0)
     again = llama.save(llama.load(exported), tmp_path / "again")
     assert {p.name: p.read_bytes() for p in again.iterdir()} == {p.name: p.read_bytes() for p in exported.iterdir()}
@@ -169,8 +138,8 @@ def test_sample_py_samples_a_llama_directory_through_its_own_tokenizer(tmp_path,
     from gpt.sample import SampleConfig, sample
     from gpt.tokenizer_json import TokenizerJson
 
-    hf_model, directory = random_hf_model(tmp_path, "llama-untied", seed=4)
-    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=SHAPE["vocab_size"])
+    hf_model, directory = random_hf_llama(tmp_path, "llama-untied", seed=4)
+    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
     start = "def main():\n    "
     texts = sample(SampleConfig(init_from=str(directory), start=start, num_samples=1, max_new_tokens=12,
                                 sampling=GREEDY), io.StringIO())
@@ -180,17 +149,40 @@ def test_sample_py_samples_a_llama_directory_through_its_own_tokenizer(tmp_path,
     assert texts == [TokenizerJson(directory).decode(theirs.tolist())]
 
 
+def test_a_smaller_model_of_the_family_drafts_for_a_larger_one_in_its_tokenizer_alone(tmp_path, corpus_text):
+    """sample.py on a Llama with a one-layer Llama of the same tokenizer as its draft: the text it samples
+    without one; a draft with another tokenizer (the same number of tokens) is one line."""
+    import io
+    import shutil
+
+    from gpt.sample import SampleConfig, sample
+
+    _, directory = random_hf_llama(tmp_path, "llama-untied", seed=4)
+    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
+    _, draft = random_hf_llama(tmp_path / "draft", "llama-untied", seed=5, num_hidden_layers=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(directory / name, draft / name)
+    greedy = dict(init_from=str(directory), start="def main():\n    ", num_samples=2, max_new_tokens=12,
+                  sampling=GREEDY)
+    plain = sample(SampleConfig(**greedy), io.StringIO())
+    assert sample(SampleConfig(**greedy, draft=str(draft), draft_tokens=3), io.StringIO()) == plain
+    make_tokenizer(draft, corpus_text[50_000:100_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
+    with pytest.raises(ConfigError, match="'s tokenizer .* is not the model's") as error:
+        sample(SampleConfig(**greedy, draft=str(draft)), io.StringIO())
+    assert "\n" not in str(error.value)
+
+
 def test_gpt_eval_scores_a_llama_directorys_text_through_its_own_tokenizer(tmp_path, corpus_text):
     """gpt.eval's perplexity of a document is transformers' mean loss over AutoTokenizer's ids of it (its BOS
     first) and the EOS after it."""
     from gpt.eval import EvalConfig, evaluate
 
-    hf_model, directory = random_hf_model(tmp_path, "llama-tied", seed=7)
-    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=SHAPE["vocab_size"])
+    hf_model, directory = random_hf_llama(tmp_path, "llama-tied", seed=7)
+    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
     text = corpus_text[300_000:300_060]
     (tmp_path / "doc.txt").write_text(text)
     ids = transformers.AutoTokenizer.from_pretrained(directory)(text)["input_ids"] + [1]  # </s>, the EOS
-    assert len(ids) <= SHAPE["max_position_embeddings"]
+    assert len(ids) <= LLAMA_SHAPE["max_position_embeddings"]
     with torch.no_grad():
         want = float(hf_model(torch.tensor([ids]), labels=torch.tensor([ids])).loss)
     got = evaluate(EvalConfig(init_from=str(directory), data=(str(tmp_path / "doc.txt"),)))["overall"]
@@ -207,8 +199,8 @@ def test_the_server_reads_and_writes_text_through_the_models_tokenizer(tmp_path,
 
     from serving import Server
 
-    _, directory = random_hf_model(tmp_path, "qwen2", seed=6)
-    make_tokenizer(directory, corpus_text[:50_000], bos=False, vocab_size=SHAPE["vocab_size"])
+    _, directory = random_hf_llama(tmp_path, "qwen2", seed=6)
+    make_tokenizer(directory, corpus_text[:50_000], bos=False, vocab_size=LLAMA_SHAPE["vocab_size"])
     tokenizer, model = TokenizerJson(directory), llama.load(directory)
     start = "import os\nimport sys\n"
     want = generate_text(model, [start], 10, sampling=GREEDY, stop_tokens=[tokenizer.eot_id], tokenizer=tokenizer)[0]
@@ -232,8 +224,8 @@ def test_a_hub_name_loads_from_the_local_cache_or_says_how_to_get_it(tmp_path, m
     from gpt.errors import MissingInput
     from gpt.loading import load, model_config_of, tokenizer_of
 
-    _, directory = random_hf_model(tmp_path, "qwen3", seed=5)
-    make_tokenizer(directory, "some text to learn a few merges from " * 40, bos=False, vocab_size=SHAPE["vocab_size"])
+    _, directory = random_hf_llama(tmp_path, "qwen3", seed=5)
+    make_tokenizer(directory, "some text to learn a few merges from " * 40, bos=False, vocab_size=LLAMA_SHAPE["vocab_size"])
     snapshot = tmp_path / "hub" / "models--Org--Tiny-Qwen" / "snapshots" / "0123abc"
     shutil.copytree(directory, snapshot)
     (snapshot.parents[1] / "refs").mkdir()
@@ -253,10 +245,10 @@ def test_a_hub_name_loads_from_the_local_cache_or_says_how_to_get_it(tmp_path, m
 def test_a_bfloat16_checkpoint_loads_to_transformers_logits(tmp_path):
     """The hub's Llama and Qwen weights are bfloat16: they load (in float32) to the logits transformers gives
     with the same weights."""
-    hf_model, directory = random_hf_model(tmp_path, "qwen3", seed=8)
+    hf_model, directory = random_hf_llama(tmp_path, "qwen3", seed=8)
     hf_model.to(torch.bfloat16).save_pretrained(directory)
     assert json.loads((directory / "config.json").read_text())["dtype"] == "bfloat16"
     model = llama.load(directory)
-    tokens = np.random.default_rng(2).integers(0, SHAPE["vocab_size"], (2, 20))
+    tokens = np.random.default_rng(2).integers(0, LLAMA_SHAPE["vocab_size"], (2, 20))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(theirs, tokens), atol=1e-4, rtol=0)

@@ -56,9 +56,11 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 @dataclasses.dataclass(frozen=True)
 class Section:
-    """A piece of one document's text; `last` marks the document's end (an <|endoftext|> follows it)."""
+    """A piece of one document's text; `first` marks the document's start (the tokenizer's BOS goes before it,
+    where it has one), `last` its end (the EOS, GPT-2's <|endoftext|>, follows it)."""
 
     text: str
+    first: bool
     last: bool
 
 
@@ -158,8 +160,8 @@ def split_sections(pieces: Iterable[str], size: int = SECTION_CHARS) -> Iterator
     """One document, given as consecutive pieces of text, cut at the first safe newline after every `size`
     characters. The cuts depend on the document's text alone, not on how it was split into pieces (a
     break is only taken once the characters on both of its sides have arrived). The last section carries
-    `last`."""
-    buffer = ""
+    `last`, the first `first`."""
+    buffer, first = "", True
     for piece in pieces:
         buffer += piece
         start = 0
@@ -167,10 +169,10 @@ def split_sections(pieces: Iterable[str], size: int = SECTION_CHARS) -> Iterator
             match = _SAFE_BREAK.search(buffer, start + size - 1)  # a cut at >= start + size
             if match is None:
                 break
-            yield Section(buffer[start:match.end()], last=False)
-            start = match.end()
+            yield Section(buffer[start:match.end()], first=first, last=False)
+            start, first = match.end(), False
         buffer = buffer[start:]
-    yield Section(buffer, last=True)
+    yield Section(buffer, first=first, last=True)
 
 
 # ------------------------------------------------------------------------------------------ documents

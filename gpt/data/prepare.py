@@ -6,10 +6,11 @@
   tokenized by `workers` threads (tiktoken releases the GIL) with at most two batches per thread in
   flight, and tokens go straight to the open shard file. Peak memory does not grow with the corpus.
 - **Shards.** `train_00000.bin`, ... and `val_00000.bin`, ... of `shard_tokens` tokens each (the last one
-  shorter), `uint16` when the vocabulary fits (GPT-2's does), else `uint32`. Every document ends with
-  `<|endoftext|>`. `meta.json` lists the shards with their token counts and SHA-256s (`gpt.data.shards`
-  checks them at every use), every input with its SHA-256, the tokenizer, the split rule and what was
-  skipped.
+  shorter), `uint16` when the vocabulary fits (GPT-2's does), else `uint32`. Every document ends with the
+  tokenizer's EOS (GPT-2's `<|endoftext|>`) and begins with its BOS where it adds one (a model's own
+  tokenizer, to fine-tune it: `gpt.tokenizer_json`). `meta.json` lists the shards with their token counts
+  and SHA-256s (`gpt.data.shards` checks them at every use), every input with its SHA-256, the tokenizer,
+  the split rule and what was skipped.
 - **One writer.** A preparation holds the data directory's lock (`gpt.run_dir.RunLock`, as a training run
   reading it does): a second preparation, or one beside a run, is refused with one line naming the
   holder. A preparation writes its shards and `progress.json` in `out_dir/.preparing`, and moves them in
@@ -51,7 +52,8 @@ from gpt.data.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, i
 from gpt.data.shards import SHARD_SUM_FIELDS, ShardHasher, check_fields, check_meta
 from gpt.errors import ConfigError, MissingInput, write_failed
 from gpt.run_dir import RunLock, make_dir
-from gpt.tokenizer import get_tokenizer
+from gpt.tokenizer import Tokenizer, get_tokenizer
+from gpt.tokenizer_json import TokenizerJson
 
 __all__ = ["prepare", "sources", "in_validation", "default_corpus", "corpus_identity", "PrepareConfig", "CorpusChoice",
            "TextFieldChoice", "DEFAULT_VAL_FRACTION"]
@@ -215,18 +217,15 @@ def _numbered_sections(paths: list[Path], text_field: str, bad: BadRecords) -> I
             index += 1
 
 
-def _encode(batch: list[tuple[int, Section]], val_fraction: float, dtype) -> list[tuple[int, str, np.ndarray]]:
-    """(section index, split, tokens) of each section in a batch; runs on a worker thread.
-
-    `encode_to_numpy` with no special token allowed is `encode_ordinary` (the string <|endoftext|> is
-    plain text) written straight into a numpy buffer: a Python list of ints would cost ~40 ns a token,
-    a fifth of the tokenizer's own time on this machine."""
-    encoding = get_tokenizer().encoding
+def _encode(batch: list[tuple[int, Section]], val_fraction: float, dtype, tokenizer: Tokenizer | TokenizerJson
+            ) -> list[tuple[int, str, np.ndarray]]:
+    """(section index, split, tokens) of each section in a batch, a document's BOS (where the tokenizer adds
+    one) before its first section and its EOS after its last; runs on a worker thread."""
     out = []
     for index, section in batch:
-        tokens = encoding.encode_to_numpy(section.text, allowed_special=set(), disallowed_special=())
+        tokens = tokenizer.encode_to_numpy(section.text, add_special=section.first)
         if section.last:
-            tokens = np.append(tokens, np.uint32(encoding.eot_token))
+            tokens = np.append(tokens, np.uint32(tokenizer.eot_id))
         split = "val" if in_validation(section.text, val_fraction) else "train"
         out.append((index, split, tokens.astype(dtype)))
     return out
@@ -286,7 +285,7 @@ def _clear_shards(directory: Path) -> None:
 
 
 def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, writers: dict, workers: int,
-              progress: bool | None) -> tuple[collections.Counter, BadRecords]:
+              progress: bool | None, tokenizer: Tokenizer | TokenizerJson) -> tuple[collections.Counter, BadRecords]:
     """Read the sections of `paths` past those both splits' writers already hold, tokenize them in batches on
     `workers` threads (at most two batches each in flight) and hand each, in order, to its split's writer.
     Returns the counts of sections, documents and replaced bytes over the whole corpus, and the bad records."""
@@ -324,7 +323,7 @@ def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, wr
                 writers[split].write(index, tokens)
 
         for batch in batches():
-            in_flight.append(pool.submit(_encode, batch, val_fraction, dtype))
+            in_flight.append(pool.submit(_encode, batch, val_fraction, dtype, tokenizer))
             bar.update(sum(len(section.text) for _, section in batch))
             if len(in_flight) >= 2 * workers:
                 drain_one()
@@ -353,9 +352,11 @@ def _check_splits(inputs, counts: collections.Counter, bad: BadRecords, totals: 
 
 def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
             val_fraction: float = DEFAULT_VAL_FRACTION, text_field: str = "text", workers: int | None = None, shard_tokens: int = 100_000_000,
-            progress: bool | None = None, corpus_sources: list[dict] | None = None, lock: bool = True) -> dict:
+            progress: bool | None = None, corpus_sources: list[dict] | None = None, lock: bool = True,
+            tokenizer: Tokenizer | TokenizerJson | None = None) -> dict:
     """Tokenize `inputs` (files, directories, globs; text, JSONL, Parquet or saved datasets) into token
-    shards in `out_dir` with GPT-2's tokenizer, as this module's docstring describes.
+    shards in `out_dir` with `tokenizer` (default: GPT-2's; a model's own to fine-tune it), as this module's
+    docstring describes.
 
     `corpus_sources`: `sources(inputs)` when the caller has it already (the inputs are then not read
     again to hash them). `lock`: take `out_dir`'s lock for the preparation (False for a caller that holds
@@ -369,6 +370,10 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
     if workers is not None and workers < 1:
         raise ConfigError(f"workers must be >= 1 (or None for every core), got {workers}")
     workers = workers or os.cpu_count() or 1
+    tokenizer = tokenizer or get_tokenizer()
+    if tokenizer.eot_id is None:
+        raise ConfigError(f"the tokenizer {tokenizer.name} names no end-of-sequence token (tokenizer_config.json's "
+                          f"eos_token), which ends each document")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"out_dir '{out_dir}' is a file, not a directory")
@@ -377,7 +382,7 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
                  advice="or prepare into another --out_dir"):
         try:
             return _prepare_locked(corpus_sources, inputs, out_dir, val_fraction, text_field, workers, shard_tokens,
-                                   progress)
+                                   progress, tokenizer)
         except MissingInput:
             raise
         except OSError as e:  # a full disk, a directory that cannot be written: nothing half-written is left
@@ -385,11 +390,10 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
 
 
 def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_field, workers, shard_tokens,
-                    progress) -> dict:
+                    progress, tokenizer: Tokenizer | TokenizerJson) -> dict:
     paths = [Path(source["path"]) for source in corpus_sources]
-    tokenizer = get_tokenizer()
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    settings = {"format": _FORMAT_VERSION, "tokenizer": "gpt2", "vocab_size": tokenizer.vocab_size,
+    settings = {"format": _FORMAT_VERSION, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
                 "dtype": dtype.name, "val_fraction": val_fraction, "text_field": text_field,
                 "shard_tokens": shard_tokens, "section_chars": SECTION_CHARS, "split_rule": SPLIT_RULE}
     meta_path = out_dir / "meta.json"
@@ -421,7 +425,7 @@ def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_fi
         writers = {split: _ShardWriter(staging, split, dtype, shard_tokens, None, save_progress)
                    for split in ("train", "val")}
     try:
-        counts, bad = _tokenize(paths, text_field, val_fraction, dtype, writers, workers, progress)
+        counts, bad = _tokenize(paths, text_field, val_fraction, dtype, writers, workers, progress, tokenizer)
         shards = {split: writer.close() for split, writer in writers.items()}
     except BaseException:
         for writer in writers.values():

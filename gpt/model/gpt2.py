@@ -261,10 +261,11 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
     return model
 
 
-def save(model: GPT, out_dir: str | os.PathLike) -> Path:
-    """Write `model` as a Hugging Face GPT-2 checkpoint (config.json + model.safetensors, float32) with
-    GPT-2's tokenizer (vocab.json, merges.txt, tokenizer_config.json: `gpt.tokenizer.hf_tokenizer_files`),
-    so that transformers' `AutoModelForCausalLM` and `AutoTokenizer` load the directory offline.
+def save(model: GPT, out_dir: str | os.PathLike, tokenizer_files: dict[str, str] | None = None) -> Path:
+    """Write `model` as a Hugging Face GPT-2 checkpoint (config.json + model.safetensors, float32) with its
+    tokenizer's files (by name; default GPT-2's vocab.json, merges.txt and tokenizer_config.json:
+    `gpt.tokenizer.hf_tokenizer_files`), so that transformers' `AutoModelForCausalLM` and `AutoTokenizer` load
+    the directory offline.
 
     Never destroys, and appears whole or not at all (`gpt.model.hf_files.write_export`).
     """
@@ -279,5 +280,6 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
         for i in range(layers):
             name = hf_name.format(i) if per_layer else hf_name
             tensors[f"transformer.{name}"] = np.ascontiguousarray(whole[i])
-    return write_export(out_dir, tensors, {"config.json": json.dumps(hf_config, indent=2) + "\n",
-                                           **hf_tokenizer_files(config.block_size)})
+    if tokenizer_files is None:
+        tokenizer_files = hf_tokenizer_files(config.block_size)
+    return write_export(out_dir, tensors, {"config.json": json.dumps(hf_config, indent=2) + "\n", **tokenizer_files})

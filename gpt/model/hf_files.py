@@ -16,13 +16,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from gpt.errors import ConfigError, MissingInput, first_line, write_failed
+from gpt.tokenizer_json import FILES as TOKENIZER_JSON_FILES
 
 __all__ = ["hub_snapshot", "read_config_json", "read_safetensors", "write_export"]
 
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
-# What an export of ours holds: config.json and the weights, and the tokenizer's files where it has them (GPT-2's).
+# What an export of ours holds: config.json and the weights, and the tokenizer's files where it has them.
 _EXPORT_FILES = {"config.json", _WEIGHTS}
-_TOKENIZER_FILES = {"vocab.json", "merges.txt", "tokenizer_config.json"}
+# The tokenizer files an export may hold beside its weights: GPT-2's (`gpt.tokenizer.hf_tokenizer_files`), or a
+# model's own tokenizer.json, with its tokenizer_config.json where it has one (`gpt.tokenizer_json.FILES`).
+_TOKENIZER_FILES = ({"vocab.json", "merges.txt", "tokenizer_config.json"}, set(TOKENIZER_JSON_FILES[:1]),
+                    set(TOKENIZER_JSON_FILES))
 
 
 def _hub_cache_dirs() -> list[Path]:
@@ -131,7 +135,7 @@ def write_export(out_dir: str | os.PathLike, tensors: dict[str, np.ndarray], tex
 def _check_destination(out_dir: Path) -> None:
     """Refuse a destination whose contents an export would destroy: the working directory or one of its
     parents, a training run's out_dir, or a non-empty directory that is not a previous export (exactly
-    config.json, with a model_type, and model.safetensors, with or without GPT-2's tokenizer files)."""
+    config.json, with a model_type, and model.safetensors, with or without a tokenizer's files)."""
     target, cwd = out_dir.resolve(), Path.cwd().resolve()
     if target == cwd or target in cwd.parents:
         raise ConfigError(f"refusing to export into {str(out_dir)!r}: it is the working directory or one of its "
@@ -145,7 +149,7 @@ def _check_destination(out_dir: Path) -> None:
                           f"directory")
     names = {entry.name for entry in target.iterdir()}
     try:
-        previous = (names in (_EXPORT_FILES, _EXPORT_FILES | _TOKENIZER_FILES)
+        previous = (names in (_EXPORT_FILES, *(_EXPORT_FILES | files for files in _TOKENIZER_FILES))
                     and "model_type" in json.loads((target / "config.json").read_text()))
     except (OSError, ValueError, TypeError):
         previous = False

@@ -145,10 +145,11 @@ def config_to_hf(config: GPTConfig) -> dict:
     }
 
 
-def save(model: GPT, out_dir: str | os.PathLike) -> Path:
+def save(model: GPT, out_dir: str | os.PathLike, tokenizer_files: dict[str, str] | None = None) -> Path:
     """Write a Llama-shaped `model` as a Hugging Face checkpoint (config.json + model.safetensors, float32) that
-    transformers' `AutoModelForCausalLM` loads, and `load` reads back to the same weights. Never destroys, and
-    appears whole or not at all (`gpt.model.hf_files.write_export`)."""
+    transformers' `AutoModelForCausalLM` loads, and `load` reads back to the same weights, with its tokenizer's
+    files where given (by name: `TokenizerJson.files`, or GPT-2's). Never destroys, and appears whole or not at
+    all (`gpt.model.hf_files.write_export`)."""
     config = model.config
     hf_config = config_to_hf(config)
     value = lambda path: np.asarray(parameter(model, path)[...], np.float32)  # noqa: E731
@@ -160,7 +161,8 @@ def save(model: GPT, out_dir: str | os.PathLike) -> Path:
             theirs = _theirs(w.name, stacked[i], config)
             for name, array in zip(names, theirs) if isinstance(names, tuple) else [(names, theirs)]:
                 tensors[name.format(i)] = np.ascontiguousarray(array)
-    return write_export(out_dir, tensors, {"config.json": json.dumps(hf_config, indent=2) + "\n"})
+    return write_export(out_dir, tensors, {"config.json": json.dumps(hf_config, indent=2) + "\n",
+                                           **(tokenizer_files or {})})
 
 
 def read_config(source: str | os.PathLike, **overrides) -> GPTConfig:

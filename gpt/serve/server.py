@@ -254,7 +254,7 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
     # Loading and warm-up run before uvicorn takes the signals (a GPT-2 warm-up takes 20-40 s on a CPU), so
     # that one stops serve.py at once (`cli_main`), not after the warm-up.
     tokenizer = tokenizer_of(config.init_from)  # the model's own where it has one (Llama's, Qwen's), else GPT-2's
-    draft = load_draft(config.engine.draft, config.dtype)
+    draft = load_draft(config.engine.draft, config.dtype, tokenizer)
     model = load(config.init_from, config.dtype)
     engine = Engine(model, config.engine, quantize=config.quantize, mesh=mesh, draft=draft, tokenizer=tokenizer)
     engine.warmup(log)

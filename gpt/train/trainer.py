@@ -44,7 +44,7 @@ from gpt.data.prepare import CorpusChoice, corpus_identity, default_corpus, prep
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, check_fits_in_memory
 from gpt.hardware import CompileOnlyChoice
-from gpt.model import gpt2
+from gpt.model import pretrained
 from gpt.model.config import PRESETS, GPTConfig
 from gpt.model.sharding import (
     batch_sharding,
@@ -57,8 +57,10 @@ from gpt.model.sharding import (
 from gpt.model.transformer import GPT, num_params
 from gpt.program_report import check_compiled_fits, compile_within_memory
 from gpt.run_dir import RunLock, check_identity, identity, newest_step
+from gpt.run_tokenizer import keep_tokenizer
 from gpt.signals import StopSignals
-from gpt.tokenizer import get_tokenizer
+from gpt.tokenizer import Tokenizer, get_tokenizer
+from gpt.tokenizer_json import TokenizerJson
 from gpt.train.checkpoint import CheckpointManager, config_to_json
 from gpt.train.metrics import MetricsWriter
 from gpt.train.optimizer import OptimizerConfig, make_schedule
@@ -92,7 +94,9 @@ class TrainConfig(CorpusChoice, CompileCacheChoice, CompileOnlyChoice):
     prepare_timeout_s: float = 24 * 3600
     """On several processes: how long the others wait for process 0 to prepare the corpus."""
     init_from: str = "scratch"
-    """'scratch', or GPT-2 weights to fine-tune: a hub name (gpt2, gpt2-medium, ...) or an HF directory."""
+    """'scratch', or weights to fine-tune: a Hugging Face GPT-2, Llama, Qwen2 or Qwen3 directory, or a hub name
+    in the local Hugging Face cache (gpt2, gpt2-medium, ...; HuggingFaceTB/SmolLM2-135M, ...). The corpus is
+    tokenized with the model's own tokenizer, which the run keeps (`gpt.run_tokenizer`)."""
     model: GPTConfig = PRESETS["small"]
     """The model trained from scratch: `--preset` picks the defaults, `--model.FIELD` changes any field.
     With --init_from, the shape comes from the checkpoint and only dropout, dtype, param_dtype, fp8, remat
@@ -234,6 +238,8 @@ class Plan:
     inputs: list
     corpus_sources: list[dict]
     identity: dict
+    tokenizer: Tokenizer | TokenizerJson
+    """What the corpus is tokenized with: GPT-2's, or the fine-tuned model's own."""
 
     @property
     def out_dir(self) -> Path:
@@ -265,6 +271,7 @@ def plan(config: TrainConfig, log=print) -> Plan:
         devices = jax.devices()[: config.num_devices]
     log = _main_process_only(log)
     config, model_config, mesh = mesh_and_model(config, devices, log)
+    tokenizer = _tokenizer(config, model_config)
     batch_bytes = config.grad_accum * config.batch_size * (config.block_size + 1) * 4 * (config.prefetch + 2)
     check_fits_in_memory(f"TrainConfig.batch_size={config.batch_size} x grad_accum={config.grad_accum}", batch_bytes,
                          f"the int32 token batches in flight ({config.prefetch} prefetched + 2 steps')",
@@ -273,7 +280,7 @@ def plan(config: TrainConfig, log=print) -> Plan:
     corpus_sources = sources(inputs, exclude=[out_dir])  # the one read of the corpus; never the run's own files
     run_identity = identity(config_to_json(model_config), _training_identity(config),
                             corpus_identity(corpus_sources, config.val_fraction, config.text_field))
-    return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity)
+    return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity, tokenizer)
 
 
 def mesh_and_model(config: TrainConfig, devices: list | None, log=print) -> tuple[TrainConfig, GPTConfig, Mesh]:
@@ -313,7 +320,7 @@ def _resolve_model(config: TrainConfig, log) -> tuple[TrainConfig, GPTConfig]:
     `config` with its block_size filled in."""
     runtime = {name: getattr(config.model, name) for name in _RUNTIME_FIELDS}
     if config.init_from != "scratch":
-        model_config = gpt2.read_config(config.init_from, **runtime)
+        model_config = pretrained.read_config(pretrained.located(config.init_from), **runtime)
     else:
         model_config = config.model
         vocab = get_tokenizer().vocab_size
@@ -326,6 +333,17 @@ def _resolve_model(config: TrainConfig, log) -> tuple[TrainConfig, GPTConfig]:
         raise ConfigError(f"TrainConfig.block_size={config.block_size} is above the model's context of "
                           f"{model_config.block_size} tokens")
     return config, model_config
+
+
+def _tokenizer(config: TrainConfig, model_config: GPTConfig) -> Tokenizer | TokenizerJson:
+    """The tokenizer of the model a run trains (GPT-2's from scratch), checked against its vocabulary."""
+    if config.init_from == "scratch":
+        return get_tokenizer()
+    tokenizer = pretrained.tokenizer(pretrained.located(config.init_from))
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ConfigError(f"the tokenizer of --init_from {config.init_from} has {tokenizer.vocab_size} tokens, more "
+                          f"than the model's vocab_size of {model_config.vocab_size}")
+    return tokenizer
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -438,9 +456,10 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
 
     def prepare_corpus() -> dict:  # under the data directory's lock, which the run holds
         return prepare(checked.inputs, data_dir, config.val_fraction, config.text_field,
-                       corpus_sources=checked.corpus_sources, lock=False)
+                       corpus_sources=checked.corpus_sources, lock=False, tokenizer=checked.tokenizer)
 
     if pid == 0:
+        keep_tokenizer(checked.out_dir, checked.tokenizer)  # before a checkpoint exists to be read without it
         meta = prepare_corpus()
     if nproc > 1:  # the others wait for process 0, then find the shards up to date
         wait_for_all("gpt: corpus prepared", config.prepare_timeout_s,
@@ -493,7 +512,7 @@ def _compiled_within_memory(step: TrainStep, params, opt_state, config: TrainCon
 def _build_model(config: TrainConfig, model_config: GPTConfig) -> GPT:
     if config.init_from == "scratch":
         return GPT(model_config, rngs=nnx.Rngs(config.seed))
-    model = gpt2.load(config.init_from, dtype=model_config.dtype, param_dtype=model_config.param_dtype)
+    model = pretrained.load(pretrained.located(config.init_from), model_config.dtype, model_config.param_dtype)
     model.config = model_config
     return model
 
