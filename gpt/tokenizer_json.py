@@ -30,15 +30,18 @@ class TokenizerJson:
 
     Args:
       directory: a model directory with tokenizer.json (and tokenizer_config.json, where the BOS and EOS
-        tokens are named).
+        tokens are named), or those files' texts by name (`files`).
     """
 
-    def __init__(self, directory: str | Path):
-        directory = Path(directory)
-        if not (directory / "tokenizer.json").is_file():
-            raise MissingInput(f"{directory} has no tokenizer.json")
-        self.files = {name: (directory / name).read_text(encoding="utf-8") for name in FILES
-                      if (directory / name).is_file()}
+    def __init__(self, directory: str | Path | dict[str, str]):
+        if isinstance(directory, dict):  # the files themselves, by name
+            self.files = {name: directory[name] for name in FILES if name in directory}
+        else:
+            directory = Path(directory)
+            if not (directory / "tokenizer.json").is_file():
+                raise MissingInput(f"{directory} has no tokenizer.json")
+            self.files = {name: (directory / name).read_text(encoding="utf-8") for name in FILES
+                          if (directory / name).is_file()}
         """The files it was made from, by name: a training run keeps them, an export writes them."""
         digest = hashlib.sha256(json.dumps(self.files, sort_keys=True).encode()).hexdigest()
         self.name = f"tokenizer.json sha256:{digest}"
@@ -75,6 +78,13 @@ class TokenizerJson:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def config_ids(self) -> dict[str, int]:
+        """Its BOS and EOS ids as a model's config.json holds them (`bos_token_id`, `eos_token_id`: where
+        transformers' `generate` stops), those that tokenizer_config.json names."""
+        ids = {"bos_token_id": self._id_of(self._named["bos_token"]), "eos_token_id": self._eos}
+        return {name: i for name, i in ids.items() if i is not None}
 
     @property
     def eot_id(self) -> int | None:

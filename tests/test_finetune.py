@@ -91,6 +91,7 @@ def test_fine_tuning_starts_from_the_checkpoints_loss_on_its_tokenizers_ids_and_
     ids = exported_tokenizer(prompt)["input_ids"]
     assert ids == kept.encode(prompt)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    assert exported.generation_config.eos_token_id == kept.eot_id  # its generate ends where the tokenizer's text does
     with torch.no_grad():
         continuation = exported.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]
     assert text == kept.decode(continuation.tolist())

@@ -1,5 +1,6 @@
 """lm-evaluation-harness as the real client: `local-completions` against the server gives, task by task and
-item by item, the scores lm-eval's own `hf` backend (transformers) gives on the same weights."""
+item by item, the scores lm-eval's own `hf` backend (transformers) gives on the same weights: a GPT-2's, and a
+Llama's with its own tokenizer.json (which the client reads through the server's /tokenize)."""
 
 import json
 import textwrap
@@ -12,9 +13,11 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from gpt.model import gpt2  # noqa: E402
+from gpt.model import gpt2, llama, pretrained  # noqa: E402
+from gpt.tokenizer import get_tokenizer  # noqa: E402
+from gpt.tokenizer_json import TokenizerJson  # noqa: E402
 
-from hf_reference import random_hf_gpt2  # noqa: E402
+from hf_reference import LLAMA_SHAPE, make_tokenizer, random_hf_gpt2, random_hf_llama  # noqa: E402
 from serving import Server  # noqa: E402
 
 CONTEXT = 128
@@ -62,20 +65,36 @@ def tasks(directory) -> list[str]:
     return list(configs)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """The same random GPT-2 weights as an exported HF directory (with its tokenizer) and behind the server."""
+def exported_model(root, family: str, corpus_text: str):
+    """Random weights of `family` exported by us as an HF directory with its tokenizer: (directory, the tokenizer)."""
+    if family == "gpt2":
+        _, directory = random_hf_gpt2(root, seed=5, weight_scale=3.0, n_layer=2, n_head=4, n_embd=32,
+                                      n_positions=CONTEXT)
+        return gpt2.save(gpt2.load(directory), root / "exported"), get_tokenizer()
+    _, directory = random_hf_llama(root, "llama-untied", seed=5, max_position_embeddings=CONTEXT)
+    tokenizer = TokenizerJson(make_tokenizer(directory, corpus_text[:50_000], bos=False,
+                                             vocab_size=LLAMA_SHAPE["vocab_size"]))
+    return llama.save(llama.load(directory), root / "exported", tokenizer.files), tokenizer
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def setup(tmp_path_factory, corpus_text, request):
+    """The same random weights as an exported HF directory (with its tokenizer) and behind the server."""
     root = tmp_path_factory.mktemp("lm_eval")
-    _, directory = random_hf_gpt2(root, seed=5, weight_scale=3.0, n_layer=2, n_head=4, n_embd=32, n_positions=CONTEXT)
-    exported = gpt2.save(gpt2.load(directory), root / "exported")
+    exported, tokenizer = exported_model(root, request.param, corpus_text)
     names = tasks(root)
     # Not warmed up: the programs the evaluation runs compile at their first use, not every bucket's.
-    server = Server(gpt2.load(exported), slots=4, max_queue=32, cache_length=CONTEXT, prefill_chunk=32,
-                    prefix_cache_tokens=2048, warmup=False)
+    server = Server(pretrained.load(str(exported)), slots=4, max_queue=32, cache_length=CONTEXT, prefill_chunk=32, prefix_cache_tokens=2048, warmup=False,
+                    tokenizer=tokenizer)
     manager = TaskManager(include_path=str(root))
-    reference = evaluate(HFLM(pretrained=str(exported), device="cpu", batch_size=4, max_length=CONTEXT,
-                              dtype="float32"), names, manager)
-    yield server, names, manager, reference
+    # The same windows: lm-eval's API client keeps one token of its max_length for the one it asks to generate, so
+    # sends at most max_length - 1, and cuts a long document into windows one shorter (one kept for the context);
+    # the hf backend scores its max_length + 1 tokens and cuts windows of its max_length.
+    hf = HFLM(pretrained=str(exported), device="cpu", batch_size=4, max_length=CONTEXT - 2, dtype="float32")
+    reference = evaluate(hf, names, manager)
+    # The API client's prefix before a document is `bos_token_id or eos_token_id`, which reads a BOS of id 0 as
+    # none; the hf backend's is the BOS whatever its id. Given the hf backend's, the two score the same text.
+    yield server, names, manager, reference, hf.prefix_token_id
     server.stop()
 
 
@@ -91,9 +110,10 @@ def responses(results, task) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("tokenized_requests", [True, False])
 def test_local_completions_scores_what_the_hf_backend_scores(setup, tokenized_requests):
-    server, names, manager, reference = setup
+    server, names, manager, reference, prefix_token = setup
     lm = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model="tiny", max_length=CONTEXT,
-                             tokenized_requests=tokenized_requests, num_concurrent=4, max_retries=1)
+                             tokenized_requests=tokenized_requests, num_concurrent=4, max_retries=1,
+                             custom_prefix_token_id=prefix_token)
     assert lm.tokenizer_backend == "remote"  # the default `auto` found /tokenizer_info and /tokenize
     reused = server.engine.prompt_tokens_reused
     ours = evaluate(lm, names, manager)

@@ -24,6 +24,7 @@ from gpt.model.config import GPTConfig
 from gpt.model.hf_files import read_config_json, read_safetensors, write_export
 from gpt.model.parameters import block_weights
 from gpt.model.transformer import GPT, parameter
+from gpt.tokenizer_json import TokenizerJson
 
 __all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "read_config", "load", "save"]
 
@@ -148,10 +149,13 @@ def config_to_hf(config: GPTConfig) -> dict:
 def save(model: GPT, out_dir: str | os.PathLike, tokenizer_files: dict[str, str] | None = None) -> Path:
     """Write a Llama-shaped `model` as a Hugging Face checkpoint (config.json + model.safetensors, float32) that
     transformers' `AutoModelForCausalLM` loads, and `load` reads back to the same weights, with its tokenizer's
-    files where given (by name: `TokenizerJson.files`, or GPT-2's). Never destroys, and appears whole or not at
+    files where given (by name: `TokenizerJson.files`, or GPT-2's), whose BOS and EOS ids config.json then holds
+    (transformers' `generate` stops at that EOS). Never destroys, and appears whole or not at
     all (`gpt.model.hf_files.write_export`)."""
     config = model.config
     hf_config = config_to_hf(config)
+    if tokenizer_files and "tokenizer.json" in tokenizer_files:  # its BOS and EOS, where generate stops
+        hf_config.update(TokenizerJson(tokenizer_files).config_ids)
     value = lambda path: np.asarray(parameter(model, path)[...], np.float32)  # noqa: E731
     tensors = {_MODEL_NAMES[path]: value(path) for path in ("wte", "lnf_scale", *(() if config.tied_head
                                                                                   else ("lm_head",)))}
