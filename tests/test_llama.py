@@ -191,7 +191,8 @@ def test_gpt_eval_scores_a_llama_directorys_text_through_its_own_tokenizer(tmp_p
 
 def test_the_server_reads_and_writes_text_through_the_models_tokenizer(tmp_path, corpus_text):
     """serve.py over a Qwen-shaped model and its tokenizer.json: completions' text, logprobs' token strings,
-    /tokenize and /tokenizer_info are that tokenizer's (transformers' ids), and a completion stops at its EOS."""
+    /tokenize (with its BOS or without) and /tokenizer_info are that tokenizer's (transformers' ids), and a
+    completion stops at its EOS."""
     import httpx
 
     from gpt.generate import generate_text
@@ -200,7 +201,7 @@ def test_the_server_reads_and_writes_text_through_the_models_tokenizer(tmp_path,
     from serving import Server
 
     _, directory = random_hf_llama(tmp_path, "qwen2", seed=6)
-    make_tokenizer(directory, corpus_text[:50_000], bos=False, vocab_size=LLAMA_SHAPE["vocab_size"])
+    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
     tokenizer, model = TokenizerJson(directory), llama.load(directory)
     start = "import os\nimport sys\n"
     want = generate_text(model, [start], 10, sampling=GREEDY, stop_tokens=[tokenizer.eot_id], tokenizer=tokenizer)[0]
@@ -210,8 +211,11 @@ def test_the_server_reads_and_writes_text_through_the_models_tokenizer(tmp_path,
         choice = reply.choices[0]
         stopped = "</s>" if choice.finish_reason == "stop" else ""  # the EOS that ended it is scored, not text
         assert choice.text == want and "".join(choice.logprobs.tokens) == want + stopped
-        ids = httpx.post(f"{server.url}/tokenize", json={"prompt": start}).json()["tokens"]
-        assert ids == transformers.AutoTokenizer.from_pretrained(directory)(start)["input_ids"]
+        theirs = transformers.AutoTokenizer.from_pretrained(directory)
+        for add_special in (True, False):  # its BOS first, or (as lm-eval's client asks) not
+            ids = httpx.post(f"{server.url}/tokenize", json={"prompt": start, "add_special_tokens": add_special})
+            assert ids.json()["tokens"] == theirs(start, add_special_tokens=add_special)["input_ids"]
+        assert ids.json()["tokens"][0] != tokenizer.encode(start)[0]  # the BOS
         info = httpx.get(f"{server.url}/tokenizer_info").json()
         assert (info["eos_token"], info["tokenizer_class"]) == ("</s>", "PreTrainedTokenizerFast")
     finally:

@@ -13,9 +13,12 @@ from flax import nnx
 from gpt import GPT, GPTConfig
 from gpt.eval import EvalConfig, evaluate
 from gpt.inference.sampling import GREEDY
+from gpt.model import pretrained
 from gpt.serve.playground import SECURITY_HEADERS
 from gpt.tokenizer import get_tokenizer
+from gpt.tokenizer_json import TokenizerJson
 
+from hf_reference import LLAMA_SHAPE, make_tokenizer, random_hf_llama
 from serving import Server, decisive_model
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -180,24 +183,34 @@ def test_greedy_text_and_every_tokens_shading_and_alternatives_equal_the_apis(se
     no_policy_violations(browser)
 
 
-def test_scoring_a_text_gives_gpt_evals_perplexity_and_bits_per_byte(server, browser, model, tmp_path):
-    text = "The quick brown fox jumps over the lazy dog. Über café, naïve: 3 × 4 = 12."
-    browser.get(server.url + "/")
+SCORED_TEXT = "The quick brown fox jumps over the lazy dog. Über café, naïve: 3 × 4 = 12."
+
+
+def score(browser, text: str) -> dict:
+    """Score `text` on the page: its perplexity, bits per byte and count of scored tokens as shown."""
     browser.find_element(By.ID, "mode-score").click()
     browser.execute_script("document.getElementById('score-text').value = arguments[0]", text)
     browser.find_element(By.ID, "score").click()
     wait(browser, lambda: status(browser).startswith(("scored", "error")))
     assert status(browser) == "scored"
-    shown = {name: float(browser.find_element(By.ID, name).get_attribute("data-value"))
+    shown = {name.replace("-", "_"): float(browser.find_element(By.ID, name).get_attribute("data-value"))
              for name in ("perplexity", "bits-per-byte")}
+    return {**shown, "tokens": int(browser.find_element(By.ID, "scored-tokens").text)}
+
+
+def evaluated(tmp_path, text: str, **eval_args) -> dict:
+    """gpt.eval's overall score of `text` as a file: perplexity, bits per byte, tokens."""
     path = tmp_path / "text.txt"
     path.write_text(text, encoding="utf-8")
-    want = evaluate(EvalConfig(data=(str(path),)), model=model)["overall"]
-    assert int(browser.find_element(By.ID, "scored-tokens").text) == want["tokens"]
-    assert shown["perplexity"] == pytest.approx(want["perplexity"], rel=1e-4)
-    assert shown["bits-per-byte"] == pytest.approx(want["bits_per_byte"], rel=1e-4)
+    overall = evaluate(EvalConfig(data=(str(path),), **eval_args.pop("config", {})), **eval_args)["overall"]
+    return {name: overall[name] for name in ("perplexity", "bits_per_byte", "tokens")}
+
+
+def test_scoring_a_text_gives_gpt_evals_perplexity_and_bits_per_byte(server, browser, model, tmp_path):
+    browser.get(server.url + "/")
+    assert score(browser, SCORED_TEXT) == pytest.approx(evaluated(tmp_path, SCORED_TEXT, model=model), rel=1e-4)
     scored = tokens_shown(browser, "scored")
-    assert "".join(t["text"] for t in scored) == text + "<|endoftext|>" and scored[0]["logprob"] is None
+    assert "".join(t["text"] for t in scored) == SCORED_TEXT + "<|endoftext|>" and scored[0]["logprob"] is None
     browser.save_screenshot(str(tmp_path / "score.png"))
     browser.execute_script("document.getElementById('score-text').value = ''")
     browser.find_element(By.ID, "score").click()
@@ -244,6 +257,41 @@ def test_model_output_that_is_markup_shows_as_text_and_runs_nothing_and_the_key_
     no_policy_violations(browser)
     # The API itself still wants the key.
     assert httpx.post(keyed_server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
+
+
+def test_on_a_llama_the_page_reads_generates_and_scores_through_the_models_own_tokenizer(browser, corpus_text,
+                                                                                          tmp_path):
+    """A Llama whose tokenizer.json puts <s> first and ends a text with </s>: the page's tokens, their ids and its
+    scores are that tokenizer's, as the API and gpt.eval give them."""
+    _, directory = random_hf_llama(tmp_path, "llama-untied", seed=5, max_position_embeddings=128)
+    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
+    tokenizer = TokenizerJson(directory)
+    server = Server(pretrained.load(str(directory)), tokenizer=tokenizer, warmup=False, slots=2, cache_length=128)
+    try:
+        browser.get(server.url + "/")
+        wait(browser, lambda: browser.find_element(By.ID, "model-name").text == "tiny")
+        browser.find_element(By.ID, "show-tokens").click()
+        generate(browser, "def main():", 12)
+        assert status(browser).startswith("done"), status(browser)
+        reply = server.client.completions.create(model="tiny", prompt="def main():", max_tokens=12, temperature=0,
+                                                 logprobs=5)
+        shown, logprobs = tokens_shown(browser, "generated"), reply.choices[0].logprobs
+        assert [t["text"] for t in shown] == logprobs.tokens
+        np.testing.assert_allclose([t["logprob"] for t in shown], logprobs.token_logprobs, rtol=1e-6)
+        ids = browser.execute_script("return [...document.querySelectorAll('#output .token')].map((s) => s.dataset.id)")
+        alone = [tokenizer.encode(text, allow_special=True, add_special=False) for text in logprobs.tokens]
+        assert ids == [str(i[0]) if len(i) == 1 else "?" for i in alone] and ids.count("?") < len(ids)
+
+        assert score(browser, SCORED_TEXT) == pytest.approx(
+            evaluated(tmp_path, SCORED_TEXT, config={"init_from": str(directory)}), rel=1e-4)
+        scored = [t["text"] for t in tokens_shown(browser, "scored")]
+        echoed = server.client.completions.create(model="tiny", prompt=SCORED_TEXT + "</s>", max_tokens=0, echo=True,
+                                                  logprobs=0).choices[0].logprobs.tokens  # bytes of a character
+        assert scored == echoed and (scored[0], scored[-1]) == ("<s>", "</s>")  # split by its tokens read as "�"
+        browser.save_screenshot(str(tmp_path / "llama.png"))
+        no_policy_violations(browser)
+    finally:
+        server.stop()
 
 
 def test_on_a_phone_sized_window_nothing_runs_off_the_side(server, browser, tmp_path):

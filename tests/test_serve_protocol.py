@@ -66,7 +66,9 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(monkeypatch)
 
 
 def test_tokenizer_bodies_are_checked():
-    assert parse_tokenize(b'{"prompt": "a b"}', LIMITS) == "a b"
+    assert parse_tokenize(b'{"prompt": "a b"}', LIMITS) == ("a b", True)
+    assert parse_tokenize(b'{"prompt": "a b", "add_special_tokens": false}', LIMITS) == ("a b", False)
+    assert refused(b'{"prompt": "x", "add_special_tokens": "no"}', parse_tokenize).param == "add_special_tokens"
     assert parse_detokenize(b'{"tokens": [1, 2]}', LIMITS) == [1, 2]
     assert refused(b'{"tokens": [1, 50257]}', parse_detokenize).param == "tokens"
     assert refused(b'{"prompt": ' + b"[" * 40 + b"]" * 40 + b"}", parse_tokenize).param is None

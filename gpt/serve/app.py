@@ -7,7 +7,7 @@
                            min_p, repetition_penalty
     GET  /v1/models        the one model served (and /v1/models/NAME: it, or 404)
     GET  /tokenizer_info   the tokenizer's special tokens and the context (as vLLM answers it)
-    POST /tokenize         {"prompt": text} -> {"tokens": ids, "count", "max_model_len"}
+    POST /tokenize         {"prompt": text, "add_special_tokens": true} -> {"tokens": ids, "count", "max_model_len"}
     POST /detokenize       {"tokens": ids} -> {"prompt": text}   (all three under /v1 too)
     GET  /health           200 while serving, 503 while shutting down
     GET  /metrics          Prometheus: queue depth, live slots, tokens, tokens/s, time to first token,
@@ -247,10 +247,11 @@ def _add_tokenizer_routes(app: FastAPI, served: _Served) -> None:
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(http: HTTPRequest):
-        text = await _off_the_loop(parse_tokenize, await _read_body(http, served.max_request_bytes), limits)
+        text, add_special = await _off_the_loop(parse_tokenize, await _read_body(http, served.max_request_bytes),
+                                                limits)
 
         def reply() -> bytes:  # off the event loop: a long text takes a while to tokenize and to write out
-            ids = tokenizer.encode(text, True)
+            ids = tokenizer.encode(text, True, add_special)
             return json.dumps({"count": len(ids), "max_model_len": cache_length, "tokens": ids,
                                "token_strs": None}).encode()
 

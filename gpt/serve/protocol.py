@@ -266,10 +266,11 @@ def parse_completion(raw: bytes, limits: Limits) -> Parsed:
                   stream_options.get("include_usage", False), limits.tokenizer)
 
 
-def parse_tokenize(raw: bytes, limits: Limits) -> str:
-    """A /tokenize body's text ({"prompt": text}); ApiError 400 naming the field otherwise."""
+def parse_tokenize(raw: bytes, limits: Limits) -> tuple[str, bool]:
+    """A /tokenize body's text and whether the tokenizer's special tokens go around it ({"prompt": text,
+    "add_special_tokens": true by default, as vLLM's}); ApiError 400 naming the field otherwise."""
     body = _tokenizer_body(raw, limits, "prompt", lambda p: isinstance(p, str), "text")
-    return body["prompt"]
+    return body["prompt"], body.get("add_special_tokens") is None or _flag(body, "add_special_tokens")
 
 
 def parse_detokenize(raw: bytes, limits: Limits) -> list[int]:

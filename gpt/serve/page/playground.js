@@ -3,10 +3,10 @@
 // ever set as textContent: never parsed as HTML.
 "use strict";
 
-const EOT = "<|endoftext|>";
 const TOP = 5; // alternatives asked for each token
 const $ = (id) => document.getElementById(id);
 let model = null;
+let endOfText = null; // the tokenizer's EOS text (GPT-2's "<|endoftext|>"), "" where it has none
 let running = null; // the AbortController of the request in flight
 
 // ----------------------------------------------------------------------------------------- the API
@@ -60,6 +60,12 @@ async function servedModel() {
     $("model-name").textContent = model;
   }
   return model;
+}
+
+// The text of the token that ends a document, as the served tokenizer names it (/tokenizer_info).
+async function endOfTextToken() {
+  if (endOfText === null) endOfText = (await (await api("/tokenizer_info")).json()).eos_token || "";
+  return endOfText;
 }
 
 // The server-sent events of a streamed completion, each parsed: an async generator of chunks.
@@ -135,7 +141,7 @@ function addTokens(logprobs, kind) {
 async function labelIds() {
   const spans = [...$("output").querySelectorAll(".token")].filter((span) => span.dataset.id === undefined);
   await Promise.all(spans.map(async (span) => {
-    const reply = await (await api("/tokenize", { prompt: span.textContent })).json();
+    const reply = await (await api("/tokenize", { prompt: span.textContent, add_special_tokens: false })).json();
     span.dataset.id = reply.tokens.length === 1 ? String(reply.tokens[0]) : "?";
   }));
 }
@@ -202,7 +208,7 @@ function setRunning(on) {
 async function score() {
   const text = $("score-text").value;
   await request("scoring", async (signal) => {
-    const body = { model: await servedModel(), prompt: text + EOT, max_tokens: 0, echo: true, logprobs: TOP };
+    const body = { model: await servedModel(), prompt: text + await endOfTextToken(), max_tokens: 0, echo: true, logprobs: TOP };
     const reply = await (await api("/v1/completions", body, signal)).json();
     const logprobs = reply.choices[0].logprobs;
     addTokens(logprobs, "scored");
