@@ -112,10 +112,11 @@ def test_train_py_compile_only_prints_the_report_and_refuses_what_cannot_fit(tmp
     assert len(error) == 1 and "16.00 GiB" in error[0] and "--mesh fsdp=N" in error[0], huge.stderr[-2000:]
     assert "WARNING" not in huge.stderr  # libtpu told what it runs on: nothing else on stderr
     served = subprocess.run([sys.executable, "serve.py", "--init_from", "gpt2", "--compile_only", "v5e-8", "--mesh",
-                             "data=2,tensor=4", "--slots", "4", "--cache_length", "256"],
+                             "data=2,tensor=4", "--slots", "4", "--cache_length", "256", "--draft", "ngram"],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert served.returncode == 0, served.stderr[-2000:]
-    assert "prefill of 2 x 256 tokens" in served.stdout and "decode of 4 slots" in served.stdout
+    assert "prefill of 2 x 256 tokens" in served.stdout
+    assert "decode of 4 slots x 1 step(s), 4 guesses of PromptLookup a step" in served.stdout
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +157,51 @@ def test_the_serving_programs_compile_for_a_tpu_topology(v5e_8):
     assert decode.held["slots and their cache"] >= cache // 8  # split over the 8 chips (rows x heads)
     assert decode.held["weights"] == prefill.held["weights"] > 0
     assert decode.fits() and decode.tokens == 8 and prefill.tokens == 2 * 32
+
+
+def test_a_drafts_weights_from_shapes_are_laid_out_as_the_engines_drafter_lays_them_out():
+    """What compile-only makes of a draft from shapes (int8 self-draft, a smaller model) is the tree, shapes,
+    dtypes and shardings of the drafter an engine makes from real weights, on 8 CPU devices."""
+    import jax
+    from flax import nnx
+
+    from gpt.inference.compile_only import _abstract_drafter
+    from gpt.inference.decoder import Decoder
+    from gpt.inference.drafters import make_drafter
+    from gpt.model.sharding import make_mesh
+    from gpt.model.transformer import GPT
+
+    mesh = make_mesh(data=2, tensor=4, devices=jax.devices("cpu")[:8])
+    config = GPTConfig.preset("tiny", vocab_size=512)
+    small = GPT(config.replace(n_layer=1), rngs=nnx.Rngs(1))
+    target = Decoder.of(GPT(config, rngs=nnx.Rngs(0)), "none", mesh)
+    for draft in ("int8", small):
+        made = make_drafter(draft, target, 64)
+        with jax.set_mesh(mesh):
+            shaped = _abstract_drafter(draft if isinstance(draft, str) else "model",
+                                       None if isinstance(draft, str) else small.config, config, "none", mesh)
+        assert type(shaped) is type(made) and jax.tree.structure(shaped) == jax.tree.structure(made)
+        for real, shape in zip(jax.tree.leaves(made), jax.tree.leaves(shaped)):
+            assert (real.shape, real.dtype) == (shape.shape, shape.dtype)
+            assert real.sharding.is_equivalent_to(shape.sharding, real.ndim), (real.sharding, shape.sharding)
+
+
+@pytest.mark.slow  # TPU compiles of a minute or less on 2 cores
+def test_the_serving_programs_under_each_draft_compile_for_a_tpu_topology(v5e_8):
+    from gpt.inference.compile_only import compile_engine
+    from gpt.inference.engine_settings import EngineSettings
+    from gpt.model.sharding import make_mesh
+
+    config = GPTConfig.preset("tiny", vocab_size=50257)
+    mesh = make_mesh(data=2, tensor=4, devices=v5e_8)
+    for draft, draft_config, kind in (("ngram", None, "PromptLookup"), ("int8", None, "SelfDraft"),
+                                      ("a/draft", config.replace(n_layer=1), "DraftModel")):
+        settings = EngineSettings(slots=8, cache_length=64, prefill_chunk=32, draft=draft, draft_tokens=4)
+        _, decode = compile_engine(config, settings, "none", mesh, draft_config=draft_config)
+        assert decode.name == f"decode of 8 slots x 1 step(s), 4 guesses of {kind} a step" and decode.fits()
+        assert decode.tokens == 8 * 5 and (kind == "PromptLookup") == ("draft weights" not in decode.held)
+    with pytest.raises(ConfigError, match="draft int8 needs the target's weights in float"):
+        compile_engine(config, EngineSettings(slots=8, cache_length=64, draft="int8"), "int8", mesh)
 
 
 @pytest.mark.slow  # a TPU compile of a minute or less on 2 cores (the quick tier keeps one)

@@ -125,12 +125,17 @@ def _kernel_layout(stacked: jax.Array, layer: jax.Array, quantize: str, input_ax
 _matrix_layout = jax.jit(_store, static_argnames="quantize")
 
 
+def check_int8_draft(quantize: str | None) -> None:
+    """ConfigError when a target whose weights are laid out as `quantize` cannot draft for itself in int8."""
+    if quantize == "int8":
+        raise ConfigError("draft int8 needs the target's weights in float (quantize none or bf16), not int8")
+
+
 def int8_draft_weights(decoder: Decoder) -> Weights:
     """The decoder's float32 (or bfloat16) weights with every matrix in int8 (`decoding_weights`' "int8"
     layout), for drafting: its own tokens, a few times faster, that mostly agree with the target's.
     ConfigError for a decoder whose weights are int8 already."""
-    if decoder.quantize == "int8":
-        raise ConfigError("draft int8 needs the target's weights in float (quantize none or bf16), not int8")
+    check_int8_draft(decoder.quantize)
     float_matrix = lambda a: a.matrix_KD if isinstance(a, OutputMajor) else a.dequantize()  # noqa: E731
     weights = decoder.weights
     layers = tuple({name: _matrix_layout(float_matrix(a), "int8") if hasattr(a, "matmul") else a
