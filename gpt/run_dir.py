@@ -149,6 +149,11 @@ def check_identity(saved: dict | None, current: dict, out_dir: str | os.PathLike
             f"{out_dir} holds checkpoint step {step} without a record of the run that wrote it (written by an "
             f"older version); use another --out_dir"
         )
+    unreadable = "the record" if not isinstance(saved, dict) else next(
+        (f"its {group!r}" for group in (*_FIXED_GROUPS, "training") if not isinstance(saved.get(group, {}), dict)), None)
+    if unreadable is not None:
+        raise ConfigError(f"{out_dir} holds checkpoint step {step} whose record of the run that wrote it is "
+                          f"unreadable ({unreadable} is not a JSON object); use another --out_dir")
     defaults = defaults or {}
     fixed = [line for group in _FIXED_GROUPS for line in _differences(saved, current, group, defaults)]
     adjustable = _differences(saved, current, "training", defaults)

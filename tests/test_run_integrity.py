@@ -176,6 +176,26 @@ def test_a_record_written_before_a_setting_existed_takes_its_default():
                        "out", 4, resume_anyway=True, defaults=defaults)
 
 
+def test_every_field_of_a_runs_identity_record_changed_resumes_or_is_one_line():
+    # The record a resume compares (a checkpoint's "identity"), each field removed, of another type or extreme,
+    # and the whole record not an object: the run it names, another run's refusal, or an unreadable record's.
+    from gpt.run_dir import check_identity
+    from gpt.train.trainer import _default_identity
+
+    current = _default_identity()
+    records = [changed(current, path, how) for path in fields(current) for how in HOW] + [[], "x", 5, [current]]
+    outcomes = {"resumed": 0, "refused": 0}
+    for record in records:
+        for resume_anyway in (False, True):
+            try:
+                check_identity(record, current, "out", 4, resume_anyway, log=lambda _: None, defaults=current)
+                outcomes["resumed"] += 1
+            except ConfigError as error:  # an AttributeError or a TypeError had been possible
+                assert "\n" not in str(error) and str(error).startswith("out holds checkpoint step 4"), str(error)
+                outcomes["refused"] += 1
+    assert outcomes["refused"] > 100 and outcomes["resumed"] > 10, outcomes
+
+
 # ------------------------------------------------------------------------------------------ corruption
 
 def _largest_array_file(step_dir: Path) -> Path:
