@@ -159,12 +159,24 @@ def exit_on_signals() -> None:
             signal.signal(sig, lambda signum, frame: _stopped_by(signum))
 
 
+# What to change when a program's memory runs out as it runs (the checks before it compare the compiled programs
+# with the device's memory; an allocation can still fail beside them).
+OUT_OF_MEMORY_ADVICE = ("ask for less at once: a smaller --batch_size (with --grad_accum), --model.remat or an fsdp "
+                        "mesh to train; fewer --slots, a shorter --cache_length or --num_samples to sample or serve")
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is XLA's failure to allocate device (or host) memory for a running program."""
+    return type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and "RESOURCE_EXHAUSTED" in str(error)
+
+
 def cli_main(function):
-    """Wrap a CLI's `main` so that a UserError or RunFailed ends it with one line on stderr, exit 2 or 1,
-    and SIGINT or SIGTERM (where the CLI does not catch them itself, as training does to save) with one
-    line and status 128 + the signal's number (a second signal ends it then, if what ran does not stop on
-    the first: `StopSignals`). Output piped to a reader that stops early (`| head`) ends
-    it quietly with SIGPIPE's status, 141, as it ends other Unix tools.
+    """Wrap a CLI's `main` so that a UserError or RunFailed ends it with one line on stderr, exit 2 or 1 (and
+    XLA's failure to allocate a running program's memory, exit 2, with what to change), and SIGINT or SIGTERM
+    (where the CLI does not catch them itself, as training does to save) with one line and status 128 + the
+    signal's number (a second signal ends it then, if what ran does not stop on the first: `StopSignals`).
+    Output piped to a reader that stops early (`| head`) ends it quietly with SIGPIPE's status, 141, as it
+    ends other Unix tools.
 
     It also keeps a failed checkpoint save from printing dozens of tracebacks before that line."""
 
@@ -192,5 +204,11 @@ def cli_main(function):
             # its teardown could meet XLA's threads still running what was cut short.
             sys.stderr.flush()
             os._exit(128 + signal.SIGPIPE)
+        except Exception as error:
+            out_of_memory = next((cause for cause in causes(error) if _out_of_memory(cause)), None)
+            if out_of_memory is None:
+                raise
+            print(f"error: the memory ran out ({first_line(out_of_memory)}); {OUT_OF_MEMORY_ADVICE}", file=sys.stderr)
+            sys.exit(2)
 
     return main

@@ -486,6 +486,26 @@ def test_run_failures_are_one_line_exit_1():
     assert exit_info.value.code == 1
 
 
+def test_memory_that_runs_out_as_a_program_runs_is_one_line_exit_2(capsys):
+    import jax.numpy as jnp
+
+    from gpt.errors import cli_main
+
+    @cli_main
+    def allocating():  # 4 TiB: XLA's allocation fails at once, past every check before it
+        try:
+            jnp.zeros((2**40,), jnp.float32).block_until_ready()
+        except Exception as error:
+            raise RuntimeError("a step failed") from error  # behind another error, as a thread may raise it
+
+    with pytest.raises(SystemExit) as exit_info:  # a JaxRuntimeError's traceback had reached the user
+        allocating()
+    said = capsys.readouterr().err
+    assert exit_info.value.code == 2 and said.count("\n") == 1, said
+    assert said.startswith("error: the memory ran out (RESOURCE_EXHAUSTED: Out of memory allocating 4398046511104 "
+                           "bytes") and "--batch_size" in said
+
+
 def test_a_full_disk_anywhere_is_one_line_exit_2_and_other_failed_writes_stay_what_they_were():
     """A full disk or quota, whether an OSError, behind another error (Orbax's) or only in the text (safetensors'
     Rust error), is DiskFull: the user's to make room on, exit 2; other failed writes keep their kind."""
