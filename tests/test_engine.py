@@ -230,6 +230,40 @@ def test_logprobs_are_the_plain_forwards(model):
             assert [lp for _, lp in completion.top_logprobs[i]] == pytest.approx([float(v) for v in top[0]], abs=1e-4)
 
 
+def test_the_warmup_checks_its_largest_programs_memory_before_running_and_compiles_nothing_more_for_it(
+        model, monkeypatch):
+    import gpt.program_report
+    from gpt.inference.device_slots import DeviceSlots
+    from gpt.program_report import sharded_bytes
+
+    compiles = []
+    count = lambda event, *_, **__: compiles.append(event) if event.endswith("backend_compile_duration") else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(count)
+    counted = {}
+    try:
+        for check in (True, False):
+            with monkeypatch.context() as patch:
+                if not check:
+                    patch.setattr(DeviceSlots, "check_largest_fit", lambda *_: None)
+                jax.clear_caches()  # every program compiled afresh by each
+                engine = Engine(model, slots=3, cache_length=96, prefill_chunk=64)
+                compiles.clear()
+                engine.warmup(log=lambda line: None)
+                counted[check] = len(compiles)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert counted[True] == counted[False] > 0  # the check's two programs are the warm-up's own
+
+    # Room for the weights and the slots, not for the prefill's logits over 64 positions: one line, before it runs.
+    engine = Engine(model, slots=3, cache_length=98, prefill_chunk=64)
+    room = sharded_bytes((engine.device.weights, engine.device.slots)) + 64 * model.config.vocab_size
+    monkeypatch.setattr(gpt.program_report, "device_memory_bytes", lambda device: room)
+    with pytest.raises(ConfigError, match=r"^3 slots of 98 positions: the prefill of 1 x 64 tokens needs .* GiB per "
+                                          r"device .* over the cpu's .*: use fewer --slots") as error:
+        engine.warmup(log=lambda line: None)
+    assert "\n" not in str(error.value)
+
+
 def test_no_compile_after_warmup(model):
     engine = Engine(model, slots=4, cache_length=64, steps_per_call=2, prefill_chunk=16)  # 17, 40 and 60 in chunks
     engine.warmup(log=lambda line: None)

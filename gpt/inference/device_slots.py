@@ -88,14 +88,35 @@ the slots keep what it needs) a decode may verify up to `max_draft_tokens` of it
             # against the devices' memory before anything is allocated.
             program = compiled_init_slots.lower(self.config, self.num_slots, cache_length, max_stop_tokens,
                                                 self.keeps_history, draft_config).compile()
-            devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
-            check_compiled_fits(program, devices, "decoding slots' cache", f"{self.num_slots} slots of {cache_length} "
+            check_compiled_fits(program, self._devices(), "decoding slots' cache", f"{self.num_slots} slots of {cache_length} "
                                 f"positions", FIT_ADVICE, held_already=sharded_bytes((self.weights, drafter)))
             self.slots = program()
 
     def on_mesh(self):
         """A context in which the verbs run over the mesh (none without one)."""
         return self.decoder.on_mesh()
+
+    def check_largest_fit(self, prefill_length: int) -> None:
+        """The largest programs the verbs run, a prefill of `prefill_length` positions for a prefill's rows and
+        a decode over every slot verifying the most drafted tokens, compiled (the verbs then find them compiled)
+        and checked against the devices' memory before either runs: their arguments, outputs and temporaries
+        (`check_compiled_fits`); ConfigError naming the setting and what to change when one is over."""
+        rows, devices = self.rows_per_prefill, self._devices()
+        tokens, flags = np.zeros((rows, prefill_length), np.int32), np.zeros((rows,), np.bool_)
+        setting = f"{self.num_slots} slots of {self.cache_length} positions"
+        with self.on_mesh():
+            prefill = compiled_prefill.lower(self.config, self.weights, None, tokens, np.zeros((rows,), np.int32),
+                                             tokens, flags, flags).compile()
+            check_compiled_fits(prefill, devices, f"prefill of {rows} x {prefill_length} tokens", setting,
+                                FIT_ADVICE, held_already=sharded_bytes((self.slots, self.drafter)))
+            K = self.max_draft_tokens
+            decode = compiled_decode.lower(self.config, self.weights, self.slots, np.int32(1), np.bool_(False),
+                                           max_steps=self.max_steps, rows_R=None, draft_tokens=K,
+                                           drafter=self.drafter if K else None).compile()
+            check_compiled_fits(decode, devices, "decode", setting, FIT_ADVICE)
+
+    def _devices(self) -> list:
+        return list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
 
     def settings(self, request: Request, stops: Sequence[int]) -> Settings:
         """A request's knobs as host scalars (one row of an Admission's settings); `stops`: its stop tokens,

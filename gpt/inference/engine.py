@@ -187,6 +187,7 @@ class Engine:
         """
         if self._thread is not None or self._scheduler.live_slots:
             raise RuntimeError("warmup runs before the engine serves: its placeholder borrows slot 0")
+        self.device.check_largest_fit(self.prefill_chunk)  # before anything runs; its two then run compiled
         programs = _warmup_programs(self)
         start = time.perf_counter()
         for i, (kind, what, run) in enumerate(programs):
