@@ -230,6 +230,7 @@ def test_logprobs_are_the_plain_forwards(model):
             assert [lp for _, lp in completion.top_logprobs[i]] == pytest.approx([float(v) for v in top[0]], abs=1e-4)
 
 
+@pytest.mark.slow  # three warm-ups, each compiling every program
 def test_the_warmup_checks_its_largest_programs_memory_before_running_and_compiles_nothing_more_for_it(
         model, monkeypatch):
     import gpt.program_report
