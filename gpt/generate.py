@@ -61,6 +61,7 @@ def generate(
     draft: str | GPT | Decoder | Drafter | None = None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     tokenizer=None,
+    check_memory: bool = False,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens.
 
@@ -94,6 +95,9 @@ def generate(
       draft_tokens: the most drafted tokens a step verifies.
       tokenizer: what the stop strings are read through: GPT-2's (the default), or a model's own
         (`gpt.tokenizer_json.TokenizerJson`).
+      check_memory: before anything runs, compile the call's largest prefill and its decode and check them
+        against the devices' memory (`DeviceSlots.check_largest_fit`: ConfigError naming the GiB when over);
+        the call then runs them compiled. A script's first call (sample.py's).
     Returns:
       One list of new token ids per prompt.
     """
@@ -101,6 +105,9 @@ def generate(
                                                     sampling)
     engine = _engine_for(model, prompts, max_new_tokens, len(stop_tokens), on_token is not None, max_batch,
                          quantize=quantize, mesh=mesh, draft=draft, draft_tokens=draft_tokens, tokenizer=tokenizer)
+    if check_memory:  # the first piece of the longest prompt is the largest prefill
+        longest = max(map(len, prompts))
+        engine.device.check_largest_fit(bucket(engine.prompt_buckets, min(longest, engine.prefill_chunk)))
     completions = [engine.submit(Request(prompt, max_new_tokens, sampling, seed=seed, stream=row,
                                          stop_tokens=stop_tokens, stop_strings=stop_strings),
                                  None if on_token is None else _streamer(on_token, row))

@@ -88,7 +88,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
             out.write(start)
         batch = generate_text(decoder, [start] * rows, max_new_tokens, seed=config.seed + i, on_text=on_text,
                               sampling=config.sampling, draft=draft, draft_tokens=config.draft_tokens,
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer, check_memory=i == 0)
         texts.extend(batch)
         if config.stream:
             out.write("\n---------------\n")

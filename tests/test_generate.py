@@ -132,6 +132,25 @@ def test_compile_count_is_flat_within_a_bucket():
     assert 0 <= after["place"] - first["place"] <= 1
 
 
+def test_a_call_that_checks_its_memory_first_compiles_its_programs_once_and_refuses_what_cannot_fit(monkeypatch):
+    import gpt.program_report
+    from gpt.inference import device_slots
+    from gpt.program_report import sharded_bytes
+
+    model = scaled_model("rope", rope_theta=7000.0)  # a config no other test compiles for
+    programs = lambda: [getattr(device_slots, f"compiled_{n}")._cache_size() for n in ("prefill", "decode")]  # noqa: E731
+    before = programs()
+    prompts = [[1, 2, 3], list(range(1, 21))]  # the longer one's bucket (32) is the largest prefill
+    checked = generate(model, prompts, 6, sampling=GREEDY, check_memory=True)
+    assert [a - b for a, b in zip(programs(), before)] == [2, 1]  # both buckets' prefills, one decode: as without
+    assert checked == generate(model, prompts, 6, sampling=GREEDY)
+
+    # Room for nothing beside the weights: one line naming the setting, before anything runs.
+    monkeypatch.setattr(gpt.program_report, "device_memory_bytes", lambda device: 2 * sharded_bytes(nnx.state(model)))
+    with pytest.raises(ConfigError, match=r"^2 slots of 48 positions: the prefill of 1 x 32 tokens needs "):
+        generate(model, prompts, 6, sampling=GREEDY, check_memory=True, draft="ngram")
+
+
 def test_seeds_reproduce(model):
     sample = lambda seed: generate(model, [[1, 2, 3], [4]], 16, sampling=Sampling(), seed=seed)  # noqa: E731
     assert sample(3) == sample(3)
