@@ -149,8 +149,9 @@ def check_identity(saved: dict | None, current: dict, out_dir: str | os.PathLike
             f"{out_dir} holds checkpoint step {step} without a record of the run that wrote it (written by an "
             f"older version); use another --out_dir"
         )
+    groups = (*_FIXED_GROUPS, "training")
     unreadable = "the record" if not isinstance(saved, dict) else next(
-        (f"its {group!r}" for group in (*_FIXED_GROUPS, "training") if not isinstance(saved.get(group, {}), dict)), None)
+        (f"its {group!r}" for group in groups if not isinstance(saved.get(group, {}), dict)), None)
     if unreadable is not None:
         raise ConfigError(f"{out_dir} holds checkpoint step {step} whose record of the run that wrote it is "
                           f"unreadable ({unreadable} is not a JSON object); use another --out_dir")

@@ -238,7 +238,11 @@ def test_the_warmup_checks_its_largest_programs_memory_before_running_and_compil
     from gpt.program_report import sharded_bytes
 
     compiles = []
-    count = lambda event, *_, **__: compiles.append(event) if event.endswith("backend_compile_duration") else None  # noqa: E731
+
+    def count(event: str, *_, **__) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
     jax.monitoring.register_event_duration_secs_listener(count)
     counted = {}
     try:

@@ -138,7 +138,9 @@ def test_a_call_that_checks_its_memory_first_compiles_its_programs_once_and_refu
     from gpt.program_report import sharded_bytes
 
     model = scaled_model("rope", rope_theta=7000.0)  # a config no other test compiles for
-    programs = lambda: [getattr(device_slots, f"compiled_{n}")._cache_size() for n in ("prefill", "decode")]  # noqa: E731
+    def programs() -> list[int]:
+        return [getattr(device_slots, f"compiled_{name}")._cache_size() for name in ("prefill", "decode")]
+
     before = programs()
     prompts = [[1, 2, 3], list(range(1, 21))]  # the longer one's bucket (32) is the largest prefill
     checked = generate(model, prompts, 6, sampling=GREEDY, check_memory=True)

@@ -88,8 +88,9 @@ the slots keep what it needs) a decode may verify up to `max_draft_tokens` of it
             # against the devices' memory before anything is allocated.
             program = compiled_init_slots.lower(self.config, self.num_slots, cache_length, max_stop_tokens,
                                                 self.keeps_history, draft_config).compile()
-            check_compiled_fits(program, self._devices(), "decoding slots' cache", f"{self.num_slots} slots of {cache_length} "
-                                f"positions", FIT_ADVICE, held_already=sharded_bytes((self.weights, drafter)))
+            check_compiled_fits(program, self._devices(), "decoding slots' cache",
+                                f"{self.num_slots} slots of {cache_length} positions", FIT_ADVICE,
+                                held_already=sharded_bytes((self.weights, drafter)))
             self.slots = program()
 
     def on_mesh(self):
