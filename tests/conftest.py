@@ -10,9 +10,11 @@ import tempfile
 from pathlib import Path
 
 # The 8 devices' threads share two cores with the other test process: a collective may wait its turn past XLA's
-# default bound, which aborts the process (a worker was lost so mid-suite, in a checkpoint's checksums on 8 devices).
+# default bounds, which abort the process (a worker was lost so mid-suite, in a checkpoint's checksums on 8 devices,
+# with the call's bound alone raised): both bounds raised.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                                   "--xla_cpu_collective_call_terminate_timeout_seconds=900")
+                                   "--xla_cpu_collective_call_terminate_timeout_seconds=900 "
+                                   "--xla_cpu_collective_timeout_seconds=900")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The CLIs keep a persistent compilation cache in the user's cache directory: tests' runs keep theirs apart.
 CACHE_HOME = tempfile.mkdtemp(prefix="gpt-test-cache-")
