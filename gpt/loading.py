@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from gpt.errors import ConfigError, MissingInput
-from gpt.inference.speculation import DRAFTS
+from gpt.inference.speculation import DRAFTS, names_a_model
 from gpt.model import gpt2, pretrained
 from gpt.model.config import DType, GPTConfig, check_dtype
 from gpt.model.transformer import GPT
@@ -94,7 +94,7 @@ def load_draft(draft: str, dtype: str = "float32", tokenizer: Tokenizer | Tokeni
     """A script's --draft as the engine takes it: a kind of draft (none, ngram, int8) as it is, else the
     smaller GPT that it names, loaded as `load` loads one; ConfigError when its tokenizer is not `tokenizer`
     (the model's), whose ids it must guess."""
-    if draft == "none" or draft in DRAFTS:
+    if not names_a_model(draft):
         return draft
     model = load(draft, dtype, flag="draft", also=f"none, {', '.join(DRAFTS)}, ")
     if tokenizer is not None and tokenizer_of(draft).name != tokenizer.name:

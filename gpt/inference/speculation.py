@@ -43,6 +43,11 @@ def count_standing(target_RK: jax.Array, drafts_RK: jax.Array, count_R: jax.Arra
 
 Draft = Literal["none", "ngram", "int8"]  # the kinds of draft, as the scripts' flags offer them
 DRAFTS = get_args(Draft)[1:]  # "none" (or None) decodes without one
+
+
+def names_a_model(draft: str) -> bool:
+    """Whether a script's --draft names a model to load (a directory, a hub name) rather than a kind of draft."""
+    return draft != "none" and draft not in DRAFTS
 MAX_DRAFT_TOKENS = 32  # the most drafted tokens one step verifies
 
 

@@ -235,12 +235,12 @@ def _compile_only(config: ServeConfig) -> None:
     when one does not fit a chip."""
     from gpt.hardware import parse_topology
     from gpt.inference.compile_only import FIT_ADVICE, compile_engine
-    from gpt.inference.speculation import DRAFTS
+    from gpt.inference.speculation import names_a_model
     from gpt.loading import model_config_of
 
     model_config = model_config_of(config.init_from, config.dtype)
     draft = config.engine.draft
-    draft_config = model_config_of(draft, config.dtype) if draft not in ("none", *DRAFTS) else None
+    draft_config = model_config_of(draft, config.dtype) if names_a_model(draft) else None
     mesh = make_mesh(**parse_mesh(config.mesh), devices=parse_topology(config.compile_only).devices())
     setting = f"--compile_only {config.compile_only}"
     for report in compile_engine(model_config, config.engine, config.quantize, mesh, setting, draft_config):
