@@ -98,6 +98,30 @@ def test_checkpoint_moves_between_8_devices_and_1(tmp_path, corpus):
     assert eight.step == 3
 
 
+# A tree of many arrays sharded over 8 devices, checksummed over and over, where a collective that waits too long
+# for its peers aborts the process: reductions of many arrays in flight at once over one mesh deadlocked so.
+CHECKSUMS_ON_8_DEVICES = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from gpt.train.checkpoint import checksums, is_finite
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+sharded = NamedSharding(mesh, PartitionSpec("fsdp", None))
+tree = [jax.device_put(jnp.full((64, 32 * (i % 5 + 1)), i, jnp.float32), sharded) for i in range(80)]
+for _ in range(30):
+    assert len(checksums(tree)) == 80 and is_finite(tree)
+"""
+
+
+@pytest.mark.slow
+def test_checksums_of_many_arrays_on_8_devices_finish():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 "
+                                      "--xla_cpu_collective_call_terminate_timeout_seconds=20 "
+                                      "--xla_cpu_collective_timeout_seconds=20"}
+    done = subprocess.run([sys.executable, "-c", CHECKSUMS_ON_8_DEVICES], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_bad_inputs_get_clear_errors(tmp_path, corpus):
     with pytest.raises(FileNotFoundError, match="'/no/such/file.txt' is not a file, a directory or a matching glob"):
         run(tmp_path, "/no/such/file.txt")

@@ -82,9 +82,14 @@ def _jitted(function, out_sharding):
 
 
 def _of_each_leaf(function, tree) -> list[np.ndarray]:
-    """`function` of every array in `tree`, computed where the array lives, all dispatched before any is read."""
+    """`function` of every array in `tree`, computed where the array lives, each read before the next starts.
+
+    One at a time because a reduction over a sharded array is a collective: XLA's CPU client, given scores of
+    them in flight at once over one mesh, can leave a collective's participants waiting for each other until it
+    aborts the process (seen within a few saves on 8 host devices). A read per array costs a round trip, small
+    beside writing the array."""
     program = _jitted(function, _replicated_like(tree))
-    return [np.asarray(result) for result in [program(x) for x in jax.tree.leaves(tree)]]
+    return [np.asarray(program(x)) for x in jax.tree.leaves(tree)]
 
 
 def checksums(tree) -> dict[str, list[int]]:
