@@ -25,7 +25,7 @@ def _commands(trained_run, corpus, tmp_path) -> dict[str, tuple[list[str], str]]
     big = tmp_path / "big.txt"  # ~12 MB: its preparation takes seconds, not a fraction of one
     big.write_text(open(corpus).read() * 60)
     return {
-        "sample.py": ([str(ROOT / "sample.py"), "--init_from", str(trained_run), "--num_samples", "64",
+        "sample.py": ([str(ROOT / "sample.py"), "--init_from", str(trained_run), "--num_samples", "24",
                        "--max_new_tokens", "100"], r"-+$"),
         "gpt.eval": (["-m", "gpt.eval", "--init_from", str(trained_run), "--data", corpus], r"\| overall \|"),
         "gpt.export": (["-m", "gpt.export", "--out_dir", str(trained_run), "--hf_dir", str(tmp_path / "exported")],

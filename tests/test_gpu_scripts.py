@@ -65,37 +65,6 @@ for step in range(steps):
 """
 
 
-@pytest.mark.slow
-def test_gpu_bench_runs_llmc_on_the_same_shapes_and_each_variant_with_its_levers(tmp_path):
-    fake = tmp_path / "train_gpt2cu"
-    fake.write_text(FAKE_LLMC.format(python=sys.executable, bench=str(ROOT / "bench")))
-    fake.chmod(0o755)
-    rows_path = tmp_path / "rows.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--smoke", "--json", str(rows_path),
-                           "--scan_layers", "False", "--remat", "False", "--variants", "baseline", "all",
-                           "fp8+padded_vocab", "--no-torch", "--llmc", str(fake)], env=ENV, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = json.loads(rows_path.read_text())
-    assert [(row["impl"], row["variant"]) for row in rows] == [
-        ("jax", "baseline"), ("llmc", "baseline"), ("jax", "all"), ("jax", "fp8+padded_vocab")]
-    # Each worker's step was built with its variant's levers, and only those.
-    baseline, every, fp8_padded = (row["ran_with"] for row in rows if row["impl"] == "jax")
-    levers = {"head_rows_multiple": 128, "head_logits": "compute", "params_cast_once": True}
-    assert {name: baseline[name] for name in levers} == {"head_rows_multiple": 1, "head_logits": "float32",
-                                                          "params_cast_once": False}
-    assert {name: every[name] for name in levers} == levers and not every["fp8"]
-    assert "--xla_gpu_enable_triton_gemm=false" in every["xla_flags"] and every["optimization_level"] == "O1"
-    assert "triton" not in baseline["xla_flags"] and baseline["optimization_level"] != "O1"
-    assert fp8_padded["fp8"] and fp8_padded["head_rows_multiple"] == 128 and fp8_padded["head_logits"] == "float32"
-    llmc = rows[1]
-    # The smoke's one round of two steps, after llm.c's two warm-up steps (1000 and 900 ms): 800 and 700 ms.
-    assert llmc["step_s"] == pytest.approx(0.75) and llmc["first_step_s"] == pytest.approx(1.0)
-    assert llmc["device"] == "FakeGPU 80GB" and llmc["micro_batch"] * llmc["accumulation"] == 8
-    assert all(math.isfinite(row["tokens_per_s"]) for row in rows)
-    assert "| llm.c (cuDNN) | smoke |" in done.stdout and "| 1.00x | - |" in done.stdout
-
-
 def test_gpu_bench_refuses_an_unknown_lever_before_any_worker_starts():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--smoke", "--variants",
                            "baseline", "all+fast_mode"], env=ENV, capture_output=True, text=True, timeout=120)
@@ -153,22 +122,42 @@ def test_the_train_and_decode_calls_run_their_variants_and_profile_the_chosen_on
         (tools / tool).chmod(0o755)
     out = tmp_path / "out"
     env = {**ENV, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "OUT": str(out),
-           "TRAIN_ARGS": "--smoke --scan_layers False --remat False --variants baseline all --profile_variants baseline "
-                         "--no-torch",
+           "TRAIN_ARGS": "--smoke --scan_layers False --remat False --variants baseline all fp8+padded_vocab "
+                         "--profile_variants baseline --no-torch",
            "DECODE_ARGS": "--smoke --batches 1 --skip-torch --variants baseline o1", "PROFILE_ARGS": "--smoke"}
     done = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "train", "decode"], cwd=work, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads((out / "train.json").read_text())
-    assert [(row["impl"], row["variant"]) for row in rows] == [("jax", "baseline"), ("llmc", "baseline"),
-                                                               ("jax", "all")]
+    assert [(row["impl"], row["variant"]) for row in rows] == [
+        ("jax", "baseline"), ("llmc", "baseline"), ("jax", "all"), ("jax", "fp8+padded_vocab")]
+    _each_variant_ran_with_its_levers_and_llmc_on_the_same_shapes(rows)
     assert [path.name for path in (out / "profile").iterdir()] == ["smoke-scan0-remat0-baseline"]
     assert "| lm_head bwd |" in done.stdout and "| llm.c (cuDNN) | smoke |" in done.stdout
+    assert "| 1.00x | - |" in done.stdout
     decode_rows = json.loads((out / "decode_rows.log").read_text().strip().splitlines()[-1])
     fastest = max(decode_rows, key=lambda row: row["tokens_per_s"])["ran_with"]["variant"]
     assert f"== profile of variant {fastest}\n" in done.stdout
     assert "| lm_head fwd |" in done.stdout.split("== profile of variant")[-1]
 
+
+
+def _each_variant_ran_with_its_levers_and_llmc_on_the_same_shapes(rows: list[dict]) -> None:
+    """Each of gpu_bench's workers built its step with its variant's levers and only those, and the (fake)
+    llm.c ran the baseline's shapes, its times read from its log."""
+    baseline, every, fp8_padded = (row["ran_with"] for row in rows if row["impl"] == "jax")
+    levers = {"head_rows_multiple": 128, "head_logits": "compute", "params_cast_once": True}
+    assert {name: baseline[name] for name in levers} == {"head_rows_multiple": 1, "head_logits": "float32",
+                                                          "params_cast_once": False}
+    assert {name: every[name] for name in levers} == levers and not every["fp8"]
+    assert "--xla_gpu_enable_triton_gemm=false" in every["xla_flags"] and every["optimization_level"] == "O1"
+    assert "triton" not in baseline["xla_flags"] and baseline["optimization_level"] != "O1"
+    assert fp8_padded["fp8"] and fp8_padded["head_rows_multiple"] == 128 and fp8_padded["head_logits"] == "float32"
+    llmc = rows[1]
+    # The smoke's one round of two steps, after llm.c's two warm-up steps (1000 and 900 ms): 800 and 700 ms.
+    assert llmc["step_s"] == pytest.approx(0.75) and llmc["first_step_s"] == pytest.approx(1.0)
+    assert llmc["device"] == "FakeGPU 80GB" and llmc["micro_batch"] * llmc["accumulation"] == 8
+    assert all(math.isfinite(row["tokens_per_s"]) for row in rows)
 
 @pytest.mark.slow
 def test_sample_bench_runs_each_decode_variant_with_its_levers_and_the_same_greedy_tokens():

@@ -715,7 +715,9 @@ def test_every_field_of_a_checkpoints_record_changed_loads_the_same_model_or_is_
     record = json.loads((trained_run / record_path).read_text())
     want = flat(load_model(trained_run))
     outcomes = {"loaded": 0, "refused": 0}
-    for path in fields(record, every_item=False):
+    # The arrays' checksums are alike, a tree's entries read by one rule: each tree's first one is changed.
+    alike_once = {**record, "checksums": {tree: dict(list(sums.items())[:1]) for tree, sums in record["checksums"].items()}}
+    for path in fields(alike_once, every_item=False):
         for how in HOW:
             out = tmp_path / "run"
             if not out.exists():

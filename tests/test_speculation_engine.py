@@ -29,11 +29,13 @@ pytestmark = pytest.mark.slow
 model, smaller = drafting.model, drafting.smaller  # the module fixtures, shared
 
 
-@pytest.mark.parametrize("draft", ["ngram", "int8", "itself"])
-def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model, smaller, draft):
+@pytest.mark.parametrize("draft, steps_per_call", [("ngram", (1, 4)), ("int8", (4,)), ("itself", (4,))],
+                         ids=["ngram", "int8", "itself"])
+def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model, smaller, draft, steps_per_call):
     """Five requests through two slots (admitted as others end), stop tokens, stop strings and max tokens
-    that land mid-draft, one step or several a call: each request's tokens and finish reason are those
-    without a draft, and nothing compiles after the warm-up."""
+    that land mid-draft, one step or several a call (the drafts' kinds share the calls' bookkeeping: one
+    kind runs both): each request's tokens and finish reason are those without a draft, and nothing compiles
+    after the warm-up."""
     from gpt.tokenizer import get_tokenizer
 
     loop = [7, 3, 9, 1, 4] * 3
@@ -56,8 +58,8 @@ def test_stops_and_lengths_inside_a_draft_under_continuous_batching(model, small
 
     want = run(None, 1)
     assert [reason for _, reason in want] == ["length", "stop", "length", "stop", "length"]
-    for steps_per_call in (1, 4):
-        assert run(the_draft(draft, model, smaller), steps_per_call) == want
+    for steps in steps_per_call:
+        assert run(the_draft(draft, model, smaller), steps) == want
 
 
 def test_a_draft_model_catches_up_with_each_rows_tokens_through_slot_reuse_and_chunked_prompts(model):
