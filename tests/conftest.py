@@ -58,6 +58,13 @@ def kernel_isa(request):
         yield request.param
 
 
+def some_quick(cases: list, quick: list) -> list:
+    """`cases` as pytest parameters, each not in `quick` marked slow: the quick tier checks a few of the
+    shapes a check covers (chosen to reach each of its branches), the full suite every one."""
+    return [pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=() if case in quick else pytest.mark.slow)
+            for case in cases]
+
+
 def pytest_configure(config):
     """The quick tier (`-m "not slow"`) compiles without LLVM's optimizations: its tests compile far more
     than they run, and it takes about a fifth less time so, where the slow tests' whole training runs step

@@ -9,7 +9,7 @@ import pytest
 from gpt.model import attention, cpu_kernels
 from gpt.model.attention import MAX_KERNEL_HEAD_DIM, attend, attend_paged
 
-from conftest import KERNEL_ISAS, kernels_on
+from conftest import KERNEL_ISAS, kernels_on, some_quick
 
 
 @pytest.fixture(params=["xla", *KERNEL_ISAS])
@@ -33,9 +33,11 @@ def _pages(x, page_length):
     return tuple(x[:, start:start + page_length] for start in range(0, x.shape[1], page_length))
 
 
-@pytest.mark.parametrize("page_length", [320, 128, 48, 13])
-@pytest.mark.parametrize("furthest", [39, 150, 319])
-@pytest.mark.parametrize("K", [3, 1])  # key heads: one per query head, one for all three
+# Key heads K: one per query head, one for all three. The quick tier: one page; the furthest row within page 0
+# of several; within the last of three; 25 pages, the last 8 slots long.
+@pytest.mark.parametrize("page_length, furthest, K", some_quick(
+    [(p, f, K) for p in (320, 128, 48, 13) for f in (39, 150, 319) for K in (3, 1)],
+    quick=[(320, 150, 3), (48, 39, 1), (128, 319, 3), (13, 319, 1)]))
 def test_paged_decode_attention_equals_masked_attention(path, page_length, furthest, K):
     # attend_paged reads page 0 and every page that the furthest row has reached (one page: the whole
     # cache under the mask; 13: 25 pages, the last 8 slots long); either way it must equal plain attention
@@ -50,8 +52,10 @@ def test_paged_decode_attention_equals_masked_attention(path, page_length, furth
     np.testing.assert_allclose(np.asarray(got), np.asarray(attend(q, k, v, mask)), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("H", [1, 20, 64, MAX_KERNEL_HEAD_DIM])
-@pytest.mark.parametrize("N, K", [(2, 2), (4, 1), (6, 2)])  # query heads, key heads
+# Query heads N, key heads K; the quick tier: each head size once, each grouping at least once.
+@pytest.mark.parametrize("H, N, K", some_quick(
+    [(H, N, K) for H in (1, 20, 64, MAX_KERNEL_HEAD_DIM) for N, K in ((2, 2), (4, 1), (6, 2))],
+    quick=[(1, 2, 2), (20, 4, 1), (64, 6, 2), (MAX_KERNEL_HEAD_DIM, 4, 1)]))
 def test_a_view_of_some_rows_is_the_float64_attention(path, H, N, K):
     # A view (an engine's decode over some of its slots): query row b's head n reads cache row
     # rows[b] * K + n // (N / K), each of its slots 0..position, every head size the kernel takes (a last vector

@@ -159,6 +159,7 @@ def test_the_serving_programs_compile_for_a_tpu_topology(v5e_8):
     assert decode.fits() and decode.tokens == 8 and prefill.tokens == 2 * 32
 
 
+@pytest.mark.slow  # what compiles for TPUs runs in the full suite
 def test_a_drafts_weights_from_shapes_are_laid_out_as_the_engines_drafter_lays_them_out():
     """What compile-only makes of a draft from shapes (int8 self-draft, a smaller model) is the tree, shapes,
     dtypes and shardings of the drafter an engine makes from real weights, on 8 CPU devices."""

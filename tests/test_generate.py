@@ -105,6 +105,7 @@ def test_new_weights_are_used_by_the_next_call():
     assert generate(model, prompt, 12, sampling=GREEDY) == generate(other, prompt, 12, sampling=GREEDY) != before
 
 
+@pytest.mark.slow  # the quick tier's engine tests check that nothing compiles after a warm-up
 def test_compile_count_is_flat_within_a_bucket():
     from gpt.inference import decoding, device_slots
 

@@ -3,7 +3,9 @@
 import json
 import os
 import pickle
+import shutil
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,9 +20,16 @@ from gpt.model import gpt2, hf_files
 CONFIG = GPTConfig.preset("tiny")
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny model's GPT-2 checkpoint, written once for the module (a save takes seconds)."""
+    return gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(0)), tmp_path_factory.mktemp("saved") / "ckpt")
+
+
 @pytest.fixture
-def checkpoint(tmp_path):
-    return gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(0)), tmp_path / "ckpt")
+def checkpoint(saved, tmp_path):
+    """A copy of `saved` of the test's own, to damage."""
+    return Path(shutil.copytree(saved, tmp_path / "ckpt"))
 
 
 def _edit_tensors(directory, edit):

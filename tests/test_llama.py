@@ -149,6 +149,7 @@ def test_sample_py_samples_a_llama_directory_through_its_own_tokenizer(tmp_path,
     assert texts == [TokenizerJson(directory).decode(theirs.tolist())]
 
 
+@pytest.mark.slow  # a draft model, as the quick tier's drafts of test_speculation, in a Llama's tokenizer
 def test_a_smaller_model_of_the_family_drafts_for_a_larger_one_in_its_tokenizer_alone(tmp_path, corpus_text):
     """sample.py on a Llama with a one-layer Llama of the same tokenizer as its draft: the text it samples
     without one; a draft with another tokenizer (the same number of tokens) is one line."""

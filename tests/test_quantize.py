@@ -22,6 +22,8 @@ from gpt.inference.sampling import GREEDY, Sampling
 from gpt.model.layouts import Bf16Matrix, Int8Matrix
 from gpt.model.transformer import forward, lm_head
 
+from conftest import some_quick
+
 # Relative Frobenius error of one matrix, |Q(W) - W| / |W|, for Gaussian weights of GPT-2's width: int8
 # with a scale per output row rounds to steps of max|row| / 127 (~3.3 sigma / 127 for 768 entries), an
 # error of step / sqrt(12) ~ 0.75% of sigma; bfloat16 keeps 8 significant bits (~0.2%).
@@ -53,8 +55,9 @@ def tiny_logits(config, weights):
     return lm_head(weights, forward(config, weights, tokens, positions)[0])
 
 
-@pytest.mark.parametrize("tied_head", [True, False])
-@pytest.mark.parametrize("quantize, bound", [("int8", 0.05), ("bf16", 0.02)])
+@pytest.mark.parametrize("quantize, bound, tied_head", some_quick(
+    [(q, bound, tied) for tied in (True, False) for q, bound in (("int8", 0.05), ("bf16", 0.02))],
+    quick=[("int8", 0.05, True), ("bf16", 0.02, False)]))
 def test_logits_stay_close_to_float32(quantize, bound, tied_head):
     # A random tiny model: the logits' max abs difference, relative to their spread (untied: the head's
     # own matrix is quantized, not the embedding's).

@@ -178,6 +178,7 @@ def test_greedy_generate_matches_one_device(shape, decisive_model):
     assert len(set(map(tuple, want))) == 3  # the rows differ, so a mixed-up row would show
 
 
+@pytest.mark.slow  # the quick tier decodes over a mesh above; this, that its warm-up left nothing to compile
 def test_an_engine_over_a_mesh_compiles_nothing_after_its_warm_up(decisive_model):
     """Every program a request runs was compiled by the warm-up: over a mesh too, where the slots' arrays had
     taken the layouts of whatever computed them, so that a server's first requests compiled `place` and

@@ -7,6 +7,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from gpt.signals import StopSignals
 
 
@@ -107,6 +109,7 @@ main()
 """
 
 
+@pytest.mark.slow  # it starts processes
 def test_a_signal_ends_a_command_whose_main_thread_waits_in_a_c_call_forever():
     """The main thread, where Python runs signal handlers, waits for a device computation (as sample.py for
     a whole decode): the first signal ends the command after the grace, a second at once, each with one line
