@@ -33,6 +33,11 @@ __all__ = ["generate", "generate_text", "new_tokens_that_fit", "cache_length_for
 
 _MIN_NEW_BUCKET = 16
 
+# What to change when a call's engine does not fit the devices' memory (in its arguments, and sample.py's flags).
+FIT_ADVICE = ("decode fewer prompts at once (max_batch; sample.py: fewer --num_samples), fewer new tokens "
+              "(--max_new_tokens), the weights in int8 (--quantize int8), or split the weights and the cache over "
+              "more devices (--mesh tensor=N)")
+
 
 def new_tokens_that_fit(config, prompt: str, wanted: int, tokenizer=None) -> int:
     """min(wanted, the tokens the model's context holds after `prompt`, encoded by `tokenizer`, GPT-2's by
@@ -155,7 +160,7 @@ def _engine_for(model: GPT | Decoder, prompts: list[list[int]], max_new_tokens: 
     # call runs the whole decode.
     return Engine(model, slots=min(power_of_two(len(prompts)), int(max_batch)), cache_length=cache_length,
                   max_queue=len(prompts), steps_per_call=1 if streaming else cache_length,
-                  max_stop_tokens=power_of_two(stop_tokens + 1, 4), **settings)
+                  max_stop_tokens=power_of_two(stop_tokens + 1, 4), fit_advice=FIT_ADVICE, **settings)
 
 
 def generate_text(

@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from gpt.hardware import chip_of
 from gpt.inference.decoder import check_int8_draft, decoding_weights
-from gpt.inference.device_slots import FIT_ADVICE, compiled_decode, compiled_init_slots, compiled_prefill
+from gpt.inference.device_slots import FIT_ADVICE, compiled_init_slots, lower_largest
 from gpt.inference.drafters import Drafter, DraftModel, PromptLookup, SelfDraft, check_draft_model
 from gpt.inference.engine_settings import EngineSettings
 from gpt.model.config import GPTConfig
@@ -84,15 +83,10 @@ def compile_engine(config: GPTConfig, settings: EngineSettings, quantize: str, m
                                   settings.max_stop_tokens, drafter is not None and drafter.keeps_history,
                                   None if drafter is None else drafter.cache_config)
         piece = min(settings.prefill_chunk, settings.cache_length)
-        tokens = jax.ShapeDtypeStruct((rows, piece), jnp.int32)
-        kind = devices[0].device_kind
-        prefill = compile_within_memory(compiled_prefill.lower(
-            config, weights, None, tokens, jax.ShapeDtypeStruct((rows,), jnp.int32), tokens,
-            *(jax.ShapeDtypeStruct((rows,), jnp.bool_),) * 2), "prefill", kind, setting, FIT_ADVICE)
-        decode = compile_within_memory(compiled_decode.lower(
-            config, weights, slots, jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.bool_),
-            max_steps=settings.steps_per_call, draft_tokens=settings.draft_tokens, drafter=drafter), "decode",
-            kind, setting, FIT_ADVICE)
+        lowered = lower_largest(config, weights, slots, rows, piece, settings.steps_per_call, settings.draft_tokens,
+                                drafter)
+        prefill, decode = (compile_within_memory(program, name, devices[0].device_kind, setting, FIT_ADVICE)
+                           for program, name in zip(lowered, ("prefill", "decode")))
     held = {"weights": sharded_bytes(weights), "slots and their cache": sharded_bytes(slots)}
     if drafter is not None and sharded_bytes(drafter):
         held["draft weights"] = sharded_bytes(drafter)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gpt.inference.decoder import Decoder
@@ -39,7 +40,8 @@ from gpt.inference.sampling import GREEDY, SamplingParams
 from gpt.model.sharding import data_parallel_size
 from gpt.program_report import check_compiled_fits, sharded_bytes
 
-__all__ = ["DeviceSlots", "FIT_ADVICE", "COMPILED", "compiled_decode", "compiled_init_slots", "compiled_prefill"]
+__all__ = ["DeviceSlots", "FIT_ADVICE", "COMPILED", "compiled_decode", "compiled_init_slots", "compiled_prefill",
+           "lower_largest"]
 
 # One compiled program per shape; the config is static, the weights, slots and knobs are traced. The slots and a
 # prefix that runs on are donated: their caches are updated in place.
@@ -55,6 +57,23 @@ COMPILED = (compiled_prefill, compiled_choose_first, compiled_place, compiled_de
 
 # A prefill's row that goes nowhere (over a mesh's data axis a prefill and an insert run rows_per_prefill rows).
 PADDING = Request([0], 1, GREEDY)
+
+
+
+
+def lower_largest(config, weights, slots, rows: int, prefill_length: int, max_steps: int, draft_tokens: int,
+                  drafter: Drafter | None) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+    """The largest programs an engine runs, lowered: a prefill of `prefill_length` tokens for `rows` rows, and a
+    decode of `max_steps` steps over every slot verifying `draft_tokens` of `drafter`'s guesses (none without
+    one). `weights`, `slots` and `drafter` may be arrays or their shapes (`jax.ShapeDtypeStruct`s, for a
+    topology with no devices here)."""
+    tokens = jax.ShapeDtypeStruct((rows, prefill_length), jnp.int32)
+    positions, flags = jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.bool_)
+    prefill_program = compiled_prefill.lower(config, weights, None, tokens, positions, tokens, flags, flags)
+    decode_program = compiled_decode.lower(config, weights, slots, jax.ShapeDtypeStruct((), jnp.int32),
+                                           jax.ShapeDtypeStruct((), jnp.bool_), max_steps=max_steps, rows_R=None,
+                                           draft_tokens=draft_tokens, drafter=drafter if draft_tokens else None)
+    return prefill_program, decode_program
 
 
 # What to change when the slots and the weights do not fit the devices' memory.
@@ -75,7 +94,8 @@ the slots keep what it needs) a decode may verify up to `max_draft_tokens` of it
     """
 
     def __init__(self, decoder: Decoder, num_slots: int, cache_length: int, max_stop_tokens: int, max_steps: int,
-                 drafter: Drafter | None = None, max_draft_tokens: int = 0):
+                 drafter: Drafter | None = None, max_draft_tokens: int = 0, fit_advice: str = FIT_ADVICE):
+        self.fit_advice = fit_advice  # what the ConfigError of a setting over the devices' memory says to change
         self.decoder, self.config, self.weights, self.mesh = decoder, decoder.config, decoder.weights, decoder.mesh
         self.rows_per_prefill = data_parallel_size(self.mesh) if self.mesh is not None else 1
         self.num_slots = -(-num_slots // self.rows_per_prefill) * self.rows_per_prefill
@@ -89,7 +109,7 @@ the slots keep what it needs) a decode may verify up to `max_draft_tokens` of it
             program = compiled_init_slots.lower(self.config, self.num_slots, cache_length, max_stop_tokens,
                                                 self.keeps_history, draft_config).compile()
             check_compiled_fits(program, self._devices(), "decoding slots' cache",
-                                f"{self.num_slots} slots of {cache_length} positions", FIT_ADVICE,
+                                f"{self.num_slots} slots of {cache_length} positions", fit_advice,
                                 held_already=sharded_bytes((self.weights, drafter)))
             self.slots = program()
 
@@ -103,18 +123,14 @@ the slots keep what it needs) a decode may verify up to `max_draft_tokens` of it
         and checked against the devices' memory before either runs: their arguments, outputs and temporaries
         (`check_compiled_fits`); ConfigError naming the setting and what to change when one is over."""
         rows, devices = self.rows_per_prefill, self._devices()
-        tokens, flags = np.zeros((rows, prefill_length), np.int32), np.zeros((rows,), np.bool_)
         setting = f"{self.num_slots} slots of {self.cache_length} positions"
         with self.on_mesh():
-            prefill = compiled_prefill.lower(self.config, self.weights, None, tokens, np.zeros((rows,), np.int32),
-                                             tokens, flags, flags).compile()
+            prefill, decode = (program.compile() for program in lower_largest(
+                self.config, self.weights, self.slots, rows, prefill_length, self.max_steps, self.max_draft_tokens,
+                self.drafter))
             check_compiled_fits(prefill, devices, f"prefill of {rows} x {prefill_length} tokens", setting,
-                                FIT_ADVICE, held_already=sharded_bytes((self.slots, self.drafter)))
-            K = self.max_draft_tokens
-            decode = compiled_decode.lower(self.config, self.weights, self.slots, np.int32(1), np.bool_(False),
-                                           max_steps=self.max_steps, rows_R=None, draft_tokens=K,
-                                           drafter=self.drafter if K else None).compile()
-            check_compiled_fits(decode, devices, "decode", setting, FIT_ADVICE)
+                                self.fit_advice, held_already=sharded_bytes((self.slots, self.drafter)))
+            check_compiled_fits(decode, devices, "decode", setting, self.fit_advice)
 
     def _devices(self) -> list:
         return list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]

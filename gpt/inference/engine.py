@@ -85,16 +85,18 @@ class Engine:
       mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`); a Decoder's own.
       tokenizer: what decodes the completions' text and its stop strings: GPT-2's (`gpt.tokenizer`, the
         default), or a model's own (`gpt.tokenizer_json.TokenizerJson`).
+      fit_advice: what the ConfigError of settings over the devices' memory says to change (default: serve.py's
+        flags, `device_slots.FIT_ADVICE`).
     """
 
     def __init__(self, model: GPT | Decoder, settings: EngineSettings | None = None, *, quantize: str | None = None,
-                 mesh: Mesh | None = None, tokenizer=None, **changes):
+                 mesh: Mesh | None = None, tokenizer=None, fit_advice: str = device_slots.FIT_ADVICE, **changes):
         config = model.config
         self.settings = s = dataclasses.replace(settings or EngineSettings(), **changes).checked(config)
         decoder = Decoder.of(model, quantize, mesh)
         drafter = make_drafter(s.draft, decoder, s.cache_length)
         self.device = DeviceSlots(decoder, s.slots, s.cache_length, s.max_stop_tokens, s.steps_per_call, drafter,
-                                  s.draft_tokens)
+                                  s.draft_tokens, fit_advice)
         # How many guesses each call verifies, and the drafts' counts.
         self.draft_policy = (DraftPolicy(s.draft_tokens, self.device.num_slots, catches_up=drafter.catches_up)
                              if drafter is not None else None)
