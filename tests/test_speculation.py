@@ -23,6 +23,7 @@ from gpt.inference.speculation import count_standing
 from gpt.model.kv_cache import KVCache
 
 import drafting
+from conftest import some_quick
 from drafting import PROMPTS, the_draft
 
 model, smaller = drafting.model, drafting.smaller  # the module fixtures, shared
@@ -96,9 +97,10 @@ def quick(knobs: dict, draft: str, draft_tokens: int) -> bool:
     return knobs == KNOBS[0] and draft_tokens > 1 or knobs == KNOBS[-1] and draft == "ngram" and draft_tokens > 1
 
 
-@pytest.mark.parametrize("knobs, draft, draft_tokens", [
-    pytest.param(knobs, draft, k, marks=() if quick(knobs, draft, k) else pytest.mark.slow)
-    for knobs in KNOBS for draft, k in DRAFTS])
+CASES = [(knobs, draft, k) for knobs in KNOBS for draft, k in DRAFTS]
+
+
+@pytest.mark.parametrize("knobs, draft, draft_tokens", some_quick(CASES, [case for case in CASES if quick(*case)]))
 def test_a_draft_gives_the_tokens_of_decoding_without_one(model, smaller, knobs, draft, draft_tokens):
     """Greedy or sampled, the same tokens token for token, on ragged rows with max tokens landing inside
     a draft; drafts were verified, and greedy ones stood (random weights' samples seldom repeat: the

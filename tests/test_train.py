@@ -101,10 +101,11 @@ def test_checkpoint_moves_between_8_devices_and_1(tmp_path, corpus):
 # A tree of many arrays sharded over 8 devices, checksummed over and over, where a collective that waits too long
 # for its peers aborts the process: reductions of many arrays in flight at once over one mesh deadlocked so.
 CHECKSUMS_ON_8_DEVICES = """
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+from gpt.model.sharding import make_mesh
 from gpt.train.checkpoint import checksums, is_finite
-mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+mesh = make_mesh(data=2, fsdp=4)
 sharded = NamedSharding(mesh, PartitionSpec("fsdp", None))
 tree = [jax.device_put(jnp.full((64, 32 * (i % 5 + 1)), i, jnp.float32), sharded) for i in range(80)]
 for _ in range(30):

@@ -86,8 +86,9 @@ def _of_each_leaf(function, tree) -> list[np.ndarray]:
 
     One at a time because a reduction over a sharded array is a collective: XLA's CPU client, given scores of
     them in flight at once over one mesh, can leave a collective's participants waiting for each other until it
-    aborts the process (seen within a few saves on 8 host devices). A read per array costs a round trip, small
-    beside writing the array."""
+    aborts the process (seen within a few saves on 8 host devices; bench/RESULTS.md, "The suite's time on 2
+    cores, and a deadlock in XLA's CPU collectives"). A read per array costs a round trip, small beside writing
+    the array."""
     program = _jitted(function, _replicated_like(tree))
     return [np.asarray(program(x)) for x in jax.tree.leaves(tree)]
 
