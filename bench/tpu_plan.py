@@ -55,7 +55,7 @@ class Plan:
 def plan_row(model: str, topology: str, plan: Plan) -> dict:
     """The first mesh (data, fsdp, fsdp with remat) on which `model` fits `topology`, and its report."""
     devices = parse_topology(topology).devices()
-    chips, memory = len(devices), chip_of(devices[0].device_kind).memory_bytes
+    chips, memory = len(devices), chip_of(devices[0].device_kind).usable_bytes
     for mesh, remat in ((f"data={chips}", False), (f"fsdp={chips}", False), (f"fsdp={chips}", True)):
         if 12 * num_params(MODELS[model]) / (1 if mesh.startswith("data") else chips) > memory:
             continue  # its float32 parameters and Adam moments alone are over the chip's memory: no compile needed

@@ -35,6 +35,15 @@ class Chip:
     """Bytes/s between the memory and the chip."""
     interconnect_bandwidth: float
     """Bytes/s one way over its links to the other chips (half the bidirectional rating): ICI or NVLink."""
+    program_limit: int | None = None
+    """The bytes TPU's compiler lets one program hold of the memory (its arguments, outputs and temporaries): the
+    compiler's own "available HBM", the rest reserved. Given to the compiler as its budget
+    (`gpt.program_report.compile_within_memory`); None for GPUs, whose runtime reports its allocator's limit."""
+
+    @property
+    def usable_bytes(self) -> int:
+        """The bytes a program may hold: the compiler's limit where it has one, else the memory."""
+        return self.program_limit or self.memory_bytes
 
 
 _GB = 10**9
@@ -44,9 +53,10 @@ CHIPS: dict[str, Chip] = {chip.device_kind: chip for chip in (
     Chip("NVIDIA A100", 80 * _GB, 312e12, 2.039e12, 300e9),
     Chip("NVIDIA L4", 24 * _GB, 121e12, 300e9, 32e9),
     Chip("TPU v4", 32 * 2**30, 275e12, 1.2e12, 150e9),
-    Chip("TPU v5 lite", 16 * 2**30, 197e12, 819e9, 200e9),  # the compiler's own limit is 15.75 GiB of it
-    Chip("TPU v5", 95 * 2**30, 459e12, 2.765e12, 600e9),
-    Chip("TPU v6 lite", 32 * 2**30, 918e12, 1.638e12, 400e9),
+    # The TPUs' program limits are libtpu's (0.0.42.1) own, from its refusals: "exceeds available HBM (15.75G)".
+    Chip("TPU v5 lite", 16 * 2**30, 197e12, 819e9, 200e9, 16_128 * 2**20),
+    Chip("TPU v5", 95 * 2**30, 459e12, 2.765e12, 600e9, 98_037 * 2**20),
+    Chip("TPU v6 lite", 32 * 2**30, 918e12, 1.638e12, 400e9, 32_000 * 2**20),
 )}
 
 
@@ -179,4 +189,4 @@ def device_memory_bytes(device) -> int | None:
     if device.platform == "cpu":
         return host_memory_bytes()
     chip = chip_of(device.device_kind)
-    return chip.memory_bytes if chip else None
+    return chip.usable_bytes if chip else None

@@ -1,9 +1,11 @@
 """Programs compiled for TPU topologies on this CPU (libtpu's compiler, no TPU): the names of topologies and
 chips, the report's numbers against hand counts, and `train.py --compile_only` as a user runs it."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,7 +13,7 @@ from gpt.errors import ConfigError
 from gpt.hardware import CHIPS, chip_of, parse_topology
 from gpt.model.config import GPTConfig
 from gpt.model.transformer import num_params
-from gpt.program_report import collective_bytes
+from gpt.program_report import collective_bytes, compile_within_memory, peak_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +81,40 @@ def test_the_report_holds_the_parameters_and_optimizer_state_exactly(compile_ste
     assert sharded.fits() and sharded.chip is CHIPS["TPU v5 lite"]
 
 
+def test_the_compiler_is_given_the_chips_program_limit_as_its_budget(compile_step, monkeypatch):
+    """The budget reaches TPU's compiler (which then fits the program within it, or refuses): a chip whose limit
+    is 1 MiB has a small step refused, in the compiler's words, at that limit."""
+    v5e = CHIPS["TPU v5 lite"]
+    assert v5e.program_limit == 15.75 * 2**30 and v5e.usable_bytes < v5e.memory_bytes
+    assert CHIPS["NVIDIA H100"].usable_bytes == CHIPS["NVIDIA H100"].memory_bytes  # no compiler's budget
+    monkeypatch.setitem(CHIPS, "TPU v5 lite", dataclasses.replace(v5e, program_limit=2**20))
+    with pytest.raises(ConfigError, match=r"does not fit the TPU v5 lite's 0.00 GiB \(the compiler: .*"
+                                          r"exceeds available HBM \(1.00M\)"):
+        compile_step(GPTConfig(vocab_size=512, block_size=64, n_layer=1, n_head=2, n_embd=128), batch_size=8)
+
+
+def test_a_program_whose_memory_analysis_is_over_the_budget_is_compiled_again_within_a_lower_one():
+    """TPU's compiler lets through programs whose memory analysis sums over its budget (by up to 1 GiB): such a
+    program is compiled once more, its budget lowered by the excess. A GPU's compiler takes no budget."""
+    class Lowered:  # a compiler whose first program is 1 GiB over its budget, and whose second is within
+        def __init__(self):
+            self.budgets = []
+
+        def compile(self, compiler_options=None):
+            self.budgets.append(compiler_options and compiler_options["xla_tpu_max_hbm_size_mib"] * 2**20)
+            budget = self.budgets[-1] or 80 * 10**9
+            temps = budget + 2**30 if len(self.budgets) == 1 else budget - 2**20
+            memory = SimpleNamespace(argument_size_in_bytes=2**30, output_size_in_bytes=2**20,
+                                     alias_size_in_bytes=2**20, temp_size_in_bytes=temps - 2**30)
+            return SimpleNamespace(memory_analysis=lambda: memory)
+
+    limit, tpu, gpu = CHIPS["TPU v5 lite"].program_limit, Lowered(), Lowered()
+    compiled = compile_within_memory(tpu, "train step", "TPU v5 lite", "--compile_only v5e-8", "advice")
+    assert tpu.budgets == [limit, limit - 2**30] and peak_bytes(compiled.memory_analysis()) <= limit
+    compile_within_memory(gpu, "train step", "NVIDIA H100 80GB HBM3", "--batch_size 8", "advice")
+    assert gpu.budgets == [None]
+
+
 @pytest.mark.slow  # a TPU compile of a minute or less on 2 cores (the quick tier keeps one)
 def test_the_report_counts_the_models_flops_where_xla_sees_all_of_them(compile_step):
     # No splash kernel (64 positions), one loss chunk; one sequence a chip, then eight.
@@ -109,7 +145,7 @@ def test_train_py_compile_only_prints_the_report_and_refuses_what_cannot_fit(tmp
     huge = run("--compile_only", "v5e-8", "--model.n_embd", "8192", "--model.n_head", "64", "--batch_size", "8")
     assert huge.returncode == 2, huge.stderr[-2000:]
     error = [line for line in huge.stderr.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and "16.00 GiB" in error[0] and "--mesh fsdp=N" in error[0], huge.stderr[-2000:]
+    assert len(error) == 1 and "15.75 GiB" in error[0] and "--mesh fsdp=N" in error[0], huge.stderr[-2000:]
     assert "WARNING" not in huge.stderr  # libtpu told what it runs on: nothing else on stderr
     served = subprocess.run([sys.executable, "serve.py", "--init_from", "gpt2", "--compile_only", "v5e-8", "--mesh",
                              "data=2,tensor=4", "--slots", "4", "--cache_length", "256", "--draft", "ngram"],
