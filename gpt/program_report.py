@@ -52,29 +52,29 @@ def compile_within_memory(lowered: jax.stages.Lowered, what: str, device_kind: s
 
     TPU's compiler is given the chip's program limit as its budget, within which it rematerializes and schedules
     to fit. Its own accounting lets through programs whose memory analysis sums over the limit (gpt2-large's step
-    on a v5e-8, by up to 1 GiB): such a program is compiled once more with the budget lowered by the excess,
-    which the compiler then meets (bench/RESULTS.md, "What TPU's compiler holds, given a budget")."""
+    on a v5e-8, by up to 1 GiB): such a program is compiled once more with the budget lowered by the excess (the
+    report judges the program that returns; bench/RESULTS.md, "What TPU's compiler holds, given a budget")."""
     chip = chip_of(device_kind)
+    memory = f"'s {chip.usable_bytes / 2**30:,.2f} GiB" if chip else ""
+    refusal = f"{setting}: the {what} does not fit the {device_kind}{memory}"
     budget = None if chip is None else chip.program_limit
-    compiled = _compile_within(lowered, budget, what, device_kind, chip, setting, advice)
+    compiled = _compile_within(lowered, budget, refusal, advice)
     if budget is not None and (excess := peak_bytes(compiled.memory_analysis()) - budget) > 0:
-        compiled = _compile_within(lowered, budget - excess, what, device_kind, chip, setting, advice)
+        compiled = _compile_within(lowered, budget - excess, refusal, advice)
     return compiled
 
 
-def _compile_within(lowered: jax.stages.Lowered, budget: int | None, what: str, device_kind: str,
-                    chip: Chip | None, setting: str, advice: str) -> jax.stages.Compiled:
-    """`lowered` compiled within `budget` bytes (TPU's compiler's; None: no budget), its refusal a ConfigError."""
+def _compile_within(lowered: jax.stages.Lowered, budget: int | None, refusal: str,
+                    advice: str) -> jax.stages.Compiled:
+    """`lowered` compiled within `budget` bytes (TPU's compiler's; None: no budget); the compiler's refusal a
+    ConfigError: `refusal`, the compiler's words, `advice`."""
     options = None if budget is None else {"xla_tpu_max_hbm_size_mib": budget // 2**20}
     try:
         return lowered.compile(compiler_options=options)
     except jax.errors.JaxRuntimeError as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
-        memory = f"'s {chip.usable_bytes / 2**30:,.2f} GiB" if chip else ""
-        said = first_line(error)
-        raise ConfigError(f"{setting}: the {what} does not fit the {device_kind}{memory} (the compiler: {said}); "
-                          f"{advice}") from None
+        raise ConfigError(f"{refusal} (the compiler: {first_line(error)}); {advice}") from None
 
 
 def check_compiled_fits(compiled: jax.stages.Compiled, devices: list, what: str, setting: str, advice: str,

@@ -59,8 +59,6 @@ COMPILED = (compiled_prefill, compiled_choose_first, compiled_place, compiled_de
 PADDING = Request([0], 1, GREEDY)
 
 
-
-
 def lower_largest(config, weights, slots, rows: int, prefill_length: int, max_steps: int, draft_tokens: int,
                   drafter: Drafter | None) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
     """The largest programs an engine runs, lowered: a prefill of `prefill_length` tokens for `rows` rows, and a
