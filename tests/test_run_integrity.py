@@ -457,6 +457,46 @@ def test_a_process_that_waits_too_long_for_the_corpus_stops_with_a_clear_error(t
     assert saved_steps(out) == []
 
 
+_COMPILES_SLOWER = """
+import runpy, sys, time
+from gpt.train import trainer
+
+held_s, sys.argv = float(sys.argv[1]), sys.argv[2:]  # then as train.py's own: [train.py, *flags]
+compiled_within_memory = trainer._compiled_within_memory
+
+def compiled_slower(*args):
+    program = compiled_within_memory(*args)
+    time.sleep(held_s)
+    return program
+
+trainer._compiled_within_memory = compiled_slower
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_process_that_compiles_slower_than_the_bound_still_trains_with_the_others(tmp_path, corpus):
+    """--prepare_timeout_s bounds process 0's preparation alone: a process whose compile takes longer than
+    the bound (here twice it, over the others') does not spend their wait for the corpus, and the run trains."""
+    out, held_s = tmp_path / "run", 10
+    flags = [*cli_flags(data=(corpus,), out_dir=str(out), max_steps=3, num_devices=None),
+             f"--prepare_timeout_s={held_s / 2}",
+             "--coordinator_address", f"127.0.0.1:{free_port()}", "--num_processes", "2"]
+    env = {**ENV, "JAX_PLATFORMS": "cpu"}
+    workers = [train_process(*flags, "--process_id", "0", env=env),
+               subprocess.Popen([sys.executable, "-c", _COMPILES_SLOWER, str(held_s), str(ROOT / "train.py"), *flags,
+                                 "--process_id", "1"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)]
+    try:
+        outputs = [w.communicate(timeout=180) for w in workers]
+    finally:
+        for worker in workers:
+            stop(worker)
+    for worker, (_, err) in zip(workers, outputs):
+        assert worker.returncode == 0, err[-3000:]
+    assert saved_steps(out) == [3]
+
+
 def test_a_step_too_large_for_the_devices_memory_is_one_line_from_its_compiled_program(tmp_path, corpus):
     # ~1.7 TB of activations a step: over any host's memory, found in the program compiled from the state's
     # shapes before the corpus is prepared (it had been an allocator's RESOURCE_EXHAUSTED traceback from inside

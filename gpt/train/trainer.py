@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm import tqdm
 
@@ -92,7 +93,8 @@ class TrainConfig(CorpusChoice, CompileCacheChoice, CompileOnlyChoice):
     """Where the tokenized data, checkpoints, metrics.jsonl and TensorBoard events go; a run resumes from
     the newest intact checkpoint here automatically."""
     prepare_timeout_s: float = 24 * 3600
-    """On several processes: how long the others wait for process 0 to prepare the corpus."""
+    """On several processes: how long the others wait for process 0 to prepare the corpus (timed from when
+    every process has compiled its train step)."""
     init_from: str = "scratch"
     """'scratch', or weights to fine-tune: a Hugging Face GPT-2, Llama, Qwen2 or Qwen3 directory, or a hub name
     in the local Hugging Face cache (gpt2, gpt2-medium, ...; HuggingFaceTB/SmolLM2-135M, ...). The corpus is
@@ -441,9 +443,9 @@ class Run:
 
 def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     """Compile the train step from the state's shapes (a step that cannot fit the devices' memory stops the
-    run here, before the corpus's preparation, which can take hours), prepare the corpus (process 0; the others
-    wait for it), make the loaders, and place the train state on the mesh or restore it from the newest intact
-    checkpoint."""
+    run here, before the corpus's preparation, which can take hours), prepare the corpus (process 0, once every
+    process has compiled; the others wait for it up to --prepare_timeout_s), make the loaders, and place the
+    train state on the mesh or restore it from the newest intact checkpoint."""
     config, model_config, mesh = checked.config, checked.model_config, checked.mesh
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = checked.out_dir / "data"
@@ -458,6 +460,8 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
         return prepare(checked.inputs, data_dir, config.val_fraction, config.text_field,
                        corpus_sources=checked.corpus_sources, lock=False, tokenizer=checked.tokenizer)
 
+    if nproc > 1:  # the others' wait for the corpus then times process 0's preparation, not a slower compile
+        multihost_utils.sync_global_devices("gpt: train step compiled")
     if pid == 0:
         keep_tokenizer(checked.out_dir, checked.tokenizer)  # before a checkpoint exists to be read without it
         meta = prepare_corpus()
