@@ -54,8 +54,9 @@ CHIPS: dict[str, Chip] = {chip.device_kind: chip for chip in (
     Chip("NVIDIA L4", 24 * _GB, 121e12, 300e9, 32e9),
     Chip("TPU v4", 32 * 2**30, 275e12, 1.2e12, 150e9),
     # The TPUs' program limits are libtpu's (0.0.42.1) own, from its refusals: "exceeds available HBM (15.75G)".
+    # A v5p has 96 GiB (Cloud TPU's v5p page lists 95, the HBM its system and runtime leave to programs).
     Chip("TPU v5 lite", 16 * 2**30, 197e12, 819e9, 200e9, 16_128 * 2**20),
-    Chip("TPU v5", 95 * 2**30, 459e12, 2.765e12, 600e9, 98_037 * 2**20),
+    Chip("TPU v5", 96 * 2**30, 459e12, 2.765e12, 600e9, 98_037 * 2**20),
     Chip("TPU v6 lite", 32 * 2**30, 918e12, 1.638e12, 400e9, 32_000 * 2**20),
 )}
 
