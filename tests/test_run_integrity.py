@@ -28,8 +28,9 @@ from training import ROOT, TINY, cli_flags, flat, free_port, run
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
 
 
-def train_process(*flags, env=ENV) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *flags], env=env,
+def train_process(*flags, env=ENV, python_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """train.py with `flags`, run by `python *python_args train.py` (a `-c` script that runs train.py itself)."""
+    return subprocess.Popen([sys.executable, *python_args, str(ROOT / "train.py"), *flags], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -484,9 +485,7 @@ def test_a_process_that_compiles_slower_than_the_bound_still_trains_with_the_oth
              "--coordinator_address", f"127.0.0.1:{free_port()}", "--num_processes", "2"]
     env = {**ENV, "JAX_PLATFORMS": "cpu"}
     workers = [train_process(*flags, "--process_id", "0", env=env),
-               subprocess.Popen([sys.executable, "-c", _COMPILES_SLOWER, str(held_s), str(ROOT / "train.py"), *flags,
-                                 "--process_id", "1"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)]
+               train_process(*flags, "--process_id", "1", env=env, python_args=("-c", _COMPILES_SLOWER, str(held_s)))]
     try:
         outputs = [w.communicate(timeout=180) for w in workers]
     finally:
