@@ -15,8 +15,7 @@ from gpt.model.config import DType, GPTConfig, check_dtype
 from gpt.model.transformer import GPT
 from gpt.run_dir import has_checkpoint
 from gpt.run_tokenizer import run_tokenizer
-from gpt.tokenizer import Tokenizer
-from gpt.tokenizer_json import TokenizerJson
+from gpt.tokenizer import TextTokenizer
 
 __all__ = ["load", "load_draft", "model_config_of", "tokenizer_of", "ModelChoice"]
 
@@ -55,7 +54,7 @@ def load(init_from: str, dtype: str = "float32", flag: str = "init_from", also: 
     raise _not_a_model(init_from, flag, also)
 
 
-def tokenizer_of(init_from: str) -> Tokenizer | TokenizerJson:
+def tokenizer_of(init_from: str) -> TextTokenizer:
     """The tokenizer of what `load(init_from)` loads: a training run's (GPT-2's, or the fine-tuned model's own
     that it keeps), a Llama's or Qwen's own (its tokenizer.json), GPT-2's for a GPT-2."""
     init_from = pretrained.located(init_from)
@@ -90,7 +89,7 @@ def model_config_of(init_from: str, dtype: str = "float32") -> GPTConfig:
     raise _not_a_model(init_from)
 
 
-def load_draft(draft: str, dtype: str = "float32", tokenizer: Tokenizer | TokenizerJson | None = None) -> str | GPT:
+def load_draft(draft: str, dtype: str = "float32", tokenizer: TextTokenizer | None = None) -> str | GPT:
     """A script's --draft as the engine takes it: a kind of draft (none, ngram, int8) as it is, else the
     smaller GPT that it names, loaded as `load` loads one; ConfigError when its tokenizer is not `tokenizer`
     (the model's), whose ids it must guess."""

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from gpt.tokenizer import Tokenizer, get_tokenizer, hf_tokenizer_files
+from gpt.tokenizer import TextTokenizer, get_tokenizer, hf_tokenizer_files
 from gpt.tokenizer_json import TokenizerJson
 
 __all__ = ["DIRECTORY", "run_tokenizer", "keep_tokenizer", "hf_files"]
@@ -16,13 +16,13 @@ __all__ = ["DIRECTORY", "run_tokenizer", "keep_tokenizer", "hf_files"]
 DIRECTORY = "tokenizer"  # in a run's out_dir
 
 
-def run_tokenizer(out_dir: str | os.PathLike) -> Tokenizer | TokenizerJson:
+def run_tokenizer(out_dir: str | os.PathLike) -> TextTokenizer:
     """The tokenizer the run in `out_dir` was trained with."""
     kept = Path(out_dir) / DIRECTORY
     return TokenizerJson(kept) if (kept / "tokenizer.json").is_file() else get_tokenizer()
 
 
-def keep_tokenizer(out_dir: str | os.PathLike, tokenizer: Tokenizer | TokenizerJson) -> None:
+def keep_tokenizer(out_dir: str | os.PathLike, tokenizer: TextTokenizer) -> None:
     """Keep `tokenizer`'s files in `out_dir/tokenizer` (GPT-2's needs none), appearing whole or not at all; the
     same files already there are left as they are. The caller holds the run's lock."""
     if not isinstance(tokenizer, TokenizerJson):

@@ -1,4 +1,5 @@
-"""GPT-2's byte-pair encoding through tiktoken, from ranks vendored in the package (no network)."""
+"""The methods every tokenizer has (`TextTokenizer`), and GPT-2's byte-pair encoding through tiktoken, from ranks
+vendored in the package (no network). A model's own tokenizer.json is `gpt.tokenizer_json.TokenizerJson`."""
 
 from __future__ import annotations
 
@@ -6,18 +7,60 @@ import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-__all__ = ["Tokenizer", "get_tokenizer", "EOT", "hf_tokenizer_files"]
+__all__ = ["TextTokenizer", "Tokenizer", "get_tokenizer", "EOT", "hf_tokenizer_files"]
 
 _RANKS = Path(__file__).parent / "assets" / "gpt2.tiktoken"
 _RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 # GPT-2's split pattern (tiktoken's faster equivalent of the original release's).
 _PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 EOT = "<|endoftext|>"
+
+
+class TextTokenizer(Protocol):
+    """What the library asks of a tokenizer, GPT-2's (`Tokenizer`) or a model's own (`TokenizerJson`).
+
+    Text is a token's bytes one after another (`token_bytes`), so that a stream of tokens is decoded a whole
+    character at a time (`gpt.inference.text_stream`); `decode` is a whole sequence's text as transformers'
+    `decode` gives it.
+    """
+
+    name: str  # what a prepared corpus's meta.json records of the tokenizer that made its ids
+    hf_class: str  # transformers' class for it (the server's /tokenizer_info says it)
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eot_id(self) -> int | None:
+        """The end-of-sequence token's id (None where the tokenizer names none)."""
+
+    def special_tokens(self) -> dict[str, str | None]:
+        """Its BOS, EOS and unknown tokens' text, as transformers names them."""
+
+    def encode(self, text: str, allow_special: bool = False, add_special: bool = True) -> list[int]:
+        """A text's ids: special tokens' text as text unless `allow_special`; the tokens the tokenizer adds
+        around a text (a BOS) unless not `add_special`."""
+
+    def encode_to_numpy(self, text: str, add_special: bool = True) -> np.ndarray:
+        """`encode` as uint32 [T]."""
+
+    def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:
+        """Each text's ids."""
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for."""
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        """The tokens' bytes, one after another."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """A sequence's text; bytes that are not valid UTF-8 become U+FFFD."""
 
 
 class Tokenizer:

@@ -1,16 +1,22 @@
-"""A Hugging Face model's own tokenizer (its `tokenizer.json`) through the `tokenizers` library, with the same
-methods as GPT-2's `gpt.tokenizer.Tokenizer`: the byte-level BPEs of Llama 3, Qwen2/3 and SmolLM2.
+"""A Hugging Face model's own tokenizer (its `tokenizer.json`) through the `tokenizers` library, with GPT-2's
+methods (`gpt.tokenizer.TextTokenizer`): the byte-level BPEs of Llama 3, Qwen2/3 and SmolLM2, and the
+SentencePiece-style ones of Gemma, Mistral and Llama 2 (a `▁` for a space, `<0xNN>` byte-fallback tokens).
 
 Ids are those transformers' `AutoTokenizer` gives: the file's normalizer, pre-tokenizer, model and
 post-processor (which adds a BOS where the model's tokenizer does), and `add_bos_token` of
 tokenizer_config.json where it is set. A special token's text inside the text is ordinary text unless
 `allow_special` (GPT-2's rule: a corpus that contains the string does not inject document breaks).
+
+Text comes back from each token's bytes (`token_bytes`), read off the file's decoder (`_TokenSpelling`), so
+that a stream of tokens becomes text one whole character at a time, never splitting a character or a run of
+byte-fallback tokens (`gpt.inference.text_stream`), and equals the whole sequence's decode.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +29,62 @@ from gpt.tokenizer import byte_to_unicode
 __all__ = ["TokenizerJson", "FILES"]
 
 FILES = ("tokenizer.json", "tokenizer_config.json")  # what it reads of a directory (the second where there is one)
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token's spelling
+
+
+class _TokenSpelling:
+    """The bytes each token stands for, from a tokenizer.json's decoder (a step or a `Sequence` of them).
+
+    Per token, in the decoder's order: `ByteLevel` (GPT-2's byte alphabet undone), `Replace` of a string
+    (SentencePiece's `▁` to a space), `ByteFallback` (`<0xNN>` to that byte), `Strip` (before a `Fuse`: of
+    each token), `Metaspace` (its replacement to a space). Of the whole sequence: a `Strip` after a `Fuse`,
+    and `Metaspace`'s prepended space, remove the first token's leading space (`lead`, what `decode` drops
+    at a sequence's start and a stream of a continuation keeps). Any other step is refused in one line.
+    """
+
+    def __init__(self, decoder: dict | None, where: str):
+        steps = (decoder or {}).get("decoders", [decoder]) if (decoder or {}).get("type") == "Sequence" else [decoder]
+        self.steps, self.byte_level, self.lead, fused = [], False, "", False
+        for step in steps:
+            kind = (step or {}).get("type")
+            if kind == "ByteLevel":
+                self.byte_level = True
+            elif kind == "Replace" and isinstance(step.get("pattern"), dict) and "String" in step["pattern"]:
+                self.steps.append(("replace", step["pattern"]["String"], step.get("content", "")))
+            elif kind == "ByteFallback":
+                self.steps.append(("bytes", None, None))
+            elif kind == "Fuse":
+                fused = True
+            elif kind == "Strip" and not fused:
+                self.steps.append(("strip", step.get("content", " "), (step.get("start", 0), step.get("stop", 0))))
+            elif kind == "Strip" and step.get("stop", 0) == 0 and step.get("start", 0) <= 1:
+                self.lead = step.get("content", " ") if step.get("start", 0) else ""
+            elif kind == "Metaspace":
+                self.steps.append(("replace", step.get("replacement", "▁"), " "))
+                self.lead = " " if step.get("prepend_scheme", "always") != "never" else ""
+            else:
+                raise ConfigError(f"{where}: decoder step {json.dumps(step)[:120]} is not supported; this reader "
+                                  f"decodes byte-level BPE (ByteLevel) and SentencePiece-style tokens (Replace, "
+                                  f"ByteFallback, Fuse, Strip, Metaspace)")
+        if self.byte_level and self.steps:
+            raise ConfigError(f"{where}: a decoder of ByteLevel and other steps is not supported")
+        self._unspell = {char: byte for byte, char in byte_to_unicode().items()}
+
+    def bytes_of(self, piece: str) -> bytes:
+        """The bytes of one (non-special) token spelled `piece` in the vocabulary."""
+        if self.byte_level:
+            return bytes(self._unspell[char] for char in piece)
+        for kind, a, b in self.steps:
+            if kind == "bytes" and (match := _BYTE_TOKEN.fullmatch(piece)):
+                return bytes([int(match.group(1), 16)])  # a byte, not text: no later step changes it
+            if kind == "replace":
+                piece = piece.replace(a, b)
+            elif kind == "strip":
+                start, stop = b
+                piece = piece[start if piece[:start] == a * start else 0:]
+                piece = piece[:len(piece) - stop] if stop and piece.endswith(a * stop) else piece
+        return piece.encode("utf-8")
 
 
 class TokenizerJson:
@@ -47,10 +109,7 @@ class TokenizerJson:
         self.name = f"tokenizer.json sha256:{digest}"
         """What a prepared corpus's meta.json records of the tokenizer that made its ids."""
         spec = json.loads(self.files["tokenizer.json"])
-        decoder = (spec.get("decoder") or {}).get("type")
-        if decoder != "ByteLevel":
-            raise ConfigError(f"{directory}/tokenizer.json: decoder {decoder!r} is not supported; this reader "
-                              f"decodes byte-level BPE (decoder 'ByteLevel': Llama 3, Qwen, SmolLM2)")
+        self._spelling = _TokenSpelling(spec.get("decoder"), f"{directory}/tokenizer.json")
         self.tokenizer = tokenizers.Tokenizer.from_str(self.files["tokenizer.json"])
         self._as_text = tokenizers.Tokenizer.from_str(self.files["tokenizer.json"])  # special tokens as text:
         self._as_text.encode_special_tokens = True  # two objects, so that no thread changes one under another
@@ -60,7 +119,7 @@ class TokenizerJson:
         self._eos = self._id_of(config.get("eos_token"))
         self.hf_class = config.get("tokenizer_class", "PreTrainedTokenizerFast")  # transformers' class for it
         self._specials = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
-        self._unspell = {char: byte for byte, char in byte_to_unicode().items()}  # GPT-2's byte alphabet, undone
+        self._bytes: dict[int, bytes] = {}  # each token's bytes, spelled once
 
     @staticmethod
     def _text_of(token) -> str | None:
@@ -107,17 +166,29 @@ class TokenizerJson:
         return [list(encoded[text]) for text in texts]
 
     def token_bytes(self, token: int) -> bytes:
-        """The bytes one token stands for (a special token: its text)."""
-        if token in self._specials:
-            return self._specials[token].encode("utf-8")
-        spelled = self.tokenizer.id_to_token(token)
+        """The bytes one token stands for (a special token: its text; a SentencePiece word's `▁`: its space)."""
+        spelled = self._bytes.get(token)
         if spelled is None:
-            raise ConfigError(f"token id {token} is outside the tokenizer's vocabulary of {self.vocab_size}")
-        return bytes(self._unspell[char] for char in spelled)
+            if token in self._specials:
+                spelled = self._specials[token].encode("utf-8")
+            else:
+                piece = self.tokenizer.id_to_token(token) if 0 <= token else None
+                if piece is None:
+                    raise ConfigError(f"token id {token} is outside the tokenizer's vocabulary of {self.vocab_size}")
+                spelled = self._spelling.bytes_of(piece)
+            self._bytes[token] = spelled
+        return spelled
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        """The bytes of a sequence's tokens, one after another (a continuation's: the first token's space kept)."""
         return b"".join(self.token_bytes(token) for token in ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text for token ids; byte sequences that are not valid UTF-8 become U+FFFD."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        """Text for token ids, as transformers' `decode` gives it: a sequence's leading space removed where the
+        decoder removes it (SentencePiece's prefix space); byte sequences that are not valid UTF-8 become
+        U+FFFD (one per invalid part, where `tokenizers` writes one per byte-fallback token)."""
+        text = self.decode_bytes(ids).decode("utf-8", errors="replace")
+        lead = self._spelling.lead
+        if lead and text.startswith(lead):
+            return text[len(lead):]
+        return text

@@ -5,7 +5,7 @@ import json
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 
 def random_hf_gpt2(tmp_path, seed: int = 0, weight_scale: float = 1.0, **config_fields):
@@ -79,4 +79,54 @@ def make_tokenizer(directory, corpus: str, bos: bool, vocab_size: int = 700):
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    return directory
+
+
+# SentencePiece-style tokenizer.json files as the hub's are written: (transformers' class, normalizer,
+# pre-tokenizer); each with the decoder of its model (`_SENTENCEPIECE_DECODERS`).
+SENTENCEPIECE_STYLES = {
+    "llama2": ("PreTrainedTokenizerFast",  # Llama 2's and Mistral 7B v0.1's: a prefix space, then every space a ▁
+               lambda: normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]), None),
+    "gemma": ("GemmaTokenizer", lambda: normalizers.Replace(" ", "▁"), None),  # no prefix space
+    "metaspace": ("LlamaTokenizer", None,  # Mistral's later files: a Metaspace pre-tokenizer
+                  lambda: pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)),
+}
+_SENTENCEPIECE_DECODERS = {
+    "llama2": lambda: decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)]),
+    "gemma": lambda: decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]),
+}
+_SENTENCEPIECE_DECODERS["metaspace"] = _SENTENCEPIECE_DECODERS["llama2"]
+
+
+def make_sentencepiece_tokenizer(directory, corpus: str, style: str, vocab_size: int = 600, bos: bool = True):
+    """A SentencePiece-style BPE (`style` of `SENTENCEPIECE_STYLES`) trained on `corpus` with a small alphabet, its
+    ids laid out as Llama 2's: <unk>, <s>, </s>, then the 256 byte-fallback tokens <0x00>..<0xFF> (what a
+    character outside the alphabet becomes), then the learned pieces; saved as a Hugging Face tokenizer
+    directory, <s> first when `bos`."""
+    hf_class, normalizer, pre_tokenizer = SENTENCEPIECE_STYLES[style]
+    specials = ["<unk>", "<s>", "</s>"]
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    if normalizer:
+        tokenizer.normalizer = normalizer()
+    if pre_tokenizer:
+        tokenizer.pre_tokenizer = pre_tokenizer()
+    tokenizer.train_from_iterator([corpus], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                                limit_alphabet=60))
+    spec = json.loads(tokenizer.to_str())
+    learned = [piece for piece, _ in sorted(spec["model"]["vocab"].items(), key=lambda item: item[1])
+               if piece not in specials]
+    order = [*specials, *(f"<0x{b:02X}>" for b in range(256)), *learned]
+    spec["model"]["vocab"] = {piece: i for i, piece in enumerate(order)}
+    for added in spec["added_tokens"]:
+        added["id"] = order.index(added["content"])
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    tokenizer.decoder = _SENTENCEPIECE_DECODERS[style]()
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": hf_class, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_bos_token": bos}))
     return directory

@@ -52,8 +52,7 @@ from gpt.data.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, i
 from gpt.data.shards import SHARD_SUM_FIELDS, ShardHasher, check_fields, check_meta
 from gpt.errors import ConfigError, MissingInput, write_failed
 from gpt.run_dir import RunLock, make_dir
-from gpt.tokenizer import Tokenizer, get_tokenizer
-from gpt.tokenizer_json import TokenizerJson
+from gpt.tokenizer import TextTokenizer, get_tokenizer
 
 __all__ = ["prepare", "sources", "in_validation", "default_corpus", "corpus_identity", "PrepareConfig", "CorpusChoice",
            "TextFieldChoice", "DEFAULT_VAL_FRACTION"]
@@ -217,7 +216,7 @@ def _numbered_sections(paths: list[Path], text_field: str, bad: BadRecords) -> I
             index += 1
 
 
-def _encode(batch: list[tuple[int, Section]], val_fraction: float, dtype, tokenizer: Tokenizer | TokenizerJson
+def _encode(batch: list[tuple[int, Section]], val_fraction: float, dtype, tokenizer: TextTokenizer
             ) -> list[tuple[int, str, np.ndarray]]:
     """(section index, split, tokens) of each section in a batch, a document's BOS (where the tokenizer adds
     one) before its first section and its EOS after its last; runs on a worker thread."""
@@ -285,7 +284,7 @@ def _clear_shards(directory: Path) -> None:
 
 
 def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, writers: dict, workers: int,
-              progress: bool | None, tokenizer: Tokenizer | TokenizerJson) -> tuple[collections.Counter, BadRecords]:
+              progress: bool | None, tokenizer: TextTokenizer) -> tuple[collections.Counter, BadRecords]:
     """Read the sections of `paths` past those both splits' writers already hold, tokenize them in batches on
     `workers` threads (at most two batches each in flight) and hand each, in order, to its split's writer.
     Returns the counts of sections, documents and replaced bytes over the whole corpus, and the bad records."""
@@ -353,7 +352,7 @@ def _check_splits(inputs, counts: collections.Counter, bad: BadRecords, totals: 
 def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
             val_fraction: float = DEFAULT_VAL_FRACTION, text_field: str = "text", workers: int | None = None, shard_tokens: int = 100_000_000,
             progress: bool | None = None, corpus_sources: list[dict] | None = None, lock: bool = True,
-            tokenizer: Tokenizer | TokenizerJson | None = None) -> dict:
+            tokenizer: TextTokenizer | None = None) -> dict:
     """Tokenize `inputs` (files, directories, globs; text, JSONL, Parquet or saved datasets) into token
     shards in `out_dir` with `tokenizer` (default: GPT-2's; a model's own to fine-tune it), as this module's
     docstring describes.
@@ -390,7 +389,7 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
 
 
 def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_field, workers, shard_tokens,
-                    progress, tokenizer: Tokenizer | TokenizerJson) -> dict:
+                    progress, tokenizer: TextTokenizer) -> dict:
     paths = [Path(source["path"]) for source in corpus_sources]
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
     settings = {"format": _FORMAT_VERSION, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,

@@ -12,7 +12,7 @@ from gpt.model import gpt2, llama
 from gpt.model.config import GPTConfig
 from gpt.model.hf_files import hub_snapshot, read_config_json
 from gpt.model.transformer import GPT
-from gpt.tokenizer import Tokenizer, get_tokenizer
+from gpt.tokenizer import TextTokenizer, get_tokenizer
 from gpt.tokenizer_json import TokenizerJson
 
 __all__ = ["located", "is_pretrained", "family", "read_config", "load", "tokenizer"]
@@ -57,7 +57,7 @@ def load(source: str, dtype: str = "float32", param_dtype: str | None = None) ->
     return family(source).load(source, dtype=dtype, param_dtype=param_dtype)
 
 
-def tokenizer(source: str) -> Tokenizer | TokenizerJson:
+def tokenizer(source: str) -> TextTokenizer:
     """The tokenizer of a located `source`: a Llama's or Qwen's own (its tokenizer.json), GPT-2's for a GPT-2."""
     if family(source) is gpt2:
         return get_tokenizer()

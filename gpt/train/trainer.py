@@ -60,8 +60,7 @@ from gpt.program_report import check_compiled_fits, compile_within_memory
 from gpt.run_dir import RunLock, check_identity, identity, newest_step
 from gpt.run_tokenizer import keep_tokenizer
 from gpt.signals import StopSignals
-from gpt.tokenizer import Tokenizer, get_tokenizer
-from gpt.tokenizer_json import TokenizerJson
+from gpt.tokenizer import TextTokenizer, get_tokenizer
 from gpt.train.checkpoint import CheckpointManager, config_to_json
 from gpt.train.metrics import MetricsWriter
 from gpt.train.optimizer import OptimizerConfig, make_schedule
@@ -240,7 +239,7 @@ class Plan:
     inputs: list
     corpus_sources: list[dict]
     identity: dict
-    tokenizer: Tokenizer | TokenizerJson
+    tokenizer: TextTokenizer
     """What the corpus is tokenized with: GPT-2's, or the fine-tuned model's own."""
 
     @property
@@ -337,7 +336,7 @@ def _resolve_model(config: TrainConfig, log) -> tuple[TrainConfig, GPTConfig]:
     return config, model_config
 
 
-def _tokenizer(config: TrainConfig, model_config: GPTConfig) -> Tokenizer | TokenizerJson:
+def _tokenizer(config: TrainConfig, model_config: GPTConfig) -> TextTokenizer:
     """The tokenizer of the model a run trains (GPT-2's from scratch), checked against its vocabulary."""
     if config.init_from == "scratch":
         return get_tokenizer()
