@@ -40,6 +40,12 @@ LLAMA_FAMILIES = {  # between them: a key head per query head, one for all (mult
               dict(tie_word_embeddings=True, num_key_value_heads=2)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,  # heads of 16 over a width of 48 / 4
               dict(tie_word_embeddings=False, num_key_value_heads=2, head_dim=16)),
+    # Sliding windows shorter than the prompts: Mistral's on every layer, Qwen2's from its second layer on.
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(tie_word_embeddings=False, num_key_value_heads=2, sliding_window=6)),
+    "qwen2-window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                     dict(tie_word_embeddings=True, num_key_value_heads=2, use_sliding_window=True, sliding_window=5,
+                          max_window_layers=1)),
 }
 
 

@@ -1,4 +1,4 @@
-"""Llama-shaped checkpoints (Llama, Qwen2, Qwen3) load at logit parity with `transformers`, and decode its greedy tokens;
+"""Llama-shaped checkpoints (Llama, Qwen2, Qwen3; Mistral's and Qwen2's sliding windows: test_sliding_window.py) load at logit parity with `transformers`, and decode its greedy tokens;
 what the loader does not implement is a one-line refusal."""
 
 import json
@@ -52,7 +52,7 @@ def test_greedy_generate_equals_transformers(tmp_path, family):
                                                              "reads rope_type='default' or 'llama3'"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 8.0}, "rope_type='yarn' .a rotary frequency scaling"),
     ("hidden_act", "gelu", "hidden_act='gelu' .an activation other than SiLU."),
-    ("model_type", "mistral", "model_type 'mistral' is not one of llama, qwen2, qwen3"),
+    ("model_type", "gpt_neox", "model_type 'gpt_neox' is not one of llama, mistral, qwen2, qwen3"),
 ])
 def test_what_the_loader_does_not_implement_is_one_line(tmp_path, field, value, message):
     _, directory = random_hf_llama(tmp_path, "llama-tied")
@@ -124,7 +124,7 @@ def test_gpt_export_writes_the_format_that_holds_the_model():
     llama_shaped = GPTConfig.preset("tiny", position="rope", norm="rmsnorm", gated_mlp=True, activation="silu",
                                     bias=False, n_kv_head=2)
     assert format_of(llama_shaped) is llama and llama.config_to_hf(llama_shaped)["model_type"] == "llama"
-    with pytest.raises(ConfigError, match="^the GPT-2 format cannot hold .*; the Llama and Qwen formats cannot hold "
+    with pytest.raises(ConfigError, match="^the GPT-2 format cannot hold .*; the Llama, Mistral and Qwen formats cannot hold "
                                           ".*activation='relu2'.*; it can still be sampled") as error:
         format_of(llama_shaped.replace(activation="relu2"))
     assert "\n" not in str(error.value)

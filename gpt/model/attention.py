@@ -15,7 +15,7 @@ from gpt.model import cpu_kernels
 from gpt.model.backend import choices
 from gpt.model.splash import splash_causal, splash_fits
 
-__all__ = ["attend", "attend_paged", "kernel_attend_paged", "sinusoidal_embedding", "rope_frequencies", "apply_rope",
+__all__ = ["attend", "causal_band", "seen_slots", "attend_paged", "kernel_attend_paged", "sinusoidal_embedding", "rope_frequencies", "apply_rope",
            "MAX_KERNEL_HEAD_DIM"]
 
 MAX_KERNEL_HEAD_DIM = 128  # `kernel_attend_paged` keeps a head in registers; larger ones are XLA's
@@ -68,7 +68,15 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inverse_freq: np.ndar
     return rotated.astype(x_BTNH.dtype)
 
 
-def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.Array | None) -> jax.Array:
+def causal_band(T: int, window: int | jax.Array) -> jax.Array:
+    """bool [T, T]: query t sees key s for t - window < s <= t (a local layer's causal mask; `window` may be
+    traced: a scan over layers of several kinds)."""
+    offset_TT = jnp.arange(T, dtype=jnp.int32)[:, None] - jnp.arange(T, dtype=jnp.int32)[None, :]
+    return (offset_TT >= 0) & (offset_TT < window)
+
+
+def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.Array | None,
+           window: int | jax.Array | None = None) -> jax.Array:
     """Scaled dot-product attention, grouped-query where the keys and values have fewer heads than the queries.
 
     Which form runs is the backend's `attention` choice (`gpt.model.backend`). On GPUs it is
@@ -84,6 +92,7 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
         so that a batch of 1 adds no degenerate axis for XLA to reshape the cache around); K divides N.
       mask_BTS: bool [B, T, S], True where a query may see a key; None means plainly causal with T == S.
         Every query must see at least one key.
+      window: with no mask, a local layer's: query t sees keys t - window + 1..t (`causal_band`); None: 0..t.
     Returns:
       [B, T, N, H] in q's dtype; the softmax is computed in float32.
     """
@@ -92,13 +101,15 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
     G = N // K
     kind = choices().attention
     to_BSKH = lambda x: x.reshape(B, K, S, H).transpose(0, 2, 1, 3)  # noqa: E731
-    if kind == "splash" and mask_BTS is None and splash_fits(B, T, N):
+    if mask_BTS is None and window is not None and not (kind == "dot_product" and isinstance(window, int)):
+        mask_BTS = jnp.broadcast_to(causal_band(T, window), (B, T, S))  # a traced window: a mask like any other
+    if kind == "splash" and mask_BTS is None and window is None and splash_fits(B, T, N):
         every_head = lambda x: jnp.repeat(to_BSKH(x), G, axis=2)  # noqa: E731  (its kernel takes N key heads)
         return splash_causal(q_BTNH, every_head(k_MSH), every_head(v_MSH))
     if kind == "dot_product":
         k_BSKH, v_BSKH = to_BSKH(k_MSH), to_BSKH(v_MSH)
         if mask_BTS is None:
-            return fused_causal(q_BTNH, k_BSKH, v_BSKH)
+            return fused_causal(q_BTNH, k_BSKH, v_BSKH, window)
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None, :, :])
     # Rows x key heads as one batch axis M, and each key head's G query heads one after another (G * T queries).
     q_MQH = (q_BTNH * jnp.asarray(H ** -0.5, q_BTNH.dtype)).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
@@ -115,24 +126,26 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
     return out_MQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
-def fused_causal(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
-    """Causal attention [B, T, N, H] of keys and values of K heads through cuDNN's flash kernel where it takes
-    the call, else XLA's.
+def fused_causal(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, window: int | None = None) -> jax.Array:
+    """Causal attention [B, T, N, H] of keys and values of K heads (each query seeing the last `window` keys,
+    its own included, where a window is given) through cuDNN's flash kernel where it takes the call, else XLA's.
 
     `jax.nn.dot_product_attention` runs XLA's attention (the T x T scores written out) unless cuDNN is
     asked for by name; cuDNN takes 16-bit operands on the GPUs it supports, and says so at trace time
     otherwise (float32, an older GPU, a head size it lacks), when XLA's computes the same function.
     """
+    local = {} if window is None else {"local_window_size": (window - 1, 0)}
     if q_BTNH.dtype in (jnp.bfloat16, jnp.float16):
         try:
-            return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
+            return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn",
+                                                **local)
         except (RuntimeError, ValueError, NotImplementedError):
             pass
-    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="xla")
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="xla", **local)
 
 
 def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
-                 positions_B1: jax.Array, rows_M: jax.Array | None = None) -> jax.Array:
+                 positions_B1: jax.Array, rows_M: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """One query per row over a paged KV cache (`gpt.model.kv_cache`), reading only the pages the rows have
     reached.
 
@@ -152,22 +165,29 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
       positions_B1: int32 [B, 1], each row's query position; it sees cache slots 0..position.
       rows_M: int32 [B * K], the page row of each query row's key heads (a view of some of the cache's rows,
         `KVCache.select`); None when they are rows 0..B*K-1. Only the pages read are gathered.
+      window: a local layer's: each row sees slots position - window + 1..position; None: 0..position.
     Returns:
       [B, 1, N, H] in q's dtype; the softmax is computed in float32.
     """
     B, _, N, H = q_B1NH.shape
     if q_B1NH.dtype == k_pages[0].dtype == jnp.float32 and H <= MAX_KERNEL_HEAD_DIM and cpu_kernels.isa() is not None:
-        return kernel_attend_paged(q_B1NH, k_pages, v_pages, positions_B1, rows_M)
+        return kernel_attend_paged(q_B1NH, k_pages, v_pages, positions_B1, rows_M, window)
     take = (lambda page: page) if rows_M is None else (lambda page: page[rows_M])  # noqa: E731
     if len(k_pages) == 1:
         S = k_pages[0].shape[1]
-        return attend(q_B1NH, take(k_pages[0]), take(v_pages[0]),
-                      jnp.arange(S)[None, None, :] <= positions_B1[:, :, None])
-    return _attend_pages(q_B1NH, k_pages, v_pages, positions_B1, rows_M, take)
+        return attend(q_B1NH, take(k_pages[0]), take(v_pages[0]), seen_slots(jnp.arange(S), positions_B1, window))
+    return _attend_pages(q_B1NH, k_pages, v_pages, positions_B1, rows_M, take, window)
+
+
+def seen_slots(slots_S: jax.Array, positions_BT: jax.Array, window: int | None) -> jax.Array:
+    """bool [B, T, S]: which of cache slots `slots_S` [S] (a slot holds the position of its index) each query at
+    `positions_BT` [B, T] sees: those at or before its own, and within `window` of it where one is given."""
+    seen_BTS = slots_S[None, None, :] <= positions_BT[:, :, None]
+    return seen_BTS if window is None else seen_BTS & (slots_S[None, None, :] > positions_BT[:, :, None] - window)
 
 
 def _attend_pages(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
-                  positions_B1: jax.Array, rows_M: jax.Array | None, take) -> jax.Array:
+                  positions_B1: jax.Array, rows_M: jax.Array | None, take, window: int | None) -> jax.Array:
     """`attend_paged` over several pages in XLA's ops, flash-decoding's way: each page read gives its part of
     the softmax, combined at the end; `take` gathers a page's rows of the view. [B, 1, N, H]."""
     B, _, N, H = q_B1NH.shape
@@ -181,7 +201,7 @@ def _attend_pages(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tu
         """This page's part of the softmax: its max score, the sum of exp(score - max), and the
         exp-weighted sum of its values (all zero where a row sees none of the page), per query [M, G]."""
         k_MPH, v_MPH = take(k_MPH), take(v_MPH)
-        seen_M1P = (start + jnp.arange(k_MPH.shape[1])[None, :] <= position_M1)[:, None, :]
+        seen_M1P = seen_slots(start + jnp.arange(k_MPH.shape[1]), position_M1, window)
         scores_MGP = jnp.einsum("MGH,MPH->MGP", q_MGH, k_MPH, preferred_element_type=jnp.float32)
         scores_MGP = jnp.where(seen_M1P, scores_MGP, -jnp.inf)
         max_MG = scores_MGP.max(-1)
@@ -220,7 +240,8 @@ def _combine_pages(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.A
 
 
 def kernel_attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
-                        positions_B1: jax.Array, rows_M: jax.Array | None = None) -> jax.Array:
+                        positions_B1: jax.Array, rows_M: jax.Array | None = None,
+                        window: int | None = None) -> jax.Array:
     """`attend_paged` (the same arguments, float32) in one compiled call (`gpt.model.kernels.decode_attention`):
     each query reads the cache's slots 0..its position, and no more, where XLA ran about 25 small programs a
     layer. Each of a key head's G query heads reads its row on its own. Only where `cpu_kernels.isa()` is not
@@ -231,5 +252,5 @@ def kernel_attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pag
     rows_Q = jnp.repeat(rows_M, N // K)  # each query head's key row
     position_Q = jnp.repeat(positions_B1[:, 0].astype(jnp.int32), N)  # row b's position for each of its heads
     out_QH = cpu_kernels.call("gpt_decode_attention", jax.ShapeDtypeStruct((B * N, H), jnp.float32))(
-        q_B1NH.reshape(B * N, H), position_Q, rows_Q, *k_pages, *v_pages)
+        q_B1NH.reshape(B * N, H), position_Q, rows_Q, *k_pages, *v_pages, window=np.int64(window or 0))
     return out_QH.reshape(B, 1, N, H)

@@ -13,6 +13,8 @@ from gpt.errors import ConfigError
 __all__ = ["GPTConfig", "PRESETS"]
 
 Position = Literal["learned", "sinusoidal", "rope"]
+LAYER_KINDS = {"g": "global: every earlier position", "l": "local: the last `sliding_window` positions",
+               "n": "global, with no rotary positions"}  # a layer's attention, by its letter in `layer_kinds`
 Activation = Literal["gelu", "relu2", "silu"]
 Norm = Literal["layernorm", "rmsnorm"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -26,7 +28,7 @@ def check_dtype(dtype: str, name: str = "dtype") -> None:
         raise ConfigError(f"{name} must be one of {', '.join(_DTYPES)}, got {dtype!r}")
 
 
-_OPTIONAL_SIZES = ("n_kv_head", "head_size", "mlp_width")  # None: derived from the others (see each's docstring)
+_OPTIONAL_SIZES = ("n_kv_head", "head_size", "mlp_width", "sliding_window")  # None: derived from the others (see each's docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,13 @@ class GPTConfig:
       rope_scaling_low: Llama 3's low_freq_factor: wavelengths over rope_scaling_context / this are slowed.
       rope_scaling_high: Llama 3's high_freq_factor: wavelengths under rope_scaling_context / this are kept.
       rope_scaling_context: Llama 3's original_max_position_embeddings, the context it was trained at.
+      layer_kinds: each layer's attention, a letter a layer (`LAYER_KINDS`), the letters repeated over the layers:
+        "g" global (every earlier position), "l" local (a sliding window: the last `sliding_window` positions,
+        its own included), "n" global with no rotary positions. "" is every layer global; "l" every layer
+        local (Mistral 7B v0.1); "lllllg" five local layers to one global (Gemma 3).
+      sliding_window: how many positions a local layer's query sees, its own included (None: no local layers).
+      rope_local_theta: the rotary base frequency of local layers where it is not `rope_theta` (Gemma 3's 10,000
+        beside its global layers' 1,000,000); None: `rope_theta`.
       dropout: dropout rate on embeddings and residual branches while training.
       bias: biases in linear layers and LayerNorms (GPT-2 has them).
       qkv_bias: biases on the queries, keys and values whatever `bias` says (Qwen2.5 has them alone).
@@ -88,6 +97,9 @@ class GPTConfig:
     rope_scaling_low: float = 1.0
     rope_scaling_high: float = 4.0
     rope_scaling_context: int = 8192
+    layer_kinds: str = ""
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
     dropout: float = 0.0
     bias: bool = True
     qkv_bias: bool = False
@@ -143,11 +155,39 @@ class GPTConfig:
             raise ConfigError(f"GPTConfig.rope_scaling must be >= 1 and finite, and 0 < rope_scaling_low < "
                               f"rope_scaling_high, got {self.rope_scaling}, {self.rope_scaling_low}, "
                               f"{self.rope_scaling_high}")
-        for name in ("rope_theta", "layer_norm_epsilon"):
+        self._check_layer_kinds()
+        for name in ("rope_theta", "layer_norm_epsilon", *(("rope_local_theta",) if self.rope_local_theta else ())):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"GPTConfig.{name} must be positive and finite, got {getattr(self, name)}")
         for name in ("dtype", "param_dtype"):
             check_dtype(getattr(self, name), f"GPTConfig.{name}")
+
+    def _check_layer_kinds(self) -> None:
+        unknown = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
+        if unknown:
+            raise ConfigError(f"GPTConfig.layer_kinds must be letters of {', '.join(LAYER_KINDS)} (one a layer, "
+                              f"repeated over the layers), got {self.layer_kinds!r}")
+        if ("l" in self.layer_kinds) != (self.sliding_window is not None):
+            raise ConfigError(f"GPTConfig.sliding_window={self.sliding_window} and layer_kinds={self.layer_kinds!r} "
+                              f"disagree: a window is set exactly when some layer is local ('l')")
+        if "n" in self.layer_kinds and self.position != "rope":
+            raise ConfigError(f"GPTConfig.layer_kinds has layers with no rotary positions ('n'), but position is "
+                              f"{self.position!r}, not 'rope'")
+
+    def layer_kind(self, layer: int) -> str:
+        """Layer `layer`'s attention, a letter of `LAYER_KINDS` (`layer_kinds` repeated over the layers)."""
+        return self.layer_kinds[layer % len(self.layer_kinds)] if self.layer_kinds else "g"
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many positions layer `layer`'s queries see, their own included; None: every earlier one."""
+        return self.sliding_window if self.layer_kind(layer) == "l" else None
+
+    def layer_rope_theta(self, layer: int) -> float | None:
+        """Layer `layer`'s rotary base frequency; None where it has no rotary positions."""
+        kind = self.layer_kind(layer)
+        if self.position != "rope" or kind == "n":
+            return None
+        return self.rope_local_theta or self.rope_theta if kind == "l" else self.rope_theta
 
     @property
     def head_dim(self) -> int:

@@ -28,6 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gpt.model.attention import seen_slots
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import constrain
 
@@ -114,10 +115,10 @@ class KVCache:
         """int32 [B, T]: each row's next T positions."""
         return self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)
 
-    def mask(self, positions_BT: jax.Array) -> jax.Array:
+    def mask(self, positions_BT: jax.Array, window: int | None = None) -> jax.Array:
         """bool [B, T, S]: a query at position p sees the cached slots 0..p (its own included, so the
-        softmax is never over an empty set)."""
-        return jnp.arange(self.length, dtype=jnp.int32) <= positions_BT[:, :, None]
+        softmax is never over an empty set), or with a `window` (a local layer's) slots p - window + 1..p."""
+        return seen_slots(jnp.arange(self.length, dtype=jnp.int32), positions_BT, window)
 
     def write(self, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array, positions_BT: jax.Array) -> KVCache:
         """This cache with layer `layer`'s new keys and values written at each row's `positions_BT`

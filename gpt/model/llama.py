@@ -1,9 +1,10 @@
-"""Llama-shaped checkpoints in the Hugging Face format (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
-`Qwen3ForCausalLM`): load them into a GPT, and write a GPT of their shape back.
+"""Llama-shaped checkpoints in the Hugging Face format (`LlamaForCausalLM`, `MistralForCausalLM`,
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`): load them into a GPT, and write a GPT of their shape back.
 
 Their architecture is GPT's with newer choices, each a `GPTConfig` field: rotary positions, RMSNorm, a gated
 SiLU MLP, no biases but Qwen2's on q, k and v, Qwen3's QK-norm, grouped-query attention, a head size of
-its own, Llama 3's rotary scaling, a head tied or not. Their `nn.Linear` weights are stored
+its own, Llama 3's rotary scaling, a head tied or not, Mistral's sliding window (every layer local) and
+Qwen's (the layers from `max_window_layers` on, or as `layer_types` lists them). Their `nn.Linear` weights are stored
 [out, in]: each maps onto ours by a transpose and a reshape (k and v stacked into our [D, 2, K, H]); the
 table `_BLOCK_NAMES` names them. A config field this loader does not implement is a one-line error naming
 it, never a silent approximation.
@@ -28,7 +29,7 @@ from gpt.tokenizer_json import TokenizerJson
 
 __all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "read_config", "load", "save"]
 
-FAMILIES = ("llama", "qwen2", "qwen3")  # Hugging Face model_type values this module reads
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_type values this module reads
 
 # Each block weight's Hugging Face names ({} the layer): one, or k and v to stack.
 _BLOCK_NAMES = {
@@ -46,7 +47,9 @@ _BLOCK_NAMES = {
     "proj_kernel": "model.layers.{}.mlp.down_proj.weight",
 }
 _MODEL_NAMES = {"wte": "model.embed_tokens.weight", "lnf_scale": "model.norm.weight", "lm_head": "lm_head.weight"}
-_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}
+_LAYER_TYPES = {"full_attention": "g", "sliding_attention": "l"}  # transformers' `layer_types`, as `layer_kinds`
 # What these formats hold, whatever the family: (field, the value it needs).
 _LLAMA_ARCHITECTURE = (("position", "rope"), ("norm", "rmsnorm"), ("gated_mlp", True), ("activation", "silu"),
                        ("bias", False))
@@ -67,7 +70,6 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
         "rope_type": (rope_type, ("default", "llama3"), "a rotary frequency scaling other than Llama 3's"),
         "mlp_bias": (hf.get("mlp_bias", False), (False,), "biases in the MLP"),
         "attention_bias": (hf.get("attention_bias", False), (False,), "biases on the attention's projections"),
-        "use_sliding_window": (hf.get("use_sliding_window", False), (False,), "sliding-window attention"),
     }
     for field, (value, supported, what) in unsupported.items():
         if value not in supported:
@@ -77,6 +79,7 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
         rope_scaling=float(rope["factor"]), rope_scaling_low=float(rope["low_freq_factor"]),
         rope_scaling_high=float(rope["high_freq_factor"]), rope_scaling_context=rope["original_max_position_embeddings"])
     fields = dict(
+        **_windows(family, hf),
         vocab_size=hf["vocab_size"], block_size=hf.get("max_position_embeddings", 2048),
         n_layer=hf["num_hidden_layers"], n_head=heads, n_kv_head=hf.get("num_key_value_heads", heads), n_embd=width,
         mlp_width=hf["intermediate_size"],
@@ -86,6 +89,30 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
         head_size=None if hf.get("head_dim", width // heads) == width // heads else hf["head_dim"], **scaling,
     )
     return GPTConfig(**{**fields, **overrides})
+
+
+def _windows(family: str, hf: dict) -> dict:
+    """The `layer_kinds` and `sliding_window` of a config.json: Mistral's window on every layer (none where
+    `sliding_window` is null); Qwen's on the layers `layer_types` names (transformers 5 writes them), else on those
+    from `max_window_layers` on, where `use_sliding_window`; none for Llama."""
+    layers, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    if family == "mistral":
+        kinds = "l" if window is not None else ""
+    elif family in ("qwen2", "qwen3") and (hf.get("use_sliding_window") or hf.get("layer_types")):
+        types = hf.get("layer_types") or ["sliding_attention" if hf.get("use_sliding_window") and
+                                          i >= hf.get("max_window_layers", 28) else "full_attention"
+                                          for i in range(layers)]
+        unknown = sorted(set(map(str, types)) - set(_LAYER_TYPES))
+        if unknown or len(types) != layers:
+            raise ConfigError(f"config.json: layer_types must list {layers} of {', '.join(_LAYER_TYPES)}, got "
+                              f"{unknown or len(types)}")
+        kinds = "".join(_LAYER_TYPES[t] for t in types)
+    else:
+        kinds = ""
+    kinds = "l" if set(kinds) == {"l"} else "" if "l" not in kinds else kinds
+    if kinds and window is None:
+        raise ConfigError("config.json: some layers use a sliding window, but sliding_window is null")
+    return dict(layer_kinds=kinds, sliding_window=window if kinds else None)
 
 
 def _ours(name: str, array: np.ndarray, config: GPTConfig) -> np.ndarray:
@@ -118,19 +145,30 @@ def _theirs(name: str, value: np.ndarray, config: GPTConfig) -> np.ndarray:
 
 
 def family_of(config: GPTConfig) -> str:
-    """The Hugging Face model_type that holds a model of `config`; ConfigError naming every field none can hold."""
+    """The Hugging Face model_type that holds a model of `config`: Qwen2's with q, k and v biases, Qwen3's with
+    QK-norm (either with local layers anywhere), Mistral's with every layer local, else Llama's; ConfigError
+    naming every field none can hold."""
     unlike = [f"{name}={getattr(config, name)!r} (these formats have {value!r})"
               for name, value in _LLAMA_ARCHITECTURE if getattr(config, name) != value]
     if config.qkv_bias and config.qk_norm:
         unlike.append("qkv_bias=True with qk_norm=True (Qwen2 has the one, Qwen3 the other)")
+    if "n" in config.layer_kinds:
+        unlike.append(f"layer_kinds={config.layer_kinds!r} (layers without positions)")
+    if config.rope_local_theta not in (None, config.rope_theta):
+        unlike.append(f"rope_local_theta={config.rope_local_theta} (one rotary base for every layer)")
+    mixed = config.layer_kinds not in ("", "l")
+    if mixed and not (config.qkv_bias or config.qk_norm):
+        unlike.append(f"layer_kinds={config.layer_kinds!r} (Mistral has every layer local, Llama none; Qwen2's "
+                      f"and Qwen3's some)")
     if unlike:
-        raise ConfigError(f"the Llama and Qwen formats cannot hold this model: {', '.join(unlike)}")
-    return "qwen2" if config.qkv_bias else "qwen3" if config.qk_norm else "llama"
+        raise ConfigError(f"the Llama, Mistral and Qwen formats cannot hold this model: {', '.join(unlike)}")
+    if config.qkv_bias or config.qk_norm:
+        return "qwen2" if config.qkv_bias else "qwen3"
+    return "mistral" if config.layer_kinds == "l" else "llama"
 
 
 def config_to_hf(config: GPTConfig) -> dict:
-    """The Hugging Face `config.json` of a Llama-shaped GPT (`config_from_hf` undone): Qwen2's with q, k and v
-    biases, Qwen3's with QK-norm, else Llama's."""
+    """The Hugging Face `config.json` of a Llama-shaped GPT (`config_from_hf` undone), of its `family_of`."""
     family = family_of(config)
     scaling = None if config.rope_scaling == 1.0 else dict(
         rope_type="llama3", factor=config.rope_scaling, low_freq_factor=config.rope_scaling_low,
@@ -141,9 +179,22 @@ def config_to_hf(config: GPTConfig) -> dict:
         "num_attention_heads": config.n_head, "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
         "max_position_embeddings": config.block_size, "rms_norm_eps": config.layer_norm_epsilon,
         "rope_theta": config.rope_theta, "rope_scaling": scaling, "tie_word_embeddings": config.tied_head,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "use_sliding_window": False,
-        "torch_dtype": "float32",
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        **_windows_to_hf(family, config),
     }
+
+
+def _windows_to_hf(family: str, config: GPTConfig) -> dict:
+    """`_windows` undone: the fields of a config.json that say which layers are local, and their window."""
+    if family == "mistral":
+        return {"sliding_window": config.sliding_window}
+    if family == "llama":
+        return {}
+    kinds = [config.layer_kind(layer) for layer in range(config.n_layer)]
+    types = {letter: name for name, letter in _LAYER_TYPES.items()}
+    return {"use_sliding_window": "l" in kinds, "sliding_window": config.sliding_window,
+            "max_window_layers": kinds.index("l") if "l" in kinds else config.n_layer,
+            "layer_types": [types[kind] for kind in kinds]}
 
 
 def save(model: GPT, out_dir: str | os.PathLike, tokenizer_files: dict[str, str] | None = None) -> Path:

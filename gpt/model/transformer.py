@@ -32,7 +32,7 @@ from gpt.model.loss import lm_head_cross_entropy
 from gpt.model.parameters import BLOCK_WEIGHTS, weight_tensors
 from gpt.model.sharding import constrain
 
-__all__ = ["GPT", "Weights", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_norm",
+__all__ = ["GPT", "Weights", "LayerAttention", "layer_attention", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_norm",
            "normalize", "rms_normalize", "in_compute_dtype", "parameter", "num_params", "flops_per_token"]
 
 
@@ -139,6 +139,45 @@ def unstack(stacked: dict, num_layers: int) -> tuple[dict, ...]:
     return tuple({name: None if a is None else a[layer] for name, a in stacked.items()} for layer in range(num_layers))
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """One layer's kind of attention (`GPTConfig.layer_kind`), as its forward reads it.
+
+    Attributes:
+      window: how many positions a query sees, its own included (a local layer's); None: every earlier one. An
+        int32 scalar where a scan runs layers of several kinds (a global layer's larger than any context).
+      inverse_freq: the rotary frequencies, float32 [H / 2] (`rope_frequencies`); None: no rotation. Zeros (no
+        rotation) for a layer without positions where a scan runs layers of several kinds.
+    """
+
+    window: int | jax.Array | None
+    inverse_freq: np.ndarray | jax.Array | None
+
+
+def layer_attention(config: GPTConfig, layer: int) -> LayerAttention:
+    """Layer `layer`'s attention: its window and its rotary frequencies."""
+    theta = config.layer_rope_theta(layer)
+    inverse_freq = None if theta is None else rope_frequencies(
+        config.head_dim, theta, config.rope_scaling, config.rope_scaling_low, config.rope_scaling_high,
+        config.rope_scaling_context)
+    return LayerAttention(config.layer_window(layer), inverse_freq)
+
+
+def stacked_layer_attention(config: GPTConfig) -> LayerAttention | None:
+    """Every layer's attention stacked on a leading layer axis (window int32 [L], inverse_freq float32 [L, H / 2]),
+    for a scan over layers of several kinds; None where every layer's is one (`layer_attention(config, 0)`)."""
+    layers = [layer_attention(config, layer) for layer in range(config.n_layer)]
+    first = layers[0]
+    if all(a.window == first.window and (a.inverse_freq is None) == (first.inverse_freq is None) and (
+            a.inverse_freq is None or np.array_equal(a.inverse_freq, first.inverse_freq)) for a in layers):
+        return None
+    everything = 2 ** 30  # a window no context reaches: every earlier position
+    return LayerAttention(
+        window=np.asarray([everything if a.window is None else a.window for a in layers], np.int32),
+        inverse_freq=np.stack([np.zeros(config.head_dim // 2, np.float32) if a.inverse_freq is None
+                               else a.inverse_freq for a in layers]))
+
+
 def block(
     config: GPTConfig,
     p: dict,
@@ -148,14 +187,17 @@ def block(
     layer: int,
     dropout_key: jax.Array | None,
     mask_BTS: jax.Array | None = None,
+    attention: LayerAttention | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """One decoder block. `p` holds this layer's weights (no layer axis), as arrays or in any layout that
-    `gpt.model.layouts.dense` takes.
+    `gpt.model.layouts.dense` takes; `attention` its kind of attention (default: layer `layer`'s).
 
     With a cache, the new keys and values are written into layer `layer`'s buffers at `positions_BT`, and
-    attention reads that whole buffer as `mask_BTS` [B, T, S] says (`cache.mask(positions_BT)`, computed
-    once per forward by the caller). Without one, attention is plainly causal over the T tokens.
+    attention reads that whole buffer as `mask_BTS` [B, T, S] says (`cache.mask(positions_BT, window)`, computed
+    once per forward and window by the caller). Without one, attention is causal over the T tokens (within
+    the layer's window).
     Returns the block's output [B, T, D] and the updated cache."""
+    attention = layer_attention(config, layer) if attention is None else attention
     p = in_compute_dtype(config, p)
     mlp_kernel = Fp8Kernel if config.fp8 and cache is None else lambda kernel: kernel  # the MLP's products
     attn_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
@@ -176,7 +218,7 @@ def block(
         if config.qk_norm:  # before the rotation (Qwen3's order)
             q_BTNH = rms_norm(q_BTNH, p["q_norm_scale"], config.layer_norm_epsilon)
             k_BTKH = rms_norm(k_BTKH, p["k_norm_scale"], config.layer_norm_epsilon)
-        attn_BTNH, cache = _attention(config, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, layer, mask_BTS)
+        attn_BTNH, cache = _attention(attention, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, layer, mask_BTS)
     out_BTD = _linear("attn_proj", attn_BTNH.reshape(B, T, N * H), p["out_kernel"], p["out_bias"])
     x_BTD = x_BTD + dropout(out_BTD, config.dropout, attn_key)
 
@@ -221,29 +263,30 @@ def _linear(scope: str, x_BTD: jax.Array, kernel, bias: jax.Array | None) -> jax
         return y_BTK if bias is None else y_BTK + bias
 
 
-def _attention(config: GPTConfig, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, positions_BT: jax.Array,
-               cache: KVCache | None, layer: int, mask_BTS: jax.Array | None) -> tuple[jax.Array, KVCache | None]:
+def _attention(attention: LayerAttention, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
+               positions_BT: jax.Array, cache: KVCache | None, layer: int,
+               mask_BTS: jax.Array | None) -> tuple[jax.Array, KVCache | None]:
     """The block's attention of its queries [B, T, N, H] over its keys and values [B, T, K, H] (as `block`
     describes): [B, T, N, H] and the cache with this layer's new keys and values written."""
     B, T, K, H = k_BTKH.shape
-    if config.position == "rope":
-        inverse_freq = rope_frequencies(H, config.rope_theta, config.rope_scaling, config.rope_scaling_low,
-                                        config.rope_scaling_high, config.rope_scaling_context)
-        q_BTNH = apply_rope(q_BTNH, positions_BT, inverse_freq)
-        k_BTKH = apply_rope(k_BTKH, positions_BT, inverse_freq)
+    window = attention.window
+    if attention.inverse_freq is not None:
+        q_BTNH = apply_rope(q_BTNH, positions_BT, attention.inverse_freq)
+        k_BTKH = apply_rope(k_BTKH, positions_BT, attention.inverse_freq)
     q_BTNH = constrain(q_BTNH, ("batch", None, "heads", None))
     if cache is None:
         k_MTH, v_MTH = (x.transpose(0, 2, 1, 3).reshape(B * K, T, H) for x in (k_BTKH, v_BTKH))
-        return attend(q_BTNH, k_MTH, v_MTH, None), None
+        return attend(q_BTNH, k_MTH, v_MTH, None, window), None
     cache = cache.write(layer, k_BTKH, v_BTKH, positions_BT)
     if T == 1:  # a decode step: read only the pages the rows have reached (one page: all, under the mask)
-        return attend_paged(q_BTNH, *cache.pages(layer), positions_BT, cache.head_rows(K)), cache
+        return attend_paged(q_BTNH, *cache.pages(layer), positions_BT, cache.head_rows(K), window), cache
     if cache.rows is not None or len(cache.k[layer]) > 1:  # a few positions a row (a draft's verification)
-        return _attend_each_query(q_BTNH, cache, layer, positions_BT, K), cache
-    return attend(q_BTNH, *cache.layer(layer), mask_BTS), cache
+        return _attend_each_query(q_BTNH, cache, layer, positions_BT, K, window), cache
+    return attend(q_BTNH, *cache.layer(layer), cache.mask(positions_BT, window) if mask_BTS is None else mask_BTS), cache
 
 
-def _attend_each_query(q_BTNH: jax.Array, cache: KVCache, layer: int, positions_BT: jax.Array, K: int) -> jax.Array:
+def _attend_each_query(q_BTNH: jax.Array, cache: KVCache, layer: int, positions_BT: jax.Array, K: int,
+                       window: int | None) -> jax.Array:
     """Attention of T queries a row over a paged cache (of K key heads) or a view of one, as B * T decode
     queries, each reading its row's pages up to its own position (the keys of this forward's earlier positions
     are written already). [B, T, N, H]."""
@@ -251,7 +294,8 @@ def _attend_each_query(q_BTNH: jax.Array, cache: KVCache, layer: int, positions_
     rows_M = cache.head_rows(K)
     rows_BK = (jnp.arange(B * K, dtype=jnp.int32) if rows_M is None else rows_M).reshape(B, 1, K)
     rows_M = jnp.broadcast_to(rows_BK, (B, T, K)).reshape(B * T * K)  # query (b, t)'s key heads: row b's
-    out = attend_paged(q_BTNH.reshape(B * T, 1, N, H), *cache.pages(layer), positions_BT.reshape(B * T, 1), rows_M)
+    out = attend_paged(q_BTNH.reshape(B * T, 1, N, H), *cache.pages(layer), positions_BT.reshape(B * T, 1), rows_M,
+                       window)
     return out.reshape(B, T, N, H)
 
 
@@ -367,24 +411,37 @@ def transform(
     """
     num_layers = config.n_layer
     keys = None if dropout_key is None else jax.random.split(dropout_key, num_layers)
-    mask_BTS = None if cache is None else cache.mask(positions_BT)  # the same for every layer
+    # Each window's mask over the cache, made once for every layer of that window.
+    masks = {} if cache is None else {window: cache.mask(positions_BT, window)
+                                      for window in {config.layer_window(layer) for layer in range(num_layers)}}
 
-    def step(x_BTD, p, key):
-        return block(config, p, x_BTD, positions_BT, None, 0, key)[0]
+    def step(attention: LayerAttention):
+        """A block of this attention without a cache: (x, its weights, its dropout key) -> x."""
+        def run(x_BTD, p, key):
+            return block(config, p, x_BTD, positions_BT, None, 0, key, attention=attention)[0]
 
-    if config.remat and cache is None:  # a training-time saving; decoding keeps no activations anyway
-        step = jax.checkpoint(step, prevent_cse=False) if config.scan_layers else recomputed_in_backward(step)
+        if config.remat:  # a training-time saving; decoding keeps no activations anyway
+            return jax.checkpoint(run, prevent_cse=False) if config.scan_layers else recomputed_in_backward(run)
+        return run
+
     stacked = isinstance(weights.layers, dict)
     if stacked and cache is None and config.scan_layers:
-        x_BTD, _ = jax.lax.scan(lambda x, xs: (step(x, *xs), None), x_BTD, (weights.layers, keys))
+        kinds = stacked_layer_attention(config)  # None: every layer's attention is layer 0's
+        if kinds is None:
+            x_BTD, _ = jax.lax.scan(lambda x, xs: (step(layer_attention(config, 0))(x, *xs), None), x_BTD,
+                                    (weights.layers, keys))
+        else:  # each layer's window and frequencies scanned with its weights
+            x_BTD, _ = jax.lax.scan(lambda x, xs: (step(LayerAttention(*xs[2:]))(x, *xs[:2]), None), x_BTD,
+                                    (weights.layers, keys, kinds.window, kinds.inverse_freq))
     else:
         layers = unstack(weights.layers, num_layers) if stacked else weights.layers
         for layer, p in enumerate(layers):
             key = None if keys is None else keys[layer]
             if cache is None:
-                x_BTD = step(x_BTD, p, key)
+                x_BTD = step(layer_attention(config, layer))(x_BTD, p, key)
             else:
-                x_BTD, cache = block(config, p, x_BTD, positions_BT, cache, layer, key, mask_BTS)
+                x_BTD, cache = block(config, p, x_BTD, positions_BT, cache, layer, key,
+                                     masks[config.layer_window(layer)])
     with jax.named_scope("layer_norm"):
         x_BTD = normalize(config, x_BTD, weights.final_scale, weights.final_bias)
     return x_BTD, None if cache is None else cache.advance(positions_BT)
