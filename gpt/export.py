@@ -1,5 +1,5 @@
-"""Export a training run's checkpoint as a Hugging Face directory: GPT-2's format for a model of GPT-2's shape,
-Llama's or Qwen's for one of theirs.
+"""Export a training run's checkpoint as a Hugging Face directory, in the format of the first family that holds its
+shape (`gpt.model.families`: GPT-2's, Llama's, Mistral's, Qwen's or Gemma's).
 
     python -m gpt.export --out_dir out --hf_dir exported/
 """
@@ -15,9 +15,10 @@ import dataclasses
 
 import tyro
 
-from gpt.errors import ConfigError, cli_main
+from gpt.errors import cli_main
 from gpt.model import gpt2, llama
 from gpt.model.config import GPTConfig
+from gpt.model.families import holding
 from gpt.run_tokenizer import hf_files
 from gpt.train.checkpoint import load_model
 
@@ -41,17 +42,9 @@ def main(config: ExportConfig) -> None:
 
 
 def format_of(config: GPTConfig):
-    """The module (`gpt2` or `llama`) whose Hugging Face format holds a model of `config`; ConfigError naming
-    what neither can hold."""
-    refusals = []
-    for module, check in ((gpt2, gpt2.config_to_hf), (llama, llama.family_of)):
-        try:
-            check(config)
-            return module
-        except ConfigError as error:
-            refusals.append(str(error))
-    raise ConfigError(f"{'; '.join(refusals)}; it can still be sampled, served and evaluated from its training "
-                      f"run's out_dir")
+    """The module (`gpt2` or `llama`) that writes the first family's format that holds a model of `config`
+    (`gpt.model.families.holding`); ConfigError naming what each cannot hold."""
+    return gpt2 if holding(config).reader == "gpt2" else llama
 
 
 if __name__ == "__main__":

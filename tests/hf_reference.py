@@ -46,6 +46,11 @@ LLAMA_FAMILIES = {  # between them: a key head per query head, one for all (mult
     "qwen2-window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
                      dict(tie_word_embeddings=True, num_key_value_heads=2, use_sliding_window=True, sliding_window=5,
                           max_window_layers=1)),
+    # Gemma 3's text model: two local layers to a global one, their rotary bases apart, a query scale of its own.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+               dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, sliding_window=5, query_pre_attn_scalar=24,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"], pad_token_id=None,
+                    bos_token_id=None)),
 }
 
 

@@ -99,7 +99,10 @@ def test_unexpected_tensor(checkpoint):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "llama"}, "model_type must be 'gpt2', got 'llama'"),
+        ({"model_type": "llama"}, "model_type 'llama' is Llama's, not GPT-2's .gpt.model.llama reads it.$"),
+        ({"model_type": "bert"}, "model_type 'bert' is not a family this project reads; it reads 'gpt2', 'llama', "
+                                 "'mistral', 'qwen2', 'qwen3', 'gemma3_text' .GPT-2, Llama, Mistral, Qwen2, Qwen3, "
+                                 "Gemma 3.$"),
         ({"activation_function": "relu"}, "activation_function='relu' is not supported"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True is not supported"),
         ({"tie_word_embeddings": False}, "tie_word_embeddings=False is not supported"),

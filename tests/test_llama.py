@@ -51,8 +51,10 @@ def test_greedy_generate_equals_transformers(tmp_path, family):
                                                              "other than Llama 3's. is not supported; this loader "
                                                              "reads rope_type='default' or 'llama3'"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 8.0}, "rope_type='yarn' .a rotary frequency scaling"),
-    ("hidden_act", "gelu", "hidden_act='gelu' .an activation other than SiLU."),
-    ("model_type", "gpt_neox", "model_type 'gpt_neox' is not one of llama, mistral, qwen2, qwen3"),
+    ("hidden_act", "gelu", "hidden_act='gelu' .an activation other than Llama's. is not supported; this loader "
+                            "reads hidden_act='silu'"),
+    ("model_type", "gpt_neox", "model_type 'gpt_neox' is not a family this project reads; it reads 'gpt2', "
+                                "'llama', 'mistral', 'qwen2', 'qwen3', 'gemma3_text' .GPT-2, Llama, Mistral, "),
 ])
 def test_what_the_loader_does_not_implement_is_one_line(tmp_path, field, value, message):
     _, directory = random_hf_llama(tmp_path, "llama-tied")
@@ -110,8 +112,8 @@ def test_what_the_llama_formats_cannot_hold_is_refused_in_one_line(tmp_path):
 
     from gpt import GPT, GPTConfig
 
-    with pytest.raises(ConfigError, match="cannot hold this model: position='learned'.*norm='layernorm'.*"
-                                          "gated_mlp=False.*bias=True") as error:
+    with pytest.raises(ConfigError, match="holds this model .Llama: position='learned' .Llama has 'rope'.*"
+                                          "norm='layernorm'.*gated_mlp=False.*bias=True.*; Mistral: .*; Gemma 3: ") as error:
         llama.save(GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0)), tmp_path / "out")
     assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
 
@@ -124,8 +126,9 @@ def test_gpt_export_writes_the_format_that_holds_the_model():
     llama_shaped = GPTConfig.preset("tiny", position="rope", norm="rmsnorm", gated_mlp=True, activation="silu",
                                     bias=False, n_kv_head=2)
     assert format_of(llama_shaped) is llama and llama.config_to_hf(llama_shaped)["model_type"] == "llama"
-    with pytest.raises(ConfigError, match="^the GPT-2 format cannot hold .*; the Llama, Mistral and Qwen formats cannot hold "
-                                          ".*activation='relu2'.*; it can still be sampled") as error:
+    with pytest.raises(ConfigError, match="^no Hugging Face format this project writes holds this model .GPT-2: "
+                                          "position='rope'.*; Llama: activation='relu2' .Llama has 'silu'.*; "
+                                          "Gemma 3: .*; it can still be sampled") as error:
         format_of(llama_shaped.replace(activation="relu2"))
     assert "\n" not in str(error.value)
 

@@ -21,12 +21,17 @@ from gpt.train.recipes import RECIPES
 # Llama's and Qwen2's choices (`gpt.model.llama`): RMSNorm, a gated MLP of its own width, biases on q, k and v alone.
 LLAMA_SHAPED = dict(position="rope", norm="rmsnorm", gated_mlp=True, activation="silu", mlp_width=100, bias=False,
                     qkv_bias=True, tied_head=False)
+# Gemma 3's (`gpt.model.families`): QK-norm, sandwich norms of 1 + scale, a GeGLU MLP, local and global layers.
+GEMMA_SHAPED = dict(position="rope", norm="rmsnorm", gated_mlp=True, activation="gelu", mlp_width=100, bias=False,
+                    qk_norm=True, sandwich_norm=True, norm_plus_one=True, scale_embeddings=True, layer_kinds="lg",
+                    sliding_window=8, n_kv_head=2)
 
 
 def configs():
     return [pytest.param(GPTConfig.preset(preset, **RECIPES[recipe].model), id=f"{preset}-{recipe}")
             for preset in PRESETS for recipe in RECIPES] + [
-        pytest.param(GPTConfig.preset("tiny", **LLAMA_SHAPED), id="tiny-llama-shaped")]
+        pytest.param(GPTConfig.preset("tiny", **LLAMA_SHAPED), id="tiny-llama-shaped"),
+        pytest.param(GPTConfig.preset("tiny", **GEMMA_SHAPED), id="tiny-gemma-shaped")]
 
 
 def as_tuple(axes):
@@ -68,8 +73,8 @@ def test_every_preset_builds_the_tables_weights_and_every_consumer_agrees(config
     assert num_params(config) == sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
-@pytest.mark.parametrize("choices", [*(RECIPES[recipe].model for recipe in RECIPES), LLAMA_SHAPED],
-                         ids=[*RECIPES, "llama-shaped"])
+@pytest.mark.parametrize("choices", [*(RECIPES[recipe].model for recipe in RECIPES), LLAMA_SHAPED, GEMMA_SHAPED],
+                         ids=[*RECIPES, "llama-shaped", "gemma-shaped"])
 def test_decodings_matrices_are_the_tables_kernels_read_as_inputs_by_outputs(choices):
     config = GPTConfig.preset("tiny", **choices)
     model = GPT(config, rngs=nnx.Rngs(0))

@@ -1,5 +1,6 @@
 """Sliding-window attention (a layer's queries see only the last `sliding_window` positions): Mistral's on every
-layer and Qwen2's on some load at transformers' logits, decode its greedy tokens with prompts longer than the
+layer, Qwen2's on some and Gemma 3's (two local layers to a global one, with its sandwich norms, RMSNorms of
+1 + scale, scaled embeddings, query scale and two rotary bases) load at transformers' logits, decode its greedy tokens with prompts longer than the
 window, give the same tokens in chunks as in one prefill, and export back; the window's mask is the same in
 training, prefill and each decode path."""
 
@@ -25,14 +26,15 @@ from gpt.model.transformer import transform
 
 from hf_reference import LLAMA_SHAPE, hf_logits, random_hf_llama
 
-WINDOWED = ["mistral", "qwen2-window"]
+WINDOWED = ["mistral", "qwen2-window", "gemma3"]
+KINDS = {"mistral": ("l", 6), "qwen2-window": ("gl", 5), "gemma3": ("llg", 5)}  # layer_kinds, sliding_window
 
 
 @pytest.mark.parametrize("family", WINDOWED)
 def test_logits_match_transformers_past_the_window(tmp_path, family):
     hf_model, directory = random_hf_llama(tmp_path, family)
     model = llama.load(directory)
-    assert (model.config.layer_kinds, model.config.sliding_window) == (("l", 6) if family == "mistral" else ("gl", 5))
+    assert (model.config.layer_kinds, model.config.sliding_window) == KINDS[family]
     tokens = np.random.default_rng(0).integers(0, LLAMA_SHAPE["vocab_size"], (2, 40))
     np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
     global_only = llama.load(directory).config.replace(layer_kinds="", sliding_window=None)
@@ -113,6 +115,27 @@ def test_each_layer_kind_is_its_own_mask_in_training_and_in_the_cache():
 
     seen = np.abs(np.asarray(jax.grad(output_at_15)(one.wte[...][tokens[:1]]))[0]).sum(-1) > 0
     np.testing.assert_array_equal(seen, (np.arange(20) > 15 - 4) & (np.arange(20) <= 15))
+
+
+def test_gemma3s_older_config_fields_and_what_it_cannot_hold(tmp_path):
+    """The hub's Gemma 3 files name their pattern (`sliding_window_pattern`) and local base (`rope_local_base_freq`)
+    where transformers 5 writes `layer_types` and `rope_parameters`: both read alike. Soft-capped logits and a
+    multimodal checkpoint are refused in one line."""
+    _, directory = random_hf_llama(tmp_path, "gemma3")
+    config = json.loads((directory / "config.json").read_text())
+    new = llama.read_config(directory)
+    older = {key: value for key, value in config.items() if key not in ("layer_types", "rope_parameters")}
+    (directory / "config.json").write_text(json.dumps({**older, "sliding_window_pattern": 3, "rope_theta": 5000.0,
+                                                       "rope_local_base_freq": 10000.0}))
+    assert llama.read_config(directory) == new
+    for change, message in [({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 .soft-capped logits. "
+                                                                 "is not supported"),
+                            ({"model_type": "gemma3", "text_config": config}, "model_type 'gemma3' .a multimodal "
+                                                                              "checkpoint: its text model")]:
+        (directory / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ConfigError, match=message) as error:
+            llama.load(directory)
+        assert "\n" not in str(error.value)
 
 
 def test_a_window_and_its_layers_disagreeing_is_refused_in_one_line():

@@ -64,6 +64,13 @@ class GPTConfig:
       bias: biases in linear layers and LayerNorms (GPT-2 has them).
       qkv_bias: biases on the queries, keys and values whatever `bias` says (Qwen2.5 has them alone).
       norm: `layernorm` (GPT-2) or `rmsnorm`, x / RMS(x) times a learned scale (Llama, Qwen), with no bias.
+      norm_plus_one: an RMSNorm multiplies by (1 + scale), its scale starting at 0 (Gemma's), in float32.
+      sandwich_norm: normalize each sublayer's output too, before it joins the residual stream (Gemma 2 and 3's
+        post-attention and post-feedforward norms, each with its own scale).
+      scale_embeddings: the token embeddings times sqrt(n_embd) as they enter (Gemma's); a tied head reads the
+        table as stored.
+      query_scale: the attention scores are q . k times this (Gemma's query_pre_attn_scalar ** -0.5); None:
+        1 / sqrt(head_dim).
       qk_norm: RMS-normalize each head's queries and keys, times a learned scale per channel (one for queries,
         one for keys, shared by the heads: Qwen3's), before the position rotation and the dot product, so that
         attention logits stay bounded however large the weights grow.
@@ -105,6 +112,10 @@ class GPTConfig:
     qkv_bias: bool = False
     norm: Norm = "layernorm"
     qk_norm: bool = False
+    norm_plus_one: bool = False
+    sandwich_norm: bool = False
+    scale_embeddings: bool = False
+    query_scale: float | None = None
     activation: Activation = "gelu"
     gated_mlp: bool = False
     tied_head: bool = True
@@ -147,6 +158,8 @@ class GPTConfig:
             raise ConfigError(f"GPTConfig.activation must be 'gelu', 'relu2' or 'silu', got {self.activation!r}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"GPTConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+        if self.norm_plus_one and self.norm != "rmsnorm":
+            raise ConfigError(f"GPTConfig.norm_plus_one is an RMSNorm's (Gemma's), but norm is {self.norm!r}")
         if self.position == "sinusoidal" and self.n_embd % 2:
             raise ConfigError(f"GPTConfig.position='sinusoidal' needs an even n_embd, got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:
@@ -156,7 +169,8 @@ class GPTConfig:
                               f"rope_scaling_high, got {self.rope_scaling}, {self.rope_scaling_low}, "
                               f"{self.rope_scaling_high}")
         self._check_layer_kinds()
-        for name in ("rope_theta", "layer_norm_epsilon", *(("rope_local_theta",) if self.rope_local_theta else ())):
+        optional = tuple(name for name in ("rope_local_theta", "query_scale") if getattr(self, name) is not None)
+        for name in ("rope_theta", "layer_norm_epsilon", *optional):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"GPTConfig.{name} must be positive and finite, got {getattr(self, name)}")
         for name in ("dtype", "param_dtype"):

@@ -24,6 +24,7 @@ from flax import nnx
 
 from gpt.errors import ConfigError, MissingInput
 from gpt.model.config import GPTConfig
+from gpt.model.families import by_model_type
 from gpt.model.hf_files import hub_snapshot, read_config_json, read_safetensors, write_export
 from gpt.model.parameters import weight_tensors
 from gpt.model.transformer import GPT, parameter
@@ -32,6 +33,7 @@ from gpt.tokenizer import hf_tokenizer_files
 __all__ = ["load", "save", "config_from_hf", "resolve"]
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+FAMILY = by_model_type({"model_type": "gpt2"})  # its registry entry (`gpt.model.families`)
 
 # The model's own weights: (our parameter path, Hugging Face name, its shape there). The block weights' are
 # `gpt.model.parameters`' (`_table`).
@@ -62,8 +64,10 @@ def _table(config: GPTConfig) -> list[tuple[str, bool, tuple[int, ...], list[tup
 
 def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     """A GPTConfig from a Hugging Face GPT-2 `config.json`; ValueError if it describes another model."""
-    if hf.get("model_type") != "gpt2":
-        raise ConfigError(f"config.json: model_type must be 'gpt2', got {hf.get('model_type')!r}")
+    family = by_model_type(hf)  # one that is no family's: a refusal naming those there are
+    if family is not FAMILY:
+        raise ConfigError(f"config.json: model_type {family.model_type!r} is {family.title}'s, not GPT-2's "
+                          f"(gpt.model.llama reads it)")
     requirements = {
         "activation_function": ("gelu_new", ("gelu_new", "gelu_pytorch_tanh")),
         "scale_attn_weights": (True, (True,)),
@@ -86,17 +90,10 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     return GPTConfig(**{**fields, **overrides})
 
 
-# What GPT-2's format can hold: (field, the value it needs).
-_GPT2_ARCHITECTURE = (("position", "learned"), ("bias", True), ("qk_norm", False), ("activation", "gelu"),
-                      ("tied_head", True), ("norm", "layernorm"), ("gated_mlp", False), ("head_size", None))
-
-
 def config_to_hf(config: GPTConfig) -> dict:
-    """The Hugging Face `config.json` of a GPT-2; ConfigError naming every field its format cannot hold."""
-    unlike = [f"{name}={getattr(config, name)!r} (GPT-2 has {value!r})" for name, value in _GPT2_ARCHITECTURE
-              if getattr(config, name) != value]
-    if config.kv_heads != config.n_head:
-        unlike.append(f"n_kv_head={config.n_kv_head} (GPT-2 has a key head per query head, {config.n_head})")
+    """The Hugging Face `config.json` of a GPT-2; ConfigError naming every field its format cannot hold (the
+    registry's `Family.holds`)."""
+    unlike = FAMILY.refusals(config)
     if unlike:
         raise ConfigError(f"the GPT-2 format cannot hold this model: {', '.join(unlike)}")
     return {

@@ -81,6 +81,7 @@ BLOCK_WEIGHTS = (  # in the order `Blocks` makes them (the order its random init
     BlockWeight("out_kernel", "NHD", ("heads", "head_dim", "embed"), "normal", "h.{}.attn.c_proj.weight",
                 residual=True, inputs=2),
     BlockWeight("out_bias", "D", ("embed",), "zeros", "h.{}.attn.c_proj.bias", when="bias"),
+    BlockWeight("attn_out_norm_scale", "D", ("embed",), "ones", "", when="sandwich_norm", norm=True),
     BlockWeight("ln2_scale", "D", ("embed",), "ones", "h.{}.ln_2.weight", norm=True),
     BlockWeight("ln2_bias", "D", ("embed",), "zeros", "h.{}.ln_2.bias", when="norm_bias", norm=True),
     BlockWeight("gate_kernel", "DF", ("embed", "mlp"), "normal", "", when="gated_mlp", inputs=1),
@@ -88,6 +89,7 @@ BLOCK_WEIGHTS = (  # in the order `Blocks` makes them (the order its random init
     BlockWeight("fc_bias", "F", ("mlp",), "zeros", "h.{}.mlp.c_fc.bias", when="bias"),
     BlockWeight("proj_kernel", "FD", ("mlp", "embed"), "normal", "h.{}.mlp.c_proj.weight", residual=True, inputs=1),
     BlockWeight("proj_bias", "D", ("embed",), "zeros", "h.{}.mlp.c_proj.bias", when="bias"),
+    BlockWeight("mlp_out_norm_scale", "D", ("embed",), "ones", "", when="sandwich_norm", norm=True),
 )
 
 KERNELS = {w.name: w for w in BLOCK_WEIGHTS if w.inputs}  # the matrices, by name

@@ -1,5 +1,5 @@
 """A Hugging Face checkpoint of a family this project reads, wherever it is: a directory, or a hub name in the
-local Hugging Face cache (offline); its family's reader (`gpt2`, or `llama` for Llama, Qwen2 and Qwen3), its
+local Hugging Face cache (offline); its family's reader (`gpt2`, or `llama` for the Llama-shaped families), its
 config, its weights and its tokenizer. What sample.py, serve.py and gpt.eval run, and train.py fine-tunes."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 from gpt.errors import MissingInput, UserError
 from gpt.model import gpt2, llama
 from gpt.model.config import GPTConfig
+from gpt.model.families import by_model_type
 from gpt.model.hf_files import hub_snapshot, read_config_json
 from gpt.model.transformer import GPT
 from gpt.tokenizer import TextTokenizer, get_tokenizer
@@ -38,13 +39,12 @@ def is_pretrained(source: str) -> bool:
 
 
 def family(source: str):
-    """The module that reads a located `source`: `llama` for a Llama, Qwen2 or Qwen3 config.json, `gpt2` for the
-    rest (which refuses, in one line, what is not a GPT-2)."""
+    """The module that reads a located `source` (`Family.reader`): `llama` for a Llama-shaped family's config.json,
+    `gpt2` for the rest (which refuses, in one line, what is not a GPT-2)."""
     try:
-        model_type = read_config_json(Path(source)).get("model_type")
+        return llama if by_model_type(read_config_json(Path(source))).reader == "llama" else gpt2
     except UserError:
-        model_type = None  # no or no readable config.json: gpt2's reader says what is wrong
-    return llama if model_type in llama.FAMILIES else gpt2
+        return gpt2  # no, no readable, or no known config.json: gpt2's reader says what is wrong
 
 
 def read_config(source: str, **overrides) -> GPTConfig:

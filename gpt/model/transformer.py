@@ -50,12 +50,18 @@ def _initial(rngs: nnx.Rngs, config: GPTConfig, tensor: tuple) -> list[jax.Array
     std 0.02 (0.02 / sqrt(2L) for a projection that writes into the residual stream, as GPT-2 scales it)."""
     L, dtype, first = config.n_layer, config.storage_dtype, tensor[0]
     if first.init != "normal":
-        return [jnp.full((L, *w.dims(config)), 1.0 if w.init == "ones" else 0.0, dtype) for w in tensor]
+        return [jnp.full((L, *w.dims(config)), _constant_init(config, w.init), dtype) for w in tensor]
     widths = [math.prod(w.dims(config)[w.inputs:]) for w in tensor]
     std = 0.02 / (2 * L) ** 0.5 if first.residual else 0.02
     drawn = std * standard_normal(rngs.params(), (L, *first.dims(config)[:first.inputs], sum(widths)), jnp.dtype(dtype))
     parts = jnp.split(drawn, np.cumsum(widths)[:-1].tolist(), axis=-1)
     return [part.reshape(L, *w.dims(config)) for w, part in zip(tensor, parts)]
+
+
+def _constant_init(config: GPTConfig, init: str) -> float:
+    """A constant weight's first value: "ones" is a norm's scale of 1, which is 0 where the norm multiplies by
+    1 + scale (`GPTConfig.norm_plus_one`)."""
+    return 0.0 if init == "zeros" or config.norm_plus_one else 1.0
 
 
 def _normal(rngs: nnx.Rngs, shape, axes, dtype, std: float) -> nnx.Param:
@@ -77,16 +83,20 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, epsilon: 
     return y.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float, plus_one: bool = False) -> jax.Array:
     """RMSNorm over the last axis with a learned scale, as Llama's: x / RMS(x) in float32, returned in x's dtype,
-    then times the scale."""
+    then times the scale. `plus_one` (Gemma's): times (1 + scale), in float32, then returned in x's dtype."""
+    if plus_one:
+        x32 = x.astype(jnp.float32)
+        normalized = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + epsilon)
+        return (normalized * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
     return rms_normalize(x, epsilon) * scale.astype(x.dtype)
 
 
 def normalize(config: GPTConfig, x: jax.Array, scale: jax.Array, bias: jax.Array | None) -> jax.Array:
     """The model's norm (`GPTConfig.norm`) of x [..., D] with its weights: a LayerNorm or an RMSNorm."""
     if config.norm == "rmsnorm":
-        return rms_norm(x, scale, config.layer_norm_epsilon)
+        return rms_norm(x, scale, config.layer_norm_epsilon, config.norm_plus_one)
     return layer_norm(x, scale, bias, config.layer_norm_epsilon)
 
 
@@ -216,10 +226,14 @@ def block(
     k_BTKH, v_BTKH = kv_BT2KH[:, :, 0], kv_BT2KH[:, :, 1]
     with jax.named_scope("attention"):
         if config.qk_norm:  # before the rotation (Qwen3's order)
-            q_BTNH = rms_norm(q_BTNH, p["q_norm_scale"], config.layer_norm_epsilon)
-            k_BTKH = rms_norm(k_BTKH, p["k_norm_scale"], config.layer_norm_epsilon)
+            q_BTNH = rms_norm(q_BTNH, p["q_norm_scale"], config.layer_norm_epsilon, config.norm_plus_one)
+            k_BTKH = rms_norm(k_BTKH, p["k_norm_scale"], config.layer_norm_epsilon, config.norm_plus_one)
+        if config.query_scale is not None and config.query_scale * H ** 0.5 != 1.0:  # attention's 1 / sqrt(H),
+            q_BTNH = q_BTNH * jnp.asarray(config.query_scale * H ** 0.5, q_BTNH.dtype)  # made query_scale
         attn_BTNH, cache = _attention(attention, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, layer, mask_BTS)
     out_BTD = _linear("attn_proj", attn_BTNH.reshape(B, T, N * H), p["out_kernel"], p["out_bias"])
+    if p["attn_out_norm_scale"] is not None:  # a sandwich's outer norm (Gemma's)
+        out_BTD = normalize(config, out_BTD, p["attn_out_norm_scale"], None)
     x_BTD = x_BTD + dropout(out_BTD, config.dropout, attn_key)
 
     with jax.named_scope("layer_norm"):
@@ -230,6 +244,8 @@ def block(
         h_BTF = ACTIVATIONS[config.activation](gate_BTF)
         h_BTF = constrain(h_BTF if p["gate_kernel"] is None else h_BTF * up_BTF, ("batch", None, "mlp"))
     h_BTD = _linear("mlp_down", h_BTF, mlp_kernel(p["proj_kernel"]), p["proj_bias"])
+    if p["mlp_out_norm_scale"] is not None:
+        h_BTD = normalize(config, h_BTD, p["mlp_out_norm_scale"], None)
     x_BTD = x_BTD + dropout(h_BTD, config.dropout, mlp_key)
     return constrain(x_BTD, ("batch", None, None)), cache
 
@@ -333,6 +349,8 @@ def embed(config: GPTConfig, weights: Weights, tokens_BT: jax.Array, positions_B
     table = weights.embedding
     x_BTD = (table.rows(tokens_BT) if hasattr(table, "rows")  # a quantized table (`gpt.model.layouts`)
              else constrain(table, ("vocab", None))[tokens_BT].astype(jnp.float32))
+    if config.scale_embeddings:  # Gemma's: the table times sqrt(D), in its dtype
+        x_BTD = x_BTD * jnp.asarray(config.n_embd ** 0.5, config.storage_dtype).astype(jnp.float32)
     # Rows that hold no request (free engine slots) may run past the table; clip them into it (their
     # output is never read).
     positions_BT = jnp.clip(positions_BT, 0, config.block_size - 1)
@@ -498,7 +516,7 @@ class GPT(nnx.Module):
             if config.position == "learned" else None
         )
         self.blocks = Blocks(config, rngs=rngs)
-        self.lnf_scale = _constant(1.0, (D,), ("embed",), dtype)
+        self.lnf_scale = _constant(_constant_init(config, "ones"), (D,), ("embed",), dtype)
         self.lnf_bias = _constant(0.0, (D,), ("embed",), dtype) if config.norm_bias else None
         # Untied, the head has its own [V, D] table (output-major, like the embedding it would be tied to).
         self.lm_head = None if config.tied_head else _normal(rngs, (config.vocab_size, D), ("vocab", "embed"), dtype, 0.02)
