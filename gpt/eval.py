@@ -3,7 +3,7 @@
     python -m gpt.eval --init_from out --data held_out/ [--stride 256] [--batch_size 8] [--json]
     python -m gpt.eval --init_from out --split val      # a training run's own validation split
 
-`--init_from` is a training out_dir, a Hugging Face GPT-2, Llama or Qwen directory or a cached hub name; `--data`
+`--init_from` is a training out_dir, a Hugging Face directory of a family it reads or a cached hub name; `--data`
 takes what the trainer reads (files, directories, globs; text, JSONL, Parquet, saved datasets, with
 `--text_field`). Each input's documents, read through the model's tokenizer (GPT-2's, or its own
 tokenizer.json: its BOS before each), each ended by the end-of-text token (`<|endoftext|>` as the trainer

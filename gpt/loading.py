@@ -1,4 +1,5 @@
-"""A model from wherever it is: a training run's out_dir, a Hugging Face GPT-2, Llama or Qwen directory, or a
+"""A model from wherever it is: a training run's out_dir, a Hugging Face directory of a family it reads
+(`gpt.model.families`: GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 3), or a
 hub name in the local Hugging Face cache (what sample.py, serve.py and gpt.eval take as --init_from), and the
 tokenizer that reads its text."""
 
@@ -11,6 +12,7 @@ from typing import Literal
 from gpt.errors import ConfigError, MissingInput
 from gpt.inference.speculation import DRAFTS, names_a_model
 from gpt.model import gpt2, pretrained
+from gpt.model.families import titles
 from gpt.model.config import DType, GPTConfig, check_dtype
 from gpt.model.transformer import GPT
 from gpt.run_dir import has_checkpoint
@@ -26,8 +28,8 @@ class ModelChoice:
     are this one with their own fields after it), each a flag."""
 
     init_from: str = "out"
-    """A training out_dir, a Hugging Face GPT-2, Llama, Qwen2 or Qwen3 directory, or a hub name in the local
-    Hugging Face cache (gpt2, gpt2-medium, gpt2-large, gpt2-xl; HuggingFaceTB/SmolLM2-135M, ...)."""
+    """A training out_dir, a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3 or Gemma 3 directory, or a hub name
+    in the local Hugging Face cache (gpt2, gpt2-medium, gpt2-large, gpt2-xl; HuggingFaceTB/SmolLM2-135M, ...)."""
     dtype: DType = "float32"
     """Compute dtype (bfloat16 on GPUs)."""
     quantize: Literal["none", "int8", "bf16"] = "none"
@@ -39,7 +41,7 @@ class ModelChoice:
 
 
 def load(init_from: str, dtype: str = "float32", flag: str = "init_from", also: str = "") -> GPT:
-    """A GPT from a training out_dir, a Hugging Face GPT-2, Llama or Qwen directory, or a cached hub name
+    """A GPT from a training out_dir, a Hugging Face directory of a family it reads, or a cached hub name
     (MissingInput naming `flag`, and the `also` it could have been, when it is none of them)."""
     check_dtype(dtype)  # before looking at init_from: a bad dtype is the caller's, not the checkpoint's
     init_from = pretrained.located(init_from, flag)
@@ -63,7 +65,7 @@ def tokenizer_of(init_from: str) -> TextTokenizer:
 
 def _not_a_model(init_from: str, flag: str = "init_from", also: str = "") -> MissingInput:
     return MissingInput(f"--{flag} {init_from!r} is not {also}a training out_dir with checkpoints, a Hugging Face "
-                        f"GPT-2, Llama or Qwen directory, or a GPT-2 hub name ({', '.join(gpt2.HUB_NAMES)})")
+                        f"directory ({titles()}), or a GPT-2 hub name ({', '.join(gpt2.HUB_NAMES)})")
 
 
 def model_config_of(init_from: str, dtype: str = "float32") -> GPTConfig:

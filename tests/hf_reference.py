@@ -110,11 +110,11 @@ _SENTENCEPIECE_DECODERS = {
 _SENTENCEPIECE_DECODERS["metaspace"] = _SENTENCEPIECE_DECODERS["llama2"]
 
 
-def make_sentencepiece_tokenizer(directory, corpus: str, style: str, vocab_size: int = 600, bos: bool = True):
-    """A SentencePiece-style BPE (`style` of `SENTENCEPIECE_STYLES`) trained on `corpus` with a small alphabet, its
-    ids laid out as Llama 2's: <unk>, <s>, </s>, then the 256 byte-fallback tokens <0x00>..<0xFF> (what a
-    character outside the alphabet becomes), then the learned pieces; saved as a Hugging Face tokenizer
-    directory, <s> first when `bos`."""
+def make_sentencepiece_tokenizer(directory, corpus: str, style: str, vocab_size: int = 856, bos: bool = True):
+    """A SentencePiece-style BPE (`style` of `SENTENCEPIECE_STYLES`) of `vocab_size` tokens trained on `corpus` with
+    a small alphabet, its ids laid out as Llama 2's: <unk>, <s>, </s>, then the 256 byte-fallback tokens
+    <0x00>..<0xFF> (what a character outside the alphabet becomes), then the learned pieces; saved as a Hugging
+    Face tokenizer directory, <s> first when `bos`."""
     hf_class, normalizer, pre_tokenizer = SENTENCEPIECE_STYLES[style]
     specials = ["<unk>", "<s>", "</s>"]
     tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
@@ -122,7 +122,7 @@ def make_sentencepiece_tokenizer(directory, corpus: str, style: str, vocab_size:
         tokenizer.normalizer = normalizer()
     if pre_tokenizer:
         tokenizer.pre_tokenizer = pre_tokenizer()
-    tokenizer.train_from_iterator([corpus], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+    tokenizer.train_from_iterator([corpus], trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=specials,
                                                                 limit_alphabet=60))
     spec = json.loads(tokenizer.to_str())
     learned = [piece for piece, _ in sorted(spec["model"]["vocab"].items(), key=lambda item: item[1])

@@ -22,7 +22,9 @@ from gpt.train import TrainConfig
 from gpt.train.checkpoint import CheckpointManager
 from gpt.train.trainer import loop, plan, setup
 
-from hf_reference import LLAMA_SHAPE, make_tokenizer, random_hf_gpt2, random_hf_llama
+from hf_reference import (LLAMA_SHAPE, hf_logits, make_sentencepiece_tokenizer, make_tokenizer, random_hf_gpt2,
+                          random_hf_llama)
+from training import flat
 
 QUIET = dict(log=lambda *_: None)
 
@@ -95,6 +97,38 @@ def test_fine_tuning_starts_from_the_checkpoints_loss_on_its_tokenizers_ids_and_
     with torch.no_grad():
         continuation = exported.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]
     assert text == kept.decode(continuation.tolist())
+
+
+@pytest.mark.slow
+def test_a_gemma_with_its_sentencepiece_tokenizer_fine_tunes_resumes_bitwise_and_exports(tmp_path, corpus_text):
+    """Gemma 3 (local and global layers, a window shorter than the rows) with a SentencePiece-style tokenizer:
+    a run stopped at step 2 and resumed ends on the bits of a run straight to step 4, and its export is
+    transformers' model (our logits) and tokenizer (our ids)."""
+    from gpt.model import llama
+    from gpt.train import train
+
+    _, directory = random_hf_llama(tmp_path, "gemma3", seed=4, vocab_size=600)
+    make_sentencepiece_tokenizer(directory, corpus_text[:50_000], "gemma", vocab_size=600)
+    _, corpus = documents(tmp_path, corpus_text)
+    flags = dict(init_from=str(directory), data=(corpus,), val_fraction=0.1, block_size=32, batch_size=4,
+                 num_devices=1, max_steps=4, warmup_steps=1, lr=1e-3, eval_iters=1, eval_interval=100,
+                 checkpoint_interval=100, sample_tokens=0)
+    straight = train(TrainConfig.from_flags(**flags, out_dir=str(tmp_path / "a")), **QUIET)
+    train(TrainConfig.from_flags(**flags, out_dir=str(tmp_path / "b"), stop_after=2), **QUIET)
+    resumed = train(TrainConfig.from_flags(**flags, out_dir=str(tmp_path / "b")), **QUIET)
+    assert resumed.start_step == 2 and resumed.step == 4
+    for a, b in zip(flat(straight.params), flat(resumed.params)):
+        np.testing.assert_array_equal(a, b)
+
+    export(ExportConfig(out_dir=str(tmp_path / "b"), hf_dir=str(tmp_path / "exported")))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    assert type(theirs).__name__ == "Gemma3ForCausalLM"
+    tokens = np.random.default_rng(0).integers(0, 600, (1, 40))
+    np.testing.assert_allclose(np.asarray(resumed.model(tokens)), hf_logits(theirs, tokens), atol=1e-4, rtol=0)
+    assert llama.load(tmp_path / "exported").config == resumed.model.config
+    text = "def gemma():\n    return 'ü 日本'"
+    exported_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "exported")
+    assert exported_tokenizer(text)["input_ids"] == tokenizer_of(str(tmp_path / "b")).encode(text)
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line_before_anything(tmp_path, corpus_text):

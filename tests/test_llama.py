@@ -1,5 +1,6 @@
-"""Llama-shaped checkpoints (Llama, Qwen2, Qwen3; Mistral's and Qwen2's sliding windows: test_sliding_window.py) load at logit parity with `transformers`, and decode its greedy tokens;
-what the loader does not implement is a one-line refusal."""
+"""Llama-shaped checkpoints (Llama, Qwen2, Qwen3; sliding windows, Mistral's and Gemma 3's: test_sliding_window.py)
+load at logit parity with `transformers`, and decode its greedy tokens; what the loader does not implement is a
+one-line refusal."""
 
 import json
 
@@ -113,7 +114,8 @@ def test_what_the_llama_formats_cannot_hold_is_refused_in_one_line(tmp_path):
     from gpt import GPT, GPTConfig
 
     with pytest.raises(ConfigError, match="holds this model .Llama: position='learned' .Llama has 'rope'.*"
-                                          "norm='layernorm'.*gated_mlp=False.*bias=True.*; Mistral: .*; Gemma 3: ") as error:
+                                          "norm='layernorm'.*gated_mlp=False.*bias=True.*; Mistral: .*; "
+                                          "Gemma 3: ") as error:
         llama.save(GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0)), tmp_path / "out")
     assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
 
@@ -260,3 +262,19 @@ def test_a_bfloat16_checkpoint_loads_to_transformers_logits(tmp_path):
     tokens = np.random.default_rng(2).integers(0, LLAMA_SHAPE["vocab_size"], (2, 20))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(theirs, tokens), atol=1e-4, rtol=0)
+
+
+def test_every_family_is_named_where_a_user_reads_which_models_load():
+    """README, the fine-tuning docs and --init_from's help (train.py's, and sample.py's, serve.py's and gpt.eval's)
+    name every family the registry reads."""
+    import inspect
+    from pathlib import Path
+
+    from gpt.loading import ModelChoice
+    from gpt.model.families import FAMILIES
+    from gpt.train.trainer import TrainConfig
+
+    root = Path(__file__).resolve().parents[1]
+    for text in [(root / "README.md").read_text(), (root / "docs" / "training.md").read_text(),
+                 inspect.getsource(ModelChoice), inspect.getsource(TrainConfig)]:
+        assert all(family.title in text for family in FAMILIES), [f.title for f in FAMILIES if f.title not in text]

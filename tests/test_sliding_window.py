@@ -1,8 +1,8 @@
 """Sliding-window attention (a layer's queries see only the last `sliding_window` positions): Mistral's on every
 layer, Qwen2's on some and Gemma 3's (two local layers to a global one, with its sandwich norms, RMSNorms of
-1 + scale, scaled embeddings, query scale and two rotary bases) load at transformers' logits, decode its greedy tokens with prompts longer than the
-window, give the same tokens in chunks as in one prefill, and export back; the window's mask is the same in
-training, prefill and each decode path."""
+1 + scale, scaled embeddings, query scale and two rotary bases) load at transformers' logits, decode its greedy
+tokens with prompts longer than the window, give the same tokens in chunks as in one prefill, and export back;
+the window's mask is the same in training, prefill and each decode path."""
 
 import json
 

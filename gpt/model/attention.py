@@ -15,7 +15,8 @@ from gpt.model import cpu_kernels
 from gpt.model.backend import choices
 from gpt.model.splash import splash_causal, splash_fits
 
-__all__ = ["attend", "causal_band", "seen_slots", "attend_paged", "kernel_attend_paged", "sinusoidal_embedding", "rope_frequencies", "apply_rope",
+__all__ = ["attend", "causal_band", "seen_slots", "attend_paged", "kernel_attend_paged", "sinusoidal_embedding",
+           "rope_frequencies", "apply_rope",
            "MAX_KERNEL_HEAD_DIM"]
 
 MAX_KERNEL_HEAD_DIM = 128  # `kernel_attend_paged` keeps a head in registers; larger ones are XLA's

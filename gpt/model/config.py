@@ -28,7 +28,8 @@ def check_dtype(dtype: str, name: str = "dtype") -> None:
         raise ConfigError(f"{name} must be one of {', '.join(_DTYPES)}, got {dtype!r}")
 
 
-_OPTIONAL_SIZES = ("n_kv_head", "head_size", "mlp_width", "sliding_window")  # None: derived from the others (see each's docstring)
+# None: derived from the others, or none (see each's docstring)
+_OPTIONAL_SIZES = ("n_kv_head", "head_size", "mlp_width", "sliding_window")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,8 @@ from gpt.model.loss import lm_head_cross_entropy
 from gpt.model.parameters import BLOCK_WEIGHTS, weight_tensors
 from gpt.model.sharding import constrain
 
-__all__ = ["GPT", "Weights", "LayerAttention", "layer_attention", "forward", "embed", "transform", "lm_head", "block", "layer_norm", "rms_norm",
+__all__ = ["GPT", "Weights", "LayerAttention", "layer_attention", "forward", "embed", "transform", "lm_head", "block",
+           "layer_norm", "rms_norm",
            "normalize", "rms_normalize", "in_compute_dtype", "parameter", "num_params", "flops_per_token"]
 
 
@@ -298,7 +299,8 @@ def _attention(attention: LayerAttention, q_BTNH: jax.Array, k_BTKH: jax.Array, 
         return attend_paged(q_BTNH, *cache.pages(layer), positions_BT, cache.head_rows(K), window), cache
     if cache.rows is not None or len(cache.k[layer]) > 1:  # a few positions a row (a draft's verification)
         return _attend_each_query(q_BTNH, cache, layer, positions_BT, K, window), cache
-    return attend(q_BTNH, *cache.layer(layer), cache.mask(positions_BT, window) if mask_BTS is None else mask_BTS), cache
+    mask_BTS = cache.mask(positions_BT, window) if mask_BTS is None else mask_BTS
+    return attend(q_BTNH, *cache.layer(layer), mask_BTS), cache
 
 
 def _attend_each_query(q_BTNH: jax.Array, cache: KVCache, layer: int, positions_BT: jax.Array, K: int,

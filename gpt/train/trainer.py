@@ -95,9 +95,9 @@ class TrainConfig(CorpusChoice, CompileCacheChoice, CompileOnlyChoice):
     """On several processes: how long the others wait for process 0 to prepare the corpus (timed from when
     every process has compiled its train step)."""
     init_from: str = "scratch"
-    """'scratch', or weights to fine-tune: a Hugging Face GPT-2, Llama, Qwen2 or Qwen3 directory, or a hub name
-    in the local Hugging Face cache (gpt2, gpt2-medium, ...; HuggingFaceTB/SmolLM2-135M, ...). The corpus is
-    tokenized with the model's own tokenizer, which the run keeps (`gpt.run_tokenizer`)."""
+    """'scratch', or weights to fine-tune: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3 or Gemma 3
+    directory, or a hub name in the local Hugging Face cache (gpt2, gpt2-medium, ...; HuggingFaceTB/SmolLM2-135M,
+    ...). The corpus is tokenized with the model's own tokenizer, which the run keeps (`gpt.run_tokenizer`)."""
     model: GPTConfig = PRESETS["small"]
     """The model trained from scratch: `--preset` picks the defaults, `--model.FIELD` changes any field.
     With --init_from, the shape comes from the checkpoint and only dropout, dtype, param_dtype, fp8, remat
