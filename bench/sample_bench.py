@@ -5,13 +5,15 @@ from llama-server; its first-token column is its prefill, there being nothing to
 
     python bench/sample_bench.py                     # GPT-2 124M shapes, float32, CPU
     python bench/sample_bench.py --shape smollm2-135m --quantize none int8 --llama-cpp   # a Llama shape
+    python bench/sample_bench.py --shape gemma3-270m --quantize none int8 --llama-cpp    # Gemma 3's, local layers
     python bench/sample_bench.py --quantize none int8 --ctranslate2 --llama-cpp     # the CPU peers
     python bench/sample_bench.py --dtype bfloat16 --batches 1 8 64   # on a GPU (the torch peer too)
     python bench/sample_bench.py --dtype bfloat16 --variants baseline chunk16 command_buffers all   # decode levers
     python bench/sample_bench.py --smoke --variants baseline all      # tiny shapes, the code path (the suite)
 
 Random weights at the real gpt2 shapes (or SmolLM2-135M's, `--shape`: grouped-query attention, RMSNorm, a gated
-MLP, with GPT-2's vocabulary and tokenizer so that every peer reads the same ids), a 64-token prompt, 128 new tokens, greedy. For each batch size:
+MLP, with GPT-2's vocabulary and tokenizer so that every peer reads the same ids; or Gemma 3 270M's, five local
+layers of a 512-position window to one global, its 262,144-row table tied, GPT-2's tokenizer padded to it), a 64-token prompt, 128 new tokens, greedy. For each batch size:
 time to the first token in a fresh process state (compile and our weight layout included, measured
 through streaming), and decode throughput after warm-up (best of --repeats, llama-batched-bench's runs too),
 and for ours the bytes a decode step reads (every weight once, and the KV cache at the decode's mean length) and
@@ -120,9 +122,11 @@ PAIRS = [("gpt (jax, float32, weights none)", "llama.cpp (f32)"), ("gpt (jax, fl
          ("gpt (jax, float32, weights int8)", "CTranslate2 (int8)"), ("gpt (jax, float32, weights none)", "CTranslate2 (float32)")]
 
 
-def write_gpt2_vocab(directory: Path) -> None:
+def write_gpt2_vocab(directory: Path, vocab_size: int = 50257) -> None:
     """vocab.json and merges.txt (what CTranslate2's converter reads) rebuilt from the vendored BPE ranks:
-    each token's merge is the last one byte-pair encoding with the lower ranks makes of its bytes."""
+    each token's merge is the last one byte-pair encoding with the lower ranks makes of its bytes. A model of a
+    larger vocabulary gets tokens <unused{id}> up to its size (as Gemma's files have), so that a converter that
+    cuts the embedding to its tokenizer's size (llama.cpp's for Gemma 3) keeps every row."""
     import json
 
     from gpt.tokenizer import get_tokenizer
@@ -141,7 +145,8 @@ def write_gpt2_vocab(directory: Path) -> None:
             parts[i: i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:
             merges.append(f"{text(parts[0])} {text(parts[1])}")
-    vocab = {text(token): rank for token, rank in ranks.items()} | {"<|endoftext|>": 50256}
+    vocab = ({text(token): rank for token, rank in ranks.items()} | {"<|endoftext|>": 50256}
+             | {f"<unused{i}>": i for i in range(50257, vocab_size)})
     (directory / "vocab.json").write_text(json.dumps(vocab))
     (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
     # The same as tokenizer.json, which a Llama directory's converter reads (through AutoTokenizer).
@@ -222,6 +227,13 @@ SHAPES = {
                           eos_token_id=50256),
                      dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2)),
+    "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM",  # google/gemma-3-270m's, its vocabulary's size
+                    dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                         sliding_window=512, query_pre_attn_scalar=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         bos_token_id=50256, eos_token_id=50256, pad_token_id=0),
+                    dict(vocab_size=50257, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=16)),
 }
 
 
@@ -271,7 +283,7 @@ def main():
         reference.save_pretrained(Path(tmp))
         del reference
         if args.ctranslate2 or args.llama_cpp:
-            write_gpt2_vocab(Path(tmp))
+            write_gpt2_vocab(Path(tmp), fields.get("vocab_size", 50257))
         ratios = {}  # (batch, ours, peer) -> [ratio per round]
         for batch in [batch for batch in args.batches for _ in range(args.rounds)]:
             prompts = np.random.default_rng(batch).integers(0, 50256, (batch, args.prompt_tokens)).tolist()

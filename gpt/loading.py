@@ -6,7 +6,6 @@ tokenizer that reads its text."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Literal
 
 from gpt.errors import ConfigError, MissingInput
@@ -52,7 +51,7 @@ def load(init_from: str, dtype: str = "float32", flag: str = "init_from", also: 
 
         return load_model(init_from, dtype=dtype)
     if pretrained.is_pretrained(init_from):
-        return pretrained.load(init_from, dtype=dtype)
+        return pretrained.Checkpoint.at(init_from).load(dtype=dtype)
     raise _not_a_model(init_from, flag, also)
 
 
@@ -60,7 +59,7 @@ def tokenizer_of(init_from: str) -> TextTokenizer:
     """The tokenizer of what `load(init_from)` loads: a training run's (GPT-2's, or the fine-tuned model's own
     that it keeps), a Llama's or Qwen's own (its tokenizer.json), GPT-2's for a GPT-2."""
     init_from = pretrained.located(init_from)
-    return run_tokenizer(init_from) if has_checkpoint(init_from) else pretrained.tokenizer(init_from)
+    return run_tokenizer(init_from) if has_checkpoint(init_from) else pretrained.Checkpoint.at(init_from).tokenizer()
 
 
 def _not_a_model(init_from: str, flag: str = "init_from", also: str = "") -> MissingInput:
@@ -84,10 +83,8 @@ def model_config_of(init_from: str, dtype: str = "float32") -> GPTConfig:
         if newest is None:
             raise MissingInput(f"no finished checkpoint in {manager.directory}")
         return GPTConfig(**newest[1]["model_config"]).replace(dtype=dtype)
-    if (Path(init_from) / "config.json").is_file():
-        return pretrained.read_config(init_from, dtype=dtype)
-    if init_from in gpt2.HUB_NAMES:
-        return GPTConfig.preset(init_from, dtype=dtype)
+    if pretrained.is_pretrained(init_from):
+        return pretrained.Checkpoint.at(init_from).config(dtype=dtype)
     raise _not_a_model(init_from)
 
 

@@ -14,7 +14,7 @@ from gpt.generate import generate
 from gpt.inference.sampling import GREEDY
 from gpt.model import gpt2, llama
 
-from hf_reference import LLAMA_SHAPE, hf_logits, make_tokenizer, random_hf_llama
+from hf_reference import LLAMA_SHAPE, hf_logits, make_sentencepiece_tokenizer, make_tokenizer, random_hf_llama
 
 
 @pytest.mark.parametrize("family", [pytest.param("llama-untied", marks=pytest.mark.slow),
@@ -135,16 +135,28 @@ def test_gpt_export_writes_the_format_that_holds_the_model():
     assert "\n" not in str(error.value)
 
 
-def test_sample_py_samples_a_llama_directory_through_its_own_tokenizer(tmp_path, corpus_text):
-    """sample.py on a Llama directory with its tokenizer.json: transformers' greedy continuation of the prompt as
-    AutoTokenizer encodes it, as text."""
+def directory_with_tokenizer(tmp_path, family: str, corpus_text: str, seed: int):
+    """(transformers model, its directory with a tokenizer of its kind: byte-level BPE, or for Gemma 3 a
+    SentencePiece-style one of 600 tokens, its model's vocabulary made as large)."""
+    if family == "gemma3":
+        hf_model, directory = random_hf_llama(tmp_path, family, seed=seed, vocab_size=600)
+        make_sentencepiece_tokenizer(directory, corpus_text[:50_000], "gemma", vocab_size=600)
+    else:
+        hf_model, directory = random_hf_llama(tmp_path, family, seed=seed)
+        make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
+    return hf_model, directory
+
+
+@pytest.mark.parametrize("family", ["llama-untied", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_sample_py_samples_a_llama_directory_through_its_own_tokenizer(tmp_path, corpus_text, family):
+    """sample.py on a Llama directory with its tokenizer.json (a Gemma with a SentencePiece-style one):
+    transformers' greedy continuation of the prompt as AutoTokenizer encodes it, as text."""
     import io
 
     from gpt.sample import SampleConfig, sample
     from gpt.tokenizer_json import TokenizerJson
 
-    hf_model, directory = random_hf_llama(tmp_path, "llama-untied", seed=4)
-    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
+    hf_model, directory = directory_with_tokenizer(tmp_path, family, corpus_text, seed=4)
     start = "def main():\n    "
     texts = sample(SampleConfig(init_from=str(directory), start=start, num_samples=1, max_new_tokens=12,
                                 sampling=GREEDY), io.StringIO())
@@ -195,10 +207,11 @@ def test_gpt_eval_scores_a_llama_directorys_text_through_its_own_tokenizer(tmp_p
     assert got["tokens"] == len(ids) - 1 and abs(got["nats_per_token"] - want) < 1e-4
 
 
-def test_the_server_reads_and_writes_text_through_the_models_tokenizer(tmp_path, corpus_text):
-    """serve.py over a Qwen-shaped model and its tokenizer.json: completions' text, logprobs' token strings,
-    /tokenize (with its BOS or without) and /tokenizer_info are that tokenizer's (transformers' ids), and a
-    completion stops at its EOS."""
+@pytest.mark.parametrize("family", ["qwen2", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_the_server_reads_and_writes_text_through_the_models_tokenizer(tmp_path, corpus_text, family):
+    """serve.py over a Qwen-shaped model and its tokenizer.json (a Gemma and a SentencePiece-style one): completions'
+    text, logprobs' token strings, /tokenize (with its BOS or without) and /tokenizer_info are that tokenizer's
+    (transformers' ids), and a completion stops at its EOS."""
     import httpx
 
     from gpt.generate import generate_text
@@ -206,8 +219,7 @@ def test_the_server_reads_and_writes_text_through_the_models_tokenizer(tmp_path,
 
     from serving import Server
 
-    _, directory = random_hf_llama(tmp_path, "qwen2", seed=6)
-    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
+    _, directory = directory_with_tokenizer(tmp_path, family, corpus_text, seed=6)
     tokenizer, model = TokenizerJson(directory), llama.load(directory)
     start = "import os\nimport sys\n"
     want = generate_text(model, [start], 10, sampling=GREEDY, stop_tokens=[tokenizer.eot_id], tokenizer=tokenizer)[0]
@@ -223,7 +235,8 @@ def test_the_server_reads_and_writes_text_through_the_models_tokenizer(tmp_path,
             assert ids.json()["tokens"] == theirs(start, add_special_tokens=add_special)["input_ids"]
         assert ids.json()["tokens"][0] != tokenizer.encode(start)[0]  # the BOS
         info = httpx.get(f"{server.url}/tokenizer_info").json()
-        assert (info["eos_token"], info["tokenizer_class"]) == ("</s>", "PreTrainedTokenizerFast")
+        assert info["eos_token"] == "</s>" and info["tokenizer_class"] == json.loads(
+            (directory / "tokenizer_config.json").read_text())["tokenizer_class"]
     finally:
         server.stop()
 

@@ -84,8 +84,8 @@ def setup(tmp_path_factory, corpus_text, request):
     exported, tokenizer = exported_model(root, request.param, corpus_text)
     names = tasks(root)
     # Not warmed up: the programs the evaluation runs compile at their first use, not every bucket's.
-    server = Server(pretrained.load(str(exported)), slots=4, max_queue=32, cache_length=CONTEXT, prefill_chunk=32,
-                    prefix_cache_tokens=2048, warmup=False, tokenizer=tokenizer)
+    server = Server(pretrained.Checkpoint.at(str(exported)).load(), slots=4, max_queue=32, cache_length=CONTEXT,
+                    prefill_chunk=32, prefix_cache_tokens=2048, warmup=False, tokenizer=tokenizer)
     manager = TaskManager(include_path=str(root))
     # The same windows: lm-eval's API client keeps one token of its max_length for the one it asks to generate, so
     # sends at most max_length - 1, and cuts a long document into windows one shorter (one kept for the context);

@@ -266,7 +266,8 @@ def test_on_a_llama_the_page_reads_generates_and_scores_through_the_models_own_t
     _, directory = random_hf_llama(tmp_path, "llama-untied", seed=5, max_position_embeddings=128)
     make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
     tokenizer = TokenizerJson(directory)
-    server = Server(pretrained.load(str(directory)), tokenizer=tokenizer, warmup=False, slots=2, cache_length=128)
+    server = Server(pretrained.Checkpoint.at(str(directory)).load(), tokenizer=tokenizer, warmup=False, slots=2,
+                    cache_length=128)
     try:
         browser.get(server.url + "/")
         wait(browser, lambda: browser.find_element(By.ID, "model-name").text == "tiny")

@@ -219,16 +219,19 @@ def read_config(source: str | os.PathLike, **overrides) -> GPTConfig:
     return config_from_hf(read_config_json(resolve(source)), **overrides)
 
 
-def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None) -> GPT:
+def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None,
+         hf_config: dict | None = None) -> GPT:
     """A GPT with the weights of a Hugging Face GPT-2 checkpoint.
 
     Args:
       source: a directory (config.json + model.safetensors or pytorch_model.bin), or a hub name
         (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`) already in the local Hugging Face cache.
       dtype: the compute dtype; param_dtype: the storage dtype (defaults to dtype).
+      hf_config: its config.json, where the caller has read it (`gpt.model.pretrained.Checkpoint`).
     """
     directory = resolve(source)
-    config = read_config(directory, dtype=dtype, param_dtype=param_dtype or dtype)
+    hf_config = read_config_json(directory) if hf_config is None else hf_config
+    config = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype or dtype)
     tensors = _read_tensors(directory)
 
     lm_head = tensors.pop("lm_head.weight", None)

@@ -112,12 +112,14 @@ def read_config(source: str | os.PathLike, **overrides) -> GPTConfig:
     return config_from_hf(read_config_json(Path(source)), **overrides)
 
 
-def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None) -> GPT:
+def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None,
+         hf_config: dict | None = None) -> GPT:
     """A GPT with the weights of a Hugging Face checkpoint directory of a Llama-shaped family (config.json and
     model.safetensors, or its shards and their index); dtype the compute dtype, param_dtype the storage
-    dtype (default: dtype)."""
+    dtype (default: dtype); `hf_config` its config.json where the caller has read it
+    (`gpt.model.pretrained.Checkpoint`)."""
     directory = Path(source)
-    hf = read_config_json(directory)
+    hf = read_config_json(directory) if hf_config is None else hf_config
     config = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype or dtype)
     names_of = _block_names(by_model_type(hf))
     tensors = read_safetensors(directory)

@@ -1,29 +1,32 @@
 """A Hugging Face checkpoint of a family this project reads, wherever it is: a directory, or a hub name in the
-local Hugging Face cache (offline); its family's reader (`gpt2`, or `llama` for the Llama-shaped families), its
-config, its weights and its tokenizer. What sample.py, serve.py and gpt.eval run, and train.py fine-tunes."""
+local Hugging Face cache (offline), found once as a `Checkpoint` (its directory, its config.json read once,
+its family in the registry, `gpt.model.families`), from which its config, its weights and its tokenizer come.
+What sample.py, serve.py and gpt.eval run, and train.py fine-tunes."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
-from gpt.errors import MissingInput, UserError
+from gpt.errors import MissingInput
 from gpt.model import gpt2, llama
 from gpt.model.config import GPTConfig
-from gpt.model.families import by_model_type
+from gpt.model.families import Family, by_model_type
 from gpt.model.hf_files import hub_snapshot, read_config_json
 from gpt.model.transformer import GPT
 from gpt.tokenizer import TextTokenizer, get_tokenizer
 from gpt.tokenizer_json import TokenizerJson
 
-__all__ = ["located", "is_pretrained", "family", "read_config", "load", "tokenizer"]
+__all__ = ["located", "is_pretrained", "Checkpoint"]
 
 _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # owner/model, as the hub names a model
 
 
 def located(source: str, flag: str = "init_from") -> str:
     """`source` as a path: itself, or for a Hugging Face hub name ("HuggingFaceTB/SmolLM2-135M") that is no path
-    here, its snapshot in the local cache (MissingInput naming `--flag` and saying how to get it when absent)."""
+    here, its snapshot in the local cache (MissingInput naming `--flag` and saying how to get it when absent).
+    GPT-2's own hub names ("gpt2") stay names: `Checkpoint.at` finds them."""
     if not _HUB_NAME.fullmatch(source) or Path(source).exists():
         return source
     try:
@@ -33,35 +36,51 @@ def located(source: str, flag: str = "init_from") -> str:
 
 
 def is_pretrained(source: str) -> bool:
-    """Whether a located `source` is a checkpoint this module reads: a directory with a config.json, or one of
-    GPT-2's hub names (`gpt2.resolve` finds those)."""
+    """Whether a located `source` is a checkpoint `Checkpoint.at` reads: a directory with a config.json, or one of
+    GPT-2's hub names."""
     return (Path(source) / "config.json").is_file() or source in gpt2.HUB_NAMES
 
 
-def family(source: str):
-    """The module that reads a located `source` (`Family.reader`): `llama` for a Llama-shaped family's config.json,
-    `gpt2` for the rest (which refuses, in one line, what is not a GPT-2)."""
-    try:
-        return llama if by_model_type(read_config_json(Path(source))).reader == "llama" else gpt2
-    except UserError:
-        return gpt2  # no, no readable, or no known config.json: gpt2's reader says what is wrong
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A Hugging Face checkpoint, found once.
 
+    Attributes:
+      directory: where its files are.
+      hf_config: its config.json, read once (every use below reads this one).
+      family: its family in the registry (`gpt.model.families.by_model_type`).
+    """
 
-def read_config(source: str, **overrides) -> GPTConfig:
-    """The GPTConfig of a located `source`, from its config.json (no weights read)."""
-    return family(source).read_config(source, **overrides)
+    directory: Path
+    hf_config: dict
+    family: Family
 
+    @classmethod
+    def at(cls, source: str) -> Checkpoint:
+        """The checkpoint of a located `source` (`located`): a directory, or one of GPT-2's hub names in the
+        cache; MissingInput or ConfigError in one line when it has no config.json, or one of no known family."""
+        directory = gpt2.resolve(source) if source in gpt2.HUB_NAMES and not Path(source).exists() else Path(source)
+        hf_config = read_config_json(directory)
+        return cls(directory, hf_config, by_model_type(hf_config, f"{directory}/config.json"))
 
-def load(source: str, dtype: str = "float32", param_dtype: str | None = None) -> GPT:
-    """The GPT of a located `source`: `dtype` to compute in, `param_dtype` to store (default: dtype)."""
-    return family(source).load(source, dtype=dtype, param_dtype=param_dtype)
+    @property
+    def reader(self):
+        """The module that reads its files (`Family.reader`): `gpt.model.gpt2` or `gpt.model.llama`."""
+        return gpt2 if self.family.reader == "gpt2" else llama
 
+    def config(self, **overrides) -> GPTConfig:
+        """Its GPTConfig (no weights read), with `overrides` (dtype, dropout, ...)."""
+        return self.reader.config_from_hf(self.hf_config, **overrides)
 
-def tokenizer(source: str) -> TextTokenizer:
-    """The tokenizer of a located `source`: a Llama's or Qwen's own (its tokenizer.json), GPT-2's for a GPT-2."""
-    if family(source) is gpt2:
-        return get_tokenizer()
-    if not (Path(source) / "tokenizer.json").is_file():
-        raise MissingInput(f"{source} has no tokenizer.json: put the model's tokenizer files beside its weights "
-                           f"(they come with it from the Hugging Face hub)")
-    return TokenizerJson(source)
+    def load(self, dtype: str = "float32", param_dtype: str | None = None) -> GPT:
+        """Its GPT: `dtype` to compute in, `param_dtype` to store (default: dtype)."""
+        return self.reader.load(self.directory, dtype=dtype, param_dtype=param_dtype, hf_config=self.hf_config)
+
+    def tokenizer(self) -> TextTokenizer:
+        """The tokenizer that reads its text: GPT-2's for a GPT-2, else its own (its tokenizer.json)."""
+        if self.family.reader == "gpt2":
+            return get_tokenizer()
+        if not (self.directory / "tokenizer.json").is_file():
+            raise MissingInput(f"{self.directory} has no tokenizer.json: put the model's tokenizer files beside its "
+                               f"weights (they come with it from the Hugging Face hub)")
+        return TokenizerJson(self.directory)

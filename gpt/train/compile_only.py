@@ -12,7 +12,7 @@ from gpt.hardware import chip_of, parse_topology
 from gpt.model.sharding import replicated
 from gpt.program_report import ProgramReport, compile_within_memory, sharded_bytes
 from gpt.train.step import abstract_train_state, flops_per_token, make_train_step
-from gpt.train.trainer import FIT_ADVICE, TrainConfig, mesh_and_model, rows_sharding
+from gpt.train.trainer import FIT_ADVICE, TrainConfig, initial_checkpoint, mesh_and_model, rows_sharding
 
 __all__ = ["compile_train_step", "FIT_ADVICE"]
 
@@ -25,7 +25,7 @@ def compile_train_step(config: TrainConfig, log=print) -> ProgramReport:
     too large for the chip's memory, or a missing libtpu.
     """
     devices = parse_topology(config.compile_only).devices()
-    config, model_config, mesh = mesh_and_model(config, devices, log)
+    config, model_config, mesh = mesh_and_model(config, devices, log, initial_checkpoint(config))
     graphdef, params, opt_state, shardings = abstract_train_state(model_config, config.optim, mesh)
     step = make_train_step(graphdef, config.optim, dropout=model_config.dropout > 0, mesh=mesh, shardings=shardings,
                            label_smoothing=config.label_smoothing)

@@ -76,7 +76,7 @@ from gpt.train.step import (
 )
 
 __all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setup", "loop", "Plan", "Run",
-           "mesh_and_model", "rows_sharding", "FIT_ADVICE"]
+           "mesh_and_model", "initial_checkpoint", "rows_sharding", "FIT_ADVICE"]
 
 
 # What to change when a train step does not fit the device's memory.
@@ -241,6 +241,8 @@ class Plan:
     identity: dict
     tokenizer: TextTokenizer
     """What the corpus is tokenized with: GPT-2's, or the fine-tuned model's own."""
+    checkpoint: pretrained.Checkpoint | None
+    """The Hugging Face checkpoint it fine-tunes (`--init_from`), found once; None from scratch."""
 
     @property
     def out_dir(self) -> Path:
@@ -271,8 +273,9 @@ def plan(config: TrainConfig, log=print) -> Plan:
                               "the devices there are")
         devices = jax.devices()[: config.num_devices]
     log = _main_process_only(log)
-    config, model_config, mesh = mesh_and_model(config, devices, log)
-    tokenizer = _tokenizer(config, model_config)
+    checkpoint = initial_checkpoint(config)
+    config, model_config, mesh = mesh_and_model(config, devices, log, checkpoint)
+    tokenizer = _tokenizer(model_config, checkpoint)
     batch_bytes = config.grad_accum * config.batch_size * (config.block_size + 1) * 4 * (config.prefetch + 2)
     check_fits_in_memory(f"TrainConfig.batch_size={config.batch_size} x grad_accum={config.grad_accum}", batch_bytes,
                          f"the int32 token batches in flight ({config.prefetch} prefetched + 2 steps')",
@@ -281,17 +284,24 @@ def plan(config: TrainConfig, log=print) -> Plan:
     corpus_sources = sources(inputs, exclude=[out_dir])  # the one read of the corpus; never the run's own files
     run_identity = identity(config_to_json(model_config), _training_identity(config),
                             corpus_identity(corpus_sources, config.val_fraction, config.text_field))
-    return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity, tokenizer)
+    return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity, tokenizer, checkpoint)
 
 
-def mesh_and_model(config: TrainConfig, devices: list | None, log=print) -> tuple[TrainConfig, GPTConfig, Mesh]:
-    """The run's mesh over `devices` (default: all) and its model's config, checked against each other and the
-    batch; `config` with its block_size filled in. Nothing is read but a checkpoint's config.json."""
+def initial_checkpoint(config: TrainConfig) -> pretrained.Checkpoint | None:
+    """The Hugging Face checkpoint `--init_from` names, found once (its config.json read); None from scratch."""
+    return None if config.init_from == "scratch" else pretrained.Checkpoint.at(pretrained.located(config.init_from))
+
+
+def mesh_and_model(config: TrainConfig, devices: list | None, log=print,
+                   checkpoint: pretrained.Checkpoint | None = None) -> tuple[TrainConfig, GPTConfig, Mesh]:
+    """The run's mesh over `devices` (default: all) and its model's config (the `checkpoint`'s, fine-tuning;
+    `initial_checkpoint`), checked against each other and the batch; `config` with its block_size filled in.
+    Nothing is read but a checkpoint's config.json."""
     mesh = make_mesh(**parse_mesh(config.mesh), devices=devices)
     if config.batch_size % data_parallel_size(mesh):
         raise ConfigError(f"TrainConfig.batch_size={config.batch_size} must be divisible by the data-parallel "
                           f"devices (data x fsdp = {data_parallel_size(mesh)})")
-    config, model_config = _resolve_model(config, log)
+    config, model_config = _resolve_model(config, log, checkpoint)
     return config, model_config, mesh
 
 
@@ -316,12 +326,13 @@ def _main_process_only(log):
     return log if jax.process_index() == 0 else lambda *_: None
 
 
-def _resolve_model(config: TrainConfig, log) -> tuple[TrainConfig, GPTConfig]:
-    """The model's config, from the flags or the GPT-2 checkpoint's config.json (no weights read), and
-    `config` with its block_size filled in."""
+def _resolve_model(config: TrainConfig, log,
+                   checkpoint: pretrained.Checkpoint | None) -> tuple[TrainConfig, GPTConfig]:
+    """The model's config, from the flags or the checkpoint's config.json (no weights read), and `config` with
+    its block_size filled in."""
     runtime = {name: getattr(config.model, name) for name in _RUNTIME_FIELDS}
-    if config.init_from != "scratch":
-        model_config = pretrained.read_config(pretrained.located(config.init_from), **runtime)
+    if checkpoint is not None:
+        model_config = checkpoint.config(**runtime)
     else:
         model_config = config.model
         vocab = get_tokenizer().vocab_size
@@ -336,14 +347,14 @@ def _resolve_model(config: TrainConfig, log) -> tuple[TrainConfig, GPTConfig]:
     return config, model_config
 
 
-def _tokenizer(config: TrainConfig, model_config: GPTConfig) -> TextTokenizer:
+def _tokenizer(model_config: GPTConfig, checkpoint: pretrained.Checkpoint | None) -> TextTokenizer:
     """The tokenizer of the model a run trains (GPT-2's from scratch), checked against its vocabulary."""
-    if config.init_from == "scratch":
+    if checkpoint is None:
         return get_tokenizer()
-    tokenizer = pretrained.tokenizer(pretrained.located(config.init_from))
+    tokenizer = checkpoint.tokenizer()
     if tokenizer.vocab_size > model_config.vocab_size:
-        raise ConfigError(f"the tokenizer of --init_from {config.init_from} has {tokenizer.vocab_size} tokens, more "
-                          f"than the model's vocab_size of {model_config.vocab_size}")
+        raise ConfigError(f"the tokenizer of --init_from {checkpoint.directory} has {tokenizer.vocab_size} tokens, "
+                          f"more than the model's vocab_size of {model_config.vocab_size}")
     return tokenizer
 
 
@@ -478,7 +489,8 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
 
     # From here on, work is compiled.
-    _, params, opt_state, _ = init_train_state(_build_model(config, model_config), optimizer, mesh)
+    _, params, opt_state, _ = init_train_state(_build_model(config, model_config, checked.checkpoint), optimizer,
+                                               mesh)
     restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state},
                                                  {"params": shardings[0], "opt_state": shardings[1]}, log)
     start = 0
@@ -512,10 +524,10 @@ def _compiled_within_memory(step: TrainStep, params, opt_state, config: TrainCon
     return step.with_program(program)
 
 
-def _build_model(config: TrainConfig, model_config: GPTConfig) -> GPT:
-    if config.init_from == "scratch":
+def _build_model(config: TrainConfig, model_config: GPTConfig, checkpoint: pretrained.Checkpoint | None) -> GPT:
+    if checkpoint is None:
         return GPT(model_config, rngs=nnx.Rngs(config.seed))
-    model = pretrained.load(pretrained.located(config.init_from), model_config.dtype, model_config.param_dtype)
+    model = checkpoint.load(model_config.dtype, model_config.param_dtype)
     model.config = model_config
     return model
 
