@@ -4,6 +4,7 @@ serving load, and greedy tokens to check against ours)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -41,6 +42,21 @@ def convert(hf_directory: Path, outtype: str) -> Path:
     return out
 
 
+@functools.cache
+def repacks(gguf: Path) -> bool:
+    """Whether llama.cpp runs `gguf` with its weights repacked for this CPU (its default). Where the repacked path
+    crashes (seen: Gemma 3 in q8_0 on a Xeon with AMX, llama-cpp-python 0.3.36's source), every run of that file
+    goes without (`--no-repack`), and the benches' rows say so."""
+    binary = build()[0] / "bin" / "llama-batched-bench"
+    probe = subprocess.run([str(binary), "-m", str(gguf), "-c", "64", "-npp", "8", "-ntg", "2", "-npl", "1"],
+                           capture_output=True, text=True)
+    return probe.returncode >= 0
+
+
+def _repack_flags(gguf: Path) -> list[str]:
+    return [] if repacks(gguf) else ["--no-repack"]
+
+
 def batched_bench(gguf: Path, prompt_tokens: int, new_tokens: int, batches: list[int], threads: int) -> dict:
     """llama-batched-bench: for each batch, (prefill seconds, tokens/s) with tokens/s = batch * new_tokens over
     the prefill and decode time together (as ours is measured); each row its own prompt."""
@@ -48,7 +64,8 @@ def batched_bench(gguf: Path, prompt_tokens: int, new_tokens: int, batches: list
     context = max(batches) * (prompt_tokens + new_tokens)
     out = subprocess.run([str(binary), "-m", str(gguf), "-c", str(context), "-b", "2048", "-ub", "512",
                           "-npp", str(prompt_tokens), "-ntg", str(new_tokens), "-npl", ",".join(map(str, batches)),
-                          "-t", str(threads), "--output-format", "jsonl"], check=True, capture_output=True, text=True)
+                          "-t", str(threads), "--output-format", "jsonl", *_repack_flags(gguf)], check=True,
+                         capture_output=True, text=True)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{") and '"pl"' in line]
     return {row["pl"]: (row["t_pp"], row["pl"] * row["tg"] / row["t"]) for row in rows}
 
@@ -65,7 +82,7 @@ class LlamaServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
-             "-c", str(slots * slot_context), "-t", str(threads), "--no-webui"],
+             "-c", str(slots * slot_context), "-t", str(threads), "--no-webui", *_repack_flags(gguf)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

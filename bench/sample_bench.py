@@ -233,7 +233,7 @@ SHAPES = {
                          sliding_window=512, query_pre_attn_scalar=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
                          bos_token_id=50256, eos_token_id=50256, pad_token_id=0),
                     dict(vocab_size=50257, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=16)),
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=16)),
 }
 
 
@@ -305,7 +305,10 @@ def main():
                                  None, None))
             if args.llama_cpp:
                 for outtype in ("f32", "q8_0"):
-                    rows.append((f"llama.cpp ({outtype})",
+                    import llama_peer
+
+                    repacked = llama_peer.repacks(llama_peer.convert(Path(tmp), outtype))
+                    rows.append((f"llama.cpp ({outtype}{'' if repacked else ', --no-repack'})",
                                  *bench_llama_cpp(tmp, prompts, args.new_tokens, outtype, args.repeats), None, None))
             if args.torch_compile:
                 rows.append((f"transformers (torch.compile, static cache, {args.dtype})",

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from gpt.errors import ConfigError, MissingInput
+from gpt.errors import ConfigError, MissingInput, first_line
 from gpt.tokenizer import byte_to_unicode
 
 __all__ = ["TokenizerJson", "FILES"]
@@ -87,6 +87,42 @@ class _TokenSpelling:
         return piece.encode("utf-8")
 
 
+_MAX_FILE_BYTES = 256 << 20  # the largest hub tokenizer.json is tens of MB
+
+
+def _read_text(path: Path) -> str:
+    """A tokenizer file's text: a regular file of at most 256 MiB in UTF-8; ConfigError in one line otherwise."""
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a regular file (a FIFO, a device or a directory is never read)")
+    if path.stat().st_size > _MAX_FILE_BYTES:
+        raise ConfigError(f"{path} is {path.stat().st_size:,} bytes, more than a tokenizer's {_MAX_FILE_BYTES:,}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not UTF-8 text: {first_line(error)}") from None
+
+
+def _json_object(text: str, where: str) -> dict:
+    """`text` as a JSON object; ConfigError in one line naming `where` otherwise."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{where} is nested too deep to be a tokenizer's file") from None
+    except ValueError as error:
+        raise ConfigError(f"{where} is not valid JSON: {first_line(error)}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} is not a JSON object")
+    return value
+
+
+def _tokenizer(text: str, where: str) -> tokenizers.Tokenizer:
+    """The `tokenizers` library's tokenizer of a tokenizer.json; ConfigError in one line where it reads none."""
+    try:
+        return tokenizers.Tokenizer.from_str(text)
+    except Exception as error:  # the library raises a bare Exception for a file it cannot read
+        raise ConfigError(f"{where} is not a tokenizer the `tokenizers` library reads: {first_line(error)}") from None
+
+
 class TokenizerJson:
     """Encode text to a Hugging Face tokenizer's ids and back.
 
@@ -96,24 +132,24 @@ class TokenizerJson:
     """
 
     def __init__(self, directory: str | Path | dict[str, str]):
+        where = "the tokenizer's files" if isinstance(directory, dict) else str(directory)
         if isinstance(directory, dict):  # the files themselves, by name
             self.files = {name: directory[name] for name in FILES if name in directory}
         else:
             directory = Path(directory)
             if not (directory / "tokenizer.json").is_file():
                 raise MissingInput(f"{directory} has no tokenizer.json")
-            self.files = {name: (directory / name).read_text(encoding="utf-8") for name in FILES
-                          if (directory / name).is_file()}
+            self.files = {name: _read_text(directory / name) for name in FILES if (directory / name).exists()}
         """The files it was made from, by name: a training run keeps them, an export writes them."""
         digest = hashlib.sha256(json.dumps(self.files, sort_keys=True).encode()).hexdigest()
         self.name = f"tokenizer.json sha256:{digest}"
         """What a prepared corpus's meta.json records of the tokenizer that made its ids."""
-        spec = json.loads(self.files["tokenizer.json"])
-        self._spelling = _TokenSpelling(spec.get("decoder"), f"{directory}/tokenizer.json")
-        self.tokenizer = tokenizers.Tokenizer.from_str(self.files["tokenizer.json"])
-        self._as_text = tokenizers.Tokenizer.from_str(self.files["tokenizer.json"])  # special tokens as text:
-        self._as_text.encode_special_tokens = True  # two objects, so that no thread changes one under another
-        config = json.loads(self.files.get("tokenizer_config.json", "{}"))
+        spec = _json_object(self.files["tokenizer.json"], f"{where}/tokenizer.json")
+        self.tokenizer = _tokenizer(self.files["tokenizer.json"], f"{where}/tokenizer.json")
+        self._spelling = _TokenSpelling(spec.get("decoder"), f"{where}/tokenizer.json")
+        self._as_text = _tokenizer(self.files["tokenizer.json"], f"{where}/tokenizer.json")  # special tokens as
+        self._as_text.encode_special_tokens = True  # text: two objects, so that no thread changes one under another
+        config = _json_object(self.files.get("tokenizer_config.json", "{}"), f"{where}/tokenizer_config.json")
         self._named = {name: self._text_of(config.get(name)) for name in ("bos_token", "eos_token", "unk_token")}
         self._bos = self._id_of(config.get("bos_token")) if config.get("add_bos_token") else None
         self._eos = self._id_of(config.get("eos_token"))
@@ -124,7 +160,8 @@ class TokenizerJson:
     @staticmethod
     def _text_of(token) -> str | None:
         """A token named in tokenizer_config.json (a string, or {"content": ...}): its text; None if unnamed."""
-        return token.get("content") if isinstance(token, dict) else token
+        text = token.get("content") if isinstance(token, dict) else token
+        return text if isinstance(text, str) else None
 
     def _id_of(self, token) -> int | None:
         text = self._text_of(token)

@@ -22,8 +22,9 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from gpt.errors import ConfigError, MissingInput
+from gpt.errors import ConfigError, MissingInput, first_line
 from gpt.model.config import GPTConfig
+from gpt.model.config_json import MAX_CONTEXT, integer, number
 from gpt.model.families import by_model_type
 from gpt.model.hf_files import hub_snapshot, read_config_json, read_safetensors, write_export
 from gpt.model.parameters import weight_tensors
@@ -63,7 +64,8 @@ def _table(config: GPTConfig) -> list[tuple[str, bool, tuple[int, ...], list[tup
 # ----------------------------------------------------------------------------------------------- config
 
 def config_from_hf(hf: dict, **overrides) -> GPTConfig:
-    """A GPTConfig from a Hugging Face GPT-2 `config.json`; ValueError if it describes another model."""
+    """A GPTConfig from a Hugging Face GPT-2 `config.json`; ConfigError in one line naming a field it cannot hold,
+    or another family's model."""
     family = by_model_type(hf)  # one that is no family's: a refusal naming those there are
     if family is not FAMILY:
         raise ConfigError(f"config.json: model_type {family.model_type!r} is {family.title}'s, not GPT-2's "
@@ -77,14 +79,14 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     for field, (default, allowed) in requirements.items():
         if hf.get(field, default) not in allowed:
             raise ConfigError(f"config.json: {field}={hf.get(field)!r} is not supported (expected one of {allowed})")
-    n_embd = hf.get("n_embd", 768)
-    n_inner = hf.get("n_inner") or 4 * n_embd
+    n_embd = integer(hf, "n_embd", 768)
+    n_inner = integer(hf, "n_inner", 4 * n_embd) if hf.get("n_inner") is not None else 4 * n_embd
     if n_inner % n_embd:
         raise ConfigError(f"config.json: n_inner={n_inner} must be a multiple of n_embd={n_embd}")
     fields = dict(
-        vocab_size=hf.get("vocab_size", 50257), block_size=hf.get("n_positions", 1024),
-        n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd,
-        layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), mlp_ratio=n_inner // n_embd,
+        vocab_size=integer(hf, "vocab_size", 50257), block_size=integer(hf, "n_positions", 1024, MAX_CONTEXT),
+        n_layer=integer(hf, "n_layer", 12), n_head=integer(hf, "n_head", 12), n_embd=n_embd,
+        layer_norm_epsilon=number(hf, "layer_norm_epsilon", 1e-5), mlp_ratio=n_inner // n_embd,
         position="learned", bias=True,
     )
     return GPTConfig(**{**fields, **overrides})
@@ -187,19 +189,23 @@ class _TensorOnlyUnpickler(pickle.Unpickler):
 
 
 def read_torch_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Tensors of a `torch.save` zip file as numpy arrays, without executing any pickled code."""
+    """Tensors of a `torch.save` zip file as numpy arrays, without executing any pickled code; ConfigError in one
+    line for a file that holds anything else, or is not such an archive."""
     if not zipfile.is_zipfile(path):
         raise ConfigError(
             f"{path} is not a zip archive: it is a legacy torch pickle (torch < 1.6), which is not read; "
             f"re-save the model as model.safetensors (`model.save_pretrained(dir)` in transformers)")
-    with zipfile.ZipFile(path) as archive:
-        pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
-        if len(pickles) != 1:
-            raise ConfigError(f"{path}: not a torch.save zip archive (found {len(pickles)} data.pkl entries)")
-        prefix = pickles[0][: -len("/data.pkl")]
-        with archive.open(pickles[0]) as file:
-            state = _TensorOnlyUnpickler(file, archive, prefix).load()
-    return dict(state)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                raise ConfigError(f"{path}: not a torch.save zip archive (found {len(pickles)} data.pkl entries)")
+            prefix = pickles[0][: -len("/data.pkl")]
+            with archive.open(pickles[0]) as file:
+                return dict(_TensorOnlyUnpickler(file, archive, prefix).load())
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, TypeError, KeyError, IndexError,
+            AttributeError) as error:  # whatever a crafted pickle makes the restricted unpickler raise
+        raise ConfigError(f"{path} is refused: {first_line(error)}") from None
 
 
 def _read_tensors(directory: Path) -> dict[str, np.ndarray]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from gpt.tokenizer_json import FILES as TOKENIZER_JSON_FILES
 __all__ = ["hub_snapshot", "read_config_json", "read_safetensors", "write_export"]
 
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
+_MAX_JSON_BYTES = 16 << 20  # a config.json or a shard index is kilobytes; a larger one is no model's
 # What an export of ours holds: config.json and the weights, and the tokenizer's files where it has them.
 _EXPORT_FILES = {"config.json", _WEIGHTS}
 # The tokenizer files an export may hold beside its weights: GPT-2's (`gpt.tokenizer.hf_tokenizer_files`), or a
@@ -58,37 +60,96 @@ def hub_snapshot(name: str, also: str | None = None) -> Path:
 
 def read_config_json(directory: Path) -> dict:
     """A checkpoint directory's config.json; MissingInput or ConfigError in one line when it has none or it
-    is not a JSON object."""
+    is not a JSON object (`read_json_file`)."""
     path = directory / "config.json"
     if not path.is_file():
         raise MissingInput(f"{directory} has no config.json")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{path} is not valid JSON: {first_line(error)}") from None
+    config = read_json_file(path)
     if not isinstance(config, dict):
         raise ConfigError(f"{path} is not a JSON object")
     return config
 
 
+def read_json_file(path: Path) -> object:
+    """A small JSON file of a model directory: a plain file (never a FIFO or a device, which could block or
+    never end) of at most 16 MiB, valid UTF-8 JSON nested within Python's bound; ConfigError in one line
+    otherwise."""
+    _check_plain_file(path)
+    if path.stat().st_size > _MAX_JSON_BYTES:
+        raise ConfigError(f"{path} is {path.stat().st_size:,} bytes, more than the {_MAX_JSON_BYTES:,} a model's "
+                          f"JSON file may have")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deep to be a model's JSON file") from None
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(f"{path} is not valid JSON: {first_line(error)}") from None
+
+
+def _check_plain_file(path: Path) -> None:
+    """ConfigError unless `path` is a regular file (a link to one is followed: the shard index's names are
+    confined apart, `_shard_path`)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as error:
+        raise MissingInput(f"{path} cannot be read: {first_line(error)}") from None
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{path} is not a regular file (a FIFO, a device or a directory is never read)")
+
+
 def read_safetensors(directory: Path) -> dict[str, np.ndarray] | None:
     """Every tensor of `model.safetensors`, or of the shards `model.safetensors.index.json` names, as numpy
-    arrays of their stored dtypes (bfloat16 as ml_dtypes'); None when the directory has neither."""
-    if (directory / _INDEX).is_file():
+    arrays of their stored dtypes (bfloat16 as ml_dtypes'); None when the directory has neither. The index
+    names only plain files inside the directory (`_shard_path`); a file that is not safetensors is ConfigError
+    in one line naming it."""
+    if (directory / _INDEX).exists():
         tensors = {}
-        for shard in sorted(set(json.loads((directory / _INDEX).read_text())["weight_map"].values())):
-            tensors.update(_read_file(directory / shard))
+        for shard in _shards(directory):
+            tensors.update(_read_file(shard))
         return tensors
-    if (directory / _WEIGHTS).is_file():
+    if (directory / _WEIGHTS).exists():
         return _read_file(directory / _WEIGHTS)
     return None
 
 
+def _shards(directory: Path) -> list[Path]:
+    """The shard files `model.safetensors.index.json` names, each once, in name order; ConfigError in one line
+    for an index that is not {"weight_map": {tensor: shard file}} or names a file it may not."""
+    index_path = directory / _INDEX
+    index = read_json_file(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"{index_path} is not a shard index: it needs \"weight_map\", an object of tensor names to "
+                          f"shard file names")
+    return [_shard_path(directory, name) for name in sorted(set(weight_map.values()))]
+
+
+def _shard_path(directory: Path, name: str) -> Path:
+    """The shard file `name` of the index: a plain file name or relative path that stays inside `directory`
+    however its links resolve (an index may not point at another model's shard, at `..`, or at a FIFO that
+    would block the read for good); ConfigError or MissingInput in one line naming it."""
+    where = f"{directory / _INDEX}: shard {name!r}"
+    if not name or Path(name).is_absolute() or ".." in Path(name).parts or name in (".", "./"):
+        raise ConfigError(f"{where} is not a file name inside the model's directory")
+    path = directory / name
+    if not path.exists():
+        raise MissingInput(f"{where} is missing")
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise ConfigError(f"{where} links outside the model's directory")
+    _check_plain_file(path)
+    return path
+
+
 def _read_file(path: Path) -> dict[str, np.ndarray]:
     """One safetensors file's tensors. Read through its JAX reader, on the host: the numpy one refuses
-    bfloat16, the dtype the hub's Llama and Qwen checkpoints are stored in."""
-    with jax.default_device(jax.devices("cpu")[0]), safe_open(path, framework="flax") as file:
-        return {name: np.asarray(file.get_tensor(name)) for name in file.keys()}
+    bfloat16, the dtype the hub's Llama and Qwen checkpoints are stored in. A file that is not safetensors
+    (truncated, empty, a header past its end) is ConfigError in one line."""
+    _check_plain_file(path)
+    try:
+        with jax.default_device(jax.devices("cpu")[0]), safe_open(path, framework="flax") as file:
+            return {name: np.asarray(file.get_tensor(name)) for name in file.keys()}
+    except (SafetensorError, ValueError, OSError) as error:
+        raise ConfigError(f"{path} is not a readable safetensors file: {first_line(error)}") from None
 
 
 def write_export(out_dir: str | os.PathLike, tensors: dict[str, np.ndarray], texts: dict[str, str]) -> Path:

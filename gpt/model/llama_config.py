@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from gpt.errors import ConfigError
 from gpt.model.config import GPTConfig
+from gpt.model.config_json import MAX_CONTEXT, flag, integer, mapping, number
 from gpt.model.families import Family, OneOf, Test, by_model_type, holding
 
 __all__ = ["config_from_hf", "config_to_hf"]
@@ -27,19 +28,20 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
         raise ConfigError(f"config.json: model_type {family.model_type!r} is {family.title}'s, not a Llama-shaped "
                           f"family's")
     _refuse_unsupported(family, hf)
-    heads, width = hf["num_attention_heads"], hf["hidden_size"]
+    heads, width = integer(hf, "num_attention_heads"), integer(hf, "hidden_size")
+    head_dim = integer(hf, "head_dim", width // heads) if hf.get("head_dim") is not None else width // heads
     fixed = {field: value for field, value in family.holds.items() if not isinstance(value, (OneOf, Test))}
-    scalar = hf.get("query_pre_attn_scalar")
     fields = dict(
         fixed, **_rope(family, hf), **_windows(family, hf),
-        vocab_size=hf["vocab_size"], block_size=hf.get("max_position_embeddings", 2048),
-        n_layer=hf["num_hidden_layers"], n_head=heads, n_kv_head=hf.get("num_key_value_heads", heads), n_embd=width,
-        mlp_width=hf["intermediate_size"], layer_norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        tied_head=bool(hf.get("tie_word_embeddings", family.model_type == "gemma3_text")),
-        head_size=None if hf.get("head_dim", width // heads) == width // heads else hf["head_dim"],
+        vocab_size=integer(hf, "vocab_size"), block_size=integer(hf, "max_position_embeddings", 2048, MAX_CONTEXT),
+        n_layer=integer(hf, "num_hidden_layers"), n_head=heads, n_kv_head=integer(hf, "num_key_value_heads", heads),
+        n_embd=width, mlp_width=integer(hf, "intermediate_size"), layer_norm_epsilon=number(hf, "rms_norm_eps", 1e-6),
+        tied_head=flag(hf, "tie_word_embeddings", family.model_type == "gemma3_text"),
+        head_size=None if head_dim * heads == width else head_dim,
     )
     if "query_scale" not in fixed:  # Gemma's scores are q . k / sqrt(query_pre_attn_scalar)
-        fields["query_scale"] = None if scalar is None else float(scalar) ** -0.5
+        scalar = number(hf, "query_pre_attn_scalar", 0.0)
+        fields["query_scale"] = scalar ** -0.5 if scalar else None
     return GPTConfig(**{**fields, **overrides})
 
 
@@ -67,26 +69,31 @@ def _rope(family: Family, hf: dict) -> dict:
     """The rotary fields of a config.json: its base (top-level rope_theta and rope_scaling, the hub's files; or
     one rope_parameters, transformers 5's) and Llama 3's scaling; Gemma's a base for global layers and one for
     local layers (rope_parameters by layer type, or rope_theta and rope_local_base_freq)."""
-    parameters = hf.get("rope_parameters") or {}
-    by_layer_type = isinstance(parameters, dict) and "full_attention" in parameters
+    parameters = mapping(hf, "rope_parameters")
+    by_layer_type = "full_attention" in parameters
     default_theta, local_theta = _GEMMA_THETAS if family.model_type == "gemma3_text" else (10_000.0, None)
-    rope = {**((parameters.get("full_attention") or {}) if by_layer_type else parameters),
-            **(hf.get("rope_scaling") or {})}  # a scaling wins
+    rope = {**(mapping(parameters, "full_attention") if by_layer_type else parameters),
+            **mapping(hf, "rope_scaling")}  # a scaling wins
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     supported = ("default", "llama3") if family.model_type != "gemma3_text" else ("default",)
     if rope_type not in supported:
         raise ConfigError(f"config.json: rope_type={rope_type!r} (a rotary frequency scaling other than Llama 3's) "
                           f"is not supported; this loader reads rope_type={' or '.join(map(repr, supported))}")
-    fields = dict(rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", default_theta))))
+    fields = dict(rope_theta=number(rope, "rope_theta", number(hf, "rope_theta", default_theta)))
     if family.model_type == "gemma3_text":
-        local = (parameters.get("sliding_attention") or {}) if by_layer_type else {}
+        local = mapping(parameters, "sliding_attention") if by_layer_type else {}
         if local.get("rope_type", "default") != "default":
             raise ConfigError(f"config.json: the local layers' rope_type={local['rope_type']!r} is not supported")
-        fields["rope_local_theta"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", local_theta)))
+        fields["rope_local_theta"] = number(local, "rope_theta", number(hf, "rope_local_base_freq", local_theta))
     if rope_type == "llama3":
-        fields.update(rope_scaling=float(rope["factor"]), rope_scaling_low=float(rope["low_freq_factor"]),
-                      rope_scaling_high=float(rope["high_freq_factor"]),
-                      rope_scaling_context=rope["original_max_position_embeddings"])
+        required = {name: rope.get(name) for name in ("factor", "low_freq_factor", "high_freq_factor",
+                                                      "original_max_position_embeddings")}
+        if None in required.values():
+            raise ConfigError(f"config.json: Llama 3's rotary scaling needs "
+                              f"{', '.join(name for name, value in required.items() if value is None)}")
+        fields.update(rope_scaling=number(rope, "factor", 1.0), rope_scaling_low=number(rope, "low_freq_factor", 1.0),
+                      rope_scaling_high=number(rope, "high_freq_factor", 4.0),
+                      rope_scaling_context=integer(rope, "original_max_position_embeddings", high=MAX_CONTEXT))
     return fields
 
 
@@ -95,18 +102,20 @@ def _windows(family: Family, hf: dict) -> dict:
     (none where `sliding_window` is null); on the layers `layer_types` names (transformers 5 writes them), else
     Qwen's from `max_window_layers` on where `use_sliding_window`, Gemma's five local layers to one global
     (`sliding_window_pattern`); none for Llama."""
-    layers, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    layers = integer(hf, "num_hidden_layers")
+    window = integer(hf, "sliding_window", high=MAX_CONTEXT) if hf.get("sliding_window") is not None else None
     if family.windows == "every layer":
         kinds = "l" if window is not None else ""
     elif family.windows == "layer types":
         types = hf.get("layer_types")
         if not types and family.model_type == "gemma3_text":
-            pattern = hf.get("sliding_window_pattern", 6)
+            pattern = integer(hf, "sliding_window_pattern", 6)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         elif not types:
-            types = ["sliding_attention" if hf.get("use_sliding_window") and i >= hf.get("max_window_layers", 28)
+            first = integer(hf, "max_window_layers", 28, low=0)
+            types = ["sliding_attention" if flag(hf, "use_sliding_window", False) and i >= first
                      else "full_attention" for i in range(layers)]
-        unknown = sorted(set(map(str, types)) - set(_LAYER_TYPES))
+        unknown = sorted(set(map(str, types)) - set(_LAYER_TYPES)) if isinstance(types, list) else [types]
         if unknown or len(types) != layers:
             raise ConfigError(f"config.json: layer_types must list {layers} of {', '.join(_LAYER_TYPES)}, got "
                               f"{unknown or len(types)}")

@@ -9,7 +9,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from gpt.errors import MissingInput
+from gpt.errors import ConfigError, MissingInput
 from gpt.model import gpt2, llama
 from gpt.model.config import GPTConfig
 from gpt.model.families import Family, by_model_type
@@ -77,10 +77,18 @@ class Checkpoint:
         return self.reader.load(self.directory, dtype=dtype, param_dtype=param_dtype, hf_config=self.hf_config)
 
     def tokenizer(self) -> TextTokenizer:
-        """The tokenizer that reads its text: GPT-2's for a GPT-2, else its own (its tokenizer.json)."""
+        """The tokenizer that reads its text: GPT-2's for a GPT-2, else its own (its tokenizer.json); ConfigError
+        naming both sizes where it has more tokens than the model's vocabulary (their ids would index past the
+        embedding)."""
         if self.family.reader == "gpt2":
-            return get_tokenizer()
-        if not (self.directory / "tokenizer.json").is_file():
+            tokenizer = get_tokenizer()
+        elif not (self.directory / "tokenizer.json").exists():
             raise MissingInput(f"{self.directory} has no tokenizer.json: put the model's tokenizer files beside its "
                                f"weights (they come with it from the Hugging Face hub)")
-        return TokenizerJson(self.directory)
+        else:
+            tokenizer = TokenizerJson(self.directory)
+        vocab_size = self.config().vocab_size
+        if tokenizer.vocab_size > vocab_size:
+            raise ConfigError(f"the tokenizer of {self.directory} has {tokenizer.vocab_size} tokens, more than the "
+                              f"model's vocab_size of {vocab_size} (config.json)")
+        return tokenizer

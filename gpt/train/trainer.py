@@ -275,7 +275,7 @@ def plan(config: TrainConfig, log=print) -> Plan:
     log = _main_process_only(log)
     checkpoint = initial_checkpoint(config)
     config, model_config, mesh = mesh_and_model(config, devices, log, checkpoint)
-    tokenizer = _tokenizer(model_config, checkpoint)
+    tokenizer = _tokenizer(checkpoint)
     batch_bytes = config.grad_accum * config.batch_size * (config.block_size + 1) * 4 * (config.prefetch + 2)
     check_fits_in_memory(f"TrainConfig.batch_size={config.batch_size} x grad_accum={config.grad_accum}", batch_bytes,
                          f"the int32 token batches in flight ({config.prefetch} prefetched + 2 steps')",
@@ -347,15 +347,10 @@ def _resolve_model(config: TrainConfig, log,
     return config, model_config
 
 
-def _tokenizer(model_config: GPTConfig, checkpoint: pretrained.Checkpoint | None) -> TextTokenizer:
-    """The tokenizer of the model a run trains (GPT-2's from scratch), checked against its vocabulary."""
-    if checkpoint is None:
-        return get_tokenizer()
-    tokenizer = checkpoint.tokenizer()
-    if tokenizer.vocab_size > model_config.vocab_size:
-        raise ConfigError(f"the tokenizer of --init_from {checkpoint.directory} has {tokenizer.vocab_size} tokens, "
-                          f"more than the model's vocab_size of {model_config.vocab_size}")
-    return tokenizer
+def _tokenizer(checkpoint: pretrained.Checkpoint | None) -> TextTokenizer:
+    """The tokenizer of the model a run trains: GPT-2's from scratch, else the checkpoint's (checked against its
+    vocabulary: `Checkpoint.tokenizer`)."""
+    return get_tokenizer() if checkpoint is None else checkpoint.tokenizer()
 
 
 # ------------------------------------------------------------------------------------------ the run
