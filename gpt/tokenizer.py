@@ -20,6 +20,7 @@ _RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd93
 # GPT-2's split pattern (tiktoken's faster equivalent of the original release's).
 _PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 EOT = "<|endoftext|>"
+UNKNOWN_ID_BYTES = "\ufffd".encode()  # what an id outside a tokenizer's vocabulary reads as (`token_bytes`)
 
 
 class TextTokenizer(Protocol):
@@ -54,7 +55,8 @@ class TextTokenizer(Protocol):
         """Each text's ids."""
 
     def token_bytes(self, token: int) -> bytes:
-        """The bytes one token stands for."""
+        """The bytes one token stands for; U+FFFD's for an id outside the vocabulary (a model's table may have
+        more rows than its tokenizer has tokens: Qwen2.5's 151,936 over 151,665)."""
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         """The tokens' bytes, one after another."""
@@ -114,14 +116,17 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text for token ids; byte sequences that are not valid UTF-8 become U+FFFD."""
-        return self.encoding.decode(list(ids))
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
-        return self.encoding.decode_bytes(list(ids))
+        ids = list(ids)
+        if all(0 <= token < self.vocab_size for token in ids):
+            return self.encoding.decode_bytes(ids)
+        return b"".join(map(self.token_bytes, ids))
 
     def token_bytes(self, token: int) -> bytes:
-        """The bytes one token stands for."""
-        return self.encoding.decode_single_token_bytes(token)
+        """The bytes one token stands for; U+FFFD's for an id outside the vocabulary (a model's padded rows)."""
+        return self.encoding.decode_single_token_bytes(token) if 0 <= token < self.vocab_size else UNKNOWN_ID_BYTES
 
     @staticmethod
     def _special(allow_special: bool) -> dict:

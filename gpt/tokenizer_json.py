@@ -24,7 +24,7 @@ import numpy as np
 import tokenizers
 
 from gpt.errors import ConfigError, MissingInput, first_line
-from gpt.tokenizer import byte_to_unicode
+from gpt.tokenizer import UNKNOWN_ID_BYTES, byte_to_unicode
 
 __all__ = ["TokenizerJson", "FILES"]
 
@@ -203,16 +203,15 @@ class TokenizerJson:
         return [list(encoded[text]) for text in texts]
 
     def token_bytes(self, token: int) -> bytes:
-        """The bytes one token stands for (a special token: its text; a SentencePiece word's `▁`: its space)."""
+        """The bytes one token stands for (a special token: its text; a SentencePiece word's `▁`: its space);
+        U+FFFD's for an id outside the vocabulary."""
         spelled = self._bytes.get(token)
         if spelled is None:
             if token in self._specials:
                 spelled = self._specials[token].encode("utf-8")
             else:
                 piece = self.tokenizer.id_to_token(token) if 0 <= token else None
-                if piece is None:
-                    raise ConfigError(f"token id {token} is outside the tokenizer's vocabulary of {self.vocab_size}")
-                spelled = self._spelling.bytes_of(piece)
+                spelled = UNKNOWN_ID_BYTES if piece is None else self._spelling.bytes_of(piece)
             self._bytes[token] = spelled
         return spelled
 

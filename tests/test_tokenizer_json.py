@@ -95,3 +95,22 @@ def test_a_tokenizer_of_another_kind_is_refused_in_one_line(tmp_path, decoder):
     with pytest.raises(ConfigError, match=r"tokenizer.json: decoder step .* is not supported; this reader decodes "
                                           r"byte-level BPE \(ByteLevel\) and SentencePiece-style"):
         TokenizerJson(directory)
+
+
+def test_an_id_past_the_tokenizers_vocabulary_reads_as_a_replacement_character(tmp_path, corpus_text):
+    """A model's table may have more rows than its tokenizer has tokens (Qwen2.5's 151,936 over 151,665; a random
+    model samples them): such an id is U+FFFD in text and in a stream, for GPT-2's tokenizer and a model's own."""
+    from gpt.tokenizer import get_tokenizer
+
+    own = TokenizerJson(make_sentencepiece_tokenizer(tmp_path / "sp", corpus_text[:60_000], "llama2"))
+    for tokenizer in (get_tokenizer(), own):
+        past = tokenizer.vocab_size + 7
+        assert tokenizer.token_bytes(past) == "\ufffd".encode()
+        ids = [*tokenizer.encode("ab", add_special=False), past, *tokenizer.encode(" cd", add_special=False)]
+        without = [token for token in ids if token != past]
+        assert "\ufffd" in tokenizer.decode(ids) and tokenizer.decode(ids).replace("\ufffd", "") == \
+            tokenizer.decode(without)
+        stream = TextStream(tokenizer=tokenizer)
+        for token in ids:
+            stream.push(token)
+        assert stream.finish() == tokenizer.decode_bytes(ids).decode()

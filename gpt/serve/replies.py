@@ -50,7 +50,8 @@ def _completion_scores(choice: Choice, start: int, end: int, done: bool) -> list
 def _logprobs(scored: list[_Scored], text_offset: int, top: int, tokenizer) -> dict:
     """OpenAI's legacy completions logprobs object for `scored` tokens, the first at `text_offset`, spelled by
     `tokenizer`."""
-    strings = [tokenizer.decode([t]) for t, _, _ in scored]
+    spell = lambda token: tokenizer.token_bytes(token).decode("utf-8", errors="replace")  # noqa: E731  (its own
+    strings = [spell(t) for t, _, _ in scored]  # text: a SentencePiece word's space kept, as the completion has it)
     offsets, at = [], text_offset
     for s in strings:
         offsets.append(at)
@@ -58,7 +59,7 @@ def _logprobs(scored: list[_Scored], text_offset: int, top: int, tokenizer) -> d
     return {
         "tokens": strings,
         "token_logprobs": [lp for _, lp, _ in scored],
-        "top_logprobs": [None if alternatives is None else {tokenizer.decode([t]): lp for t, lp in alternatives}
+        "top_logprobs": [None if alternatives is None else {spell(t): lp for t, lp in alternatives}
                          for _, _, alternatives in scored] if top else None,
         "text_offset": offsets,
     }

@@ -184,12 +184,15 @@ class CheckpointManager:
         return self.manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))["metadata"]
 
     def newest_metadata(self) -> tuple[int, dict] | None:
-        """(step, metadata) of the newest step whose metadata can be read, or None if there is none."""
+        """(step, metadata) of the newest step whose metadata can be read as a JSON object, or None if there is
+        none."""
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                return step, self.metadata(step)
+                metadata = self.metadata(step)
             except Exception:  # unreadable metadata: restore_newest_intact reports and moves it aside
                 continue
+            if isinstance(metadata, dict):  # else as unreadable (a list had reached callers' .get)
+                return step, metadata
         return None
 
     def check_trained_on(self, data_identity: str, data_dir: str | os.PathLike, advice: str) -> None:
@@ -213,12 +216,13 @@ class CheckpointManager:
             **{name: ocp.args.StandardRestore(fused(target) if older else target) for name, target in targets.items()},
         ))
         metadata = restored["metadata"]
-        saved = metadata.get("checksums")
+        saved = metadata.get("checksums") if isinstance(metadata, dict) else None
         for name in trees:
-            if saved is not None:
-                path = _first_mismatch(saved[name], checksums(restored[name]))
-                if path is not None:
-                    raise ValueError(f"checksum mismatch in {name}{path}")
+            if not isinstance(saved, dict) or not isinstance(saved.get(name), dict):
+                raise ValueError(f"its record holds no checksums of {name}: it cannot be verified")
+            path = _first_mismatch(saved[name], checksums(restored[name]))
+            if path is not None:
+                raise ValueError(f"checksum mismatch in {name}{path}")
             if not is_finite(restored[name]):
                 raise ValueError(f"non-finite values in {name}")
         if older:
