@@ -10,7 +10,13 @@ from gpt.compilation_cache import enable_compilation_cache  # noqa: E402
 from gpt.errors import cli_main  # noqa: E402
 from gpt.sample import SampleConfig, sample  # noqa: E402
 
-if __name__ == "__main__":
-    config = tyro.cli(SampleConfig)
+
+@cli_main
+def main() -> None:
+    config = tyro.cli(SampleConfig)  # inside cli_main: a flag's ConfigError as tyro builds the config is one line
     enable_compilation_cache(config.compile_cache)
-    cli_main(sample)(config)
+    sample(config)
+
+
+if __name__ == "__main__":
+    main()

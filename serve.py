@@ -9,5 +9,11 @@ import tyro  # noqa: E402
 from gpt.errors import cli_main  # noqa: E402
 from gpt.serve import ServeConfig, serve  # noqa: E402
 
+
+@cli_main
+def main() -> None:
+    serve(tyro.cli(ServeConfig))  # inside cli_main: a flag's ConfigError as tyro builds the config is one line
+
+
 if __name__ == "__main__":
-    cli_main(serve)(tyro.cli(ServeConfig))
+    main()

@@ -34,7 +34,6 @@ class ExportConfig:
     """The checkpoint step (default: the latest)."""
 
 
-@cli_main
 def main(config: ExportConfig) -> None:
     model = load_model(config.out_dir, config.step)
     tokenizer_files = hf_files(config.out_dir, model.config.block_size)
@@ -48,4 +47,4 @@ def format_of(config: GPTConfig):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(ExportConfig))
+    cli_main(lambda: main(tyro.cli(ExportConfig)))()  # a flag's ConfigError as tyro builds it: one line too

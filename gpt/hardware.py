@@ -148,6 +148,9 @@ def topology_help() -> str:
                      for prefix, f in TOPOLOGY_FAMILIES.items()) + "; add xS for S slices (v5e-256x2)"
 
 
+MAX_CHIPS = 1 << 16  # chips in all the slices of a topology `parse_topology` takes
+
+
 def parse_topology(name: str) -> Topology:
     """`v5e-8` -> Topology(family v5e, 8 chips); `v5p-128` -> 64 chips (v5p's names count TensorCores);
     `v5e-256x2` -> two slices. ConfigError naming the known sizes for anything else."""
@@ -159,6 +162,9 @@ def parse_topology(name: str) -> Topology:
     slices = int(match.group(3) or 1)
     if chips not in family.shapes or int(match.group(2)) % family.cores_per_chip_in_name or slices < 1:
         raise ConfigError(f"unknown TPU topology {name!r}: expected {topology_help()}")
+    if chips * slices > MAX_CHIPS:  # its devices alone would take the host's memory for many minutes
+        raise ConfigError(f"TPU topology {name!r} is {chips * slices:,} chips, more than the {MAX_CHIPS:,} this "
+                          f"compiles for (past any multislice job run so far)")
     return Topology(name.strip(), family.prefix, chips, slices)
 
 

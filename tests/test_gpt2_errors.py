@@ -182,14 +182,19 @@ def test_crafted_tensors_that_reach_outside_their_storage_are_refused(tmp_path, 
         gpt2.read_torch_state_dict(_crafted_bin(tmp_path / "bad.bin", **geometry))
 
 
-def test_a_prompt_longer_than_the_context_is_one_line_before_anything(checkpoint):
+def test_a_prompt_longer_than_the_context_is_one_line_before_anything(tmp_path):
     import io
 
     from gpt.sample import SampleConfig, sample
 
+    checkpoint = gpt2.save(GPT(CONFIG.replace(vocab_size=50257), rngs=nnx.Rngs(0)), tmp_path / "ckpt")
     with pytest.raises(ConfigError, match="--start has 70 tokens and --max_new_tokens=5: more than the model's "
-                                          "context of 64 tokens"):
+                                          "context of 64 tokens"):  # a StopIteration had escaped
         sample(SampleConfig(init_from=str(checkpoint), start=" x" * 70, max_new_tokens=5), io.StringIO())
+    with pytest.raises(ConfigError, match="the tokenizer of .* has 50257 tokens, more than the model's vocab_size "
+                                          "of 256"):  # GPT-2's ids past its table: perplexity nan had been printed
+        sample(SampleConfig(init_from=str(gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(0)), tmp_path / "small")),
+                            start="x", max_new_tokens=5), io.StringIO())
 
 
 def test_a_legacy_non_zip_pickle_is_refused_with_advice(checkpoint):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from gpt.errors import ConfigError
+from gpt.hardware import device_memory_bytes
 from gpt.inference.request import is_int
 from gpt.inference.shapes import MIN_PROMPT_BUCKET
 from gpt.inference.speculation import DEFAULT_DRAFT_TOKENS, Draft, check_draft
@@ -52,6 +53,26 @@ class EngineSettings(DraftChoice):
     multiple-choice task. Not over a mesh's data axis."""
     max_stop_tokens: int = 8
     """The most stop tokens a request may give."""
+
+    def state_bytes(self, config: GPTConfig) -> int:
+        """The bytes of keys and values these (checked) settings hold for a model of `config`: every slot's cache
+        of `cache_length` positions and the prefix cache's positions, each position its layers x 2 x key heads x
+        head size in the compute dtype (the weights, and a draft's own cache, beside them)."""
+        position = config.n_layer * 2 * config.kv_heads * config.head_dim * config.compute_dtype.itemsize
+        return position * (self.slots * self.cache_length + self.prefix_cache_tokens)
+
+    def check_state_fits(self, config: GPTConfig, devices: list) -> None:
+        """ConfigError naming the slots, the cache length and the prefix cache when their keys and values
+        (`state_bytes`) are over the devices' memory (the CPU's devices share the host's; other devices each hold
+        their share of the rows): from the arithmetic, before anything is allocated or compiled."""
+        limit = device_memory_bytes(devices[0])
+        held = self.state_bytes(config)
+        if limit is None or held // (1 if devices[0].platform == "cpu" else len(devices)) <= limit:
+            return
+        raise ConfigError(f"slots={self.slots} x cache_length={self.cache_length} positions (and "
+                          f"prefix_cache_tokens={self.prefix_cache_tokens}) hold {held / 2**30:,.1f} GiB of keys and "
+                          f"values, over the {limit / 2**30:,.1f} GiB of {len(devices)} {devices[0].device_kind} "
+                          f"device(s): use fewer slots, a shorter cache_length or fewer prefix-cache tokens")
 
     def checked(self, config: GPTConfig | None = None) -> EngineSettings:
         """These settings with their integers as ints, `cache_length` filled in (None: the model's context)

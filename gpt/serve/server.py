@@ -28,6 +28,7 @@ import socket
 import time
 from pathlib import Path
 
+import jax
 import uvicorn
 from jax.sharding import Mesh
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -226,8 +227,19 @@ def serve(config: ServeConfig) -> None:
         config = dataclasses.replace(config, api_key=os.environ[API_KEY_VARIABLE])
     _file_descriptors(config.max_connections)
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
+    _check_state_fits(config, mesh)
     with _listen(config.host, config.port) as listener:  # a taken port fails now, not after the warm-up
         _load_and_serve(config, listener, mesh)
+
+
+def _check_state_fits(config: ServeConfig, mesh: Mesh | None) -> None:
+    """The engine's keys and values against the devices' memory from the model's config alone, before anything
+    loads (`EngineSettings.check_state_fits`; the engine checks again as it is made)."""
+    from gpt.loading import model_config_of
+
+    model_config = model_config_of(config.init_from, config.dtype)
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    config.engine.checked(model_config).check_state_fits(model_config, devices)
 
 
 def _compile_only(config: ServeConfig) -> None:
