@@ -6,17 +6,18 @@ tokenizer that reads its text."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Literal
 
 from gpt.errors import ConfigError, MissingInput
 from gpt.inference.speculation import DRAFTS, names_a_model
 from gpt.model import gpt2, pretrained
-from gpt.model.families import titles
 from gpt.model.config import DType, GPTConfig, check_dtype
+from gpt.model.families import titles
 from gpt.model.transformer import GPT
 from gpt.run_dir import has_checkpoint
 from gpt.run_tokenizer import run_tokenizer
-from gpt.tokenizer import TextTokenizer
+from gpt.tokenizer import TextTokenizer, get_tokenizer
 
 __all__ = ["load", "load_draft", "model_config_of", "tokenizer_of", "ModelChoice"]
 
@@ -59,7 +60,11 @@ def tokenizer_of(init_from: str) -> TextTokenizer:
     """The tokenizer of what `load(init_from)` loads: a training run's (GPT-2's, or the fine-tuned model's own
     that it keeps), a Llama's or Qwen's own (its tokenizer.json), GPT-2's for a GPT-2."""
     init_from = pretrained.located(init_from)
-    return run_tokenizer(init_from) if has_checkpoint(init_from) else pretrained.Checkpoint.at(init_from).tokenizer()
+    if has_checkpoint(init_from):
+        return run_tokenizer(init_from)
+    if pretrained.is_pretrained(init_from):
+        return pretrained.Checkpoint.at(init_from).tokenizer()
+    return get_tokenizer()  # nothing to read here: `load` says so, naming its flag
 
 
 def _not_a_model(init_from: str, flag: str = "init_from", also: str = "") -> MissingInput:
@@ -83,8 +88,10 @@ def model_config_of(init_from: str, dtype: str = "float32") -> GPTConfig:
         if newest is None:
             raise MissingInput(f"no finished checkpoint in {manager.directory}")
         return GPTConfig(**newest[1]["model_config"]).replace(dtype=dtype)
-    if pretrained.is_pretrained(init_from):
+    if (Path(init_from) / "config.json").is_file():
         return pretrained.Checkpoint.at(init_from).config(dtype=dtype)
+    if init_from in gpt2.HUB_NAMES:  # its shape, whether or not the local cache holds its weights (--compile_only)
+        return GPTConfig.preset(init_from, dtype=dtype)
     raise _not_a_model(init_from)
 
 

@@ -14,6 +14,7 @@ from gpt.generate import cache_length_for, generate_text, new_tokens_that_fit
 from gpt.inference.decoder import Decoder
 from gpt.inference.drafters import make_drafter
 from gpt.inference.engine_settings import DraftChoice
+from gpt.inference.request import check_prompts
 from gpt.inference.sampling import Sampling
 from gpt.inference.speculation import check_draft
 from gpt.loading import ModelChoice, load, load_draft, tokenizer_of
@@ -75,15 +76,13 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     tokenizer = tokenizer_of(config.init_from)  # the model's own where it has one (Llama's, Qwen's), else GPT-2's
     draft, model = load_draft(config.draft, config.dtype, tokenizer), load(config.init_from, config.dtype)
     max_new_tokens = config.max_new_tokens
-    prompt_tokens = len(tokenizer.encode(start))
+    prompt = tokenizer.encode(start)
     if max_new_tokens is None:
         max_new_tokens = new_tokens_that_fit(model.config, start, _DEFAULT_NEW_TOKENS, tokenizer)
-    elif prompt_tokens + max_new_tokens > model.config.block_size:
-        raise ConfigError(f"--start has {prompt_tokens} tokens and --max_new_tokens={max_new_tokens}: more than the "
-                          f"model's context of {model.config.block_size} tokens")
+    check_prompts([prompt], max_new_tokens, model.config.vocab_size, model.config.block_size)  # room for them
     decoder = Decoder.of(model, config.quantize, mesh)
     # Made once, for every sample, over the positions the rows hold, as generate's engine makes it.
-    draft = make_drafter(draft, decoder, cache_length_for(model.config, prompt_tokens, max_new_tokens))
+    draft = make_drafter(draft, decoder, cache_length_for(model.config, len(prompt), max_new_tokens))
     texts = []
     for i in range(config.num_samples if config.stream else 1):
         rows = 1 if config.stream else config.num_samples

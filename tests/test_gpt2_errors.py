@@ -188,8 +188,8 @@ def test_a_prompt_longer_than_the_context_is_one_line_before_anything(tmp_path):
     from gpt.sample import SampleConfig, sample
 
     checkpoint = gpt2.save(GPT(CONFIG.replace(vocab_size=50257), rngs=nnx.Rngs(0)), tmp_path / "ckpt")
-    with pytest.raises(ConfigError, match="--start has 70 tokens and --max_new_tokens=5: more than the model's "
-                                          "context of 64 tokens"):  # a StopIteration had escaped
+    with pytest.raises(ConfigError, match="prompt 0 has 70 tokens; with max_new_tokens=5 that is 75, beyond the "
+                                          "model's context of 64 tokens"):  # a StopIteration had escaped
         sample(SampleConfig(init_from=str(checkpoint), start=" x" * 70, max_new_tokens=5), io.StringIO())
     with pytest.raises(ConfigError, match="the tokenizer of .* has 50257 tokens, more than the model's vocab_size "
                                           "of 256"):  # GPT-2's ids past its table: perplexity nan had been printed

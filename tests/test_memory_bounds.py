@@ -26,18 +26,20 @@ def test_keys_and_values_past_the_devices_memory_are_one_line_from_the_arithmeti
     position = 12 * 2 * 12 * 64 * 4  # layers x (k, v) x heads x head size x float32's bytes
     settings = EngineSettings(slots=100_000).checked(config)
     assert settings.state_bytes(config) == position * 100_000 * 1024
-    with pytest.raises(ConfigError, match=r"^slots=100000 x cache_length=1024 positions \(and prefix_cache_tokens=0\) "
-                                          r"hold 7,031.2 GiB of keys and values, over the [\d,.]+ GiB of 1 cpu"):
-        settings.check_state_fits(config, jax.devices()[:1])
-    with pytest.raises(ConfigError, match=r"prefix_cache_tokens=10000000000\) hold 686,6"):
-        EngineSettings(prefix_cache_tokens=10 ** 10).checked(config).check_state_fits(config, jax.devices()[:1])
-    EngineSettings(slots=8).checked(config).check_state_fits(config, jax.devices()[:1])  # fits: nothing said
+    with pytest.raises(ConfigError, match=r"^100000 slots of 1024 positions: the decoding slots' cache needs 7,031.25 "
+                                          r"GiB per device \(their keys and values\), over the cpu's [\d,.]+ GiB: "
+                                          r"use fewer slots$"):
+        settings.check_state_fits(config, jax.devices()[:1], "use fewer slots")
+    with pytest.raises(ConfigError, match=r"^8 slots of 1024 positions and 10000000000 prefix-cache positions: .* "
+                                          r"686,6.* GiB .*, or fewer --prefix_cache_tokens$"):
+        EngineSettings(prefix_cache_tokens=10 ** 10).checked(config).check_state_fits(config, jax.devices()[:1], "x")
+    EngineSettings(slots=8).checked(config).check_state_fits(config, jax.devices()[:1], "x")  # fits: nothing said
 
 
 def test_an_engine_refuses_them_before_it_allocates():
     model = GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=r"^slots=1000000000 x cache_length=64 positions"):
+    with pytest.raises(ConfigError, match=r"^1000000000 slots of 64 positions: the decoding slots' cache needs"):
         Engine(model, slots=10 ** 9)
     assert time.monotonic() - start < 5
 

@@ -746,6 +746,24 @@ def test_a_full_disk_while_metrics_are_written_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_whose_record_has_no_checksums_is_not_trusted(trained_run, tmp_path):
+    """Checksums of null (or gone) leave nothing to verify the arrays by: the step is corrupt, as one whose
+    checksums differ, never loaded unverified."""
+    from gpt.errors import UserError
+
+    newest = max(int(p.name) for p in (trained_run / "checkpoints").iterdir() if p.name.isdigit())
+    record_path = Path("checkpoints") / str(newest) / "metadata" / "metadata"
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(trained_run / "checkpoints" / str(newest), tmp_path / "run" / "checkpoints" / str(newest))
+    record = json.loads((trained_run / record_path).read_text())
+    for checksums in (None, [], {"opt_state": record["checksums"]["opt_state"]}):
+        (tmp_path / "run" / record_path).write_text(json.dumps({**record, "checksums": checksums}))
+        with pytest.raises(UserError, match=f"no intact checkpoint .*step {newest}: ValueError: its record holds no "
+                                            f"checksums of params: it cannot be verified"):
+            load_model(tmp_path / "run")
+
+
+@pytest.mark.slow
 def test_every_field_of_a_checkpoints_record_changed_loads_the_same_model_or_is_one_line(trained_run, tmp_path):
     from gpt.errors import UserError
 

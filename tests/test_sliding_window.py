@@ -27,6 +27,7 @@ from gpt.model.transformer import transform
 from hf_reference import LLAMA_SHAPE, hf_logits, random_hf_llama
 
 WINDOWED = ["mistral", "qwen2-window", "gemma3"]
+SOME_QUICK = ["mistral", pytest.param("qwen2-window", marks=pytest.mark.slow), "gemma3"]  # the quick tier's
 KINDS = {"mistral": ("l", 6), "qwen2-window": ("gl", 5), "gemma3": ("llg", 5)}  # layer_kinds, sliding_window
 
 
@@ -42,7 +43,7 @@ def test_logits_match_transformers_past_the_window(tmp_path, family):
     assert np.abs(np.asarray(unwindowed(tokens)) - hf_logits(hf_model, tokens)).max() > 1e-2  # the window matters
 
 
-@pytest.mark.parametrize("family", WINDOWED)
+@pytest.mark.parametrize("family", SOME_QUICK)
 def test_greedy_generate_equals_transformers_with_prompts_longer_than_the_window(tmp_path, family):
     hf_model, directory = random_hf_llama(tmp_path, family, seed=1)
     model = llama.load(directory)
@@ -73,7 +74,7 @@ def test_a_prompt_in_chunks_past_the_window_gives_one_prefills_logprobs(tmp_path
                                                  enumerate(results[0].tokens)], abs=1e-4)
 
 
-@pytest.mark.parametrize("family", WINDOWED)
+@pytest.mark.parametrize("family", [pytest.param("mistral", marks=pytest.mark.slow), *SOME_QUICK[1:]])
 def test_an_export_with_a_window_is_transformers_model(tmp_path, family):
     _, directory = random_hf_llama(tmp_path, family, seed=3)
     model = llama.load(directory)

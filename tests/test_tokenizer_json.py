@@ -87,7 +87,8 @@ def test_a_stream_of_sentencepiece_tokens_is_the_whole_decode_a_character_at_a_t
 
 
 @pytest.mark.parametrize("decoder", [{"type": "WordPiece", "prefix": "##", "cleanup": True},
-                                     {"type": "Sequence", "decoders": [{"type": "CTC"}]}])
+                                     {"type": "Sequence", "decoders": [{"type": "CTC", "pad_token": "<pad>",
+                                                                        "word_delimiter_token": "|", "cleanup": True}]}])
 def test_a_tokenizer_of_another_kind_is_refused_in_one_line(tmp_path, decoder):
     directory = make_tokenizer(tmp_path / "tokenizer", "some text to learn from " * 50, bos=False)
     spec = json.loads((directory / "tokenizer.json").read_text())

@@ -94,7 +94,7 @@ class Engine:
         config = model.config
         self.settings = s = dataclasses.replace(settings or EngineSettings(), **changes).checked(config)
         mesh = model.mesh if isinstance(model, Decoder) and mesh is None else mesh
-        s.check_state_fits(config, list(mesh.devices.flat) if mesh is not None else jax.devices()[:1])
+        s.check_state_fits(config, list(mesh.devices.flat) if mesh is not None else jax.devices()[:1], fit_advice)
         decoder = Decoder.of(model, quantize, mesh)
         drafter = make_drafter(s.draft, decoder, s.cache_length)
         self.device = DeviceSlots(decoder, s.slots, s.cache_length, s.max_stop_tokens, s.steps_per_call, drafter,

@@ -61,18 +61,20 @@ class EngineSettings(DraftChoice):
         position = config.n_layer * 2 * config.kv_heads * config.head_dim * config.compute_dtype.itemsize
         return position * (self.slots * self.cache_length + self.prefix_cache_tokens)
 
-    def check_state_fits(self, config: GPTConfig, devices: list) -> None:
-        """ConfigError naming the slots, the cache length and the prefix cache when their keys and values
-        (`state_bytes`) are over the devices' memory (the CPU's devices share the host's; other devices each hold
-        their share of the rows): from the arithmetic, before anything is allocated or compiled."""
+    def check_state_fits(self, config: GPTConfig, devices: list, advice: str) -> None:
+        """ConfigError naming the slots, the cache length and the prefix cache, the GiB a device would hold and
+        `advice`, when their keys and values (`state_bytes`) are over the devices' memory (the CPU's devices share
+        the host's; other devices each hold their share): from the arithmetic, before anything is allocated or
+        compiled, in the form of the compiled programs' check (`gpt.program_report.check_compiled_fits`)."""
         limit = device_memory_bytes(devices[0])
-        held = self.state_bytes(config)
-        if limit is None or held // (1 if devices[0].platform == "cpu" else len(devices)) <= limit:
+        held = self.state_bytes(config) // (1 if devices[0].platform == "cpu" else len(devices))
+        if limit is None or held <= limit:
             return
-        raise ConfigError(f"slots={self.slots} x cache_length={self.cache_length} positions (and "
-                          f"prefix_cache_tokens={self.prefix_cache_tokens}) hold {held / 2**30:,.1f} GiB of keys and "
-                          f"values, over the {limit / 2**30:,.1f} GiB of {len(devices)} {devices[0].device_kind} "
-                          f"device(s): use fewer slots, a shorter cache_length or fewer prefix-cache tokens")
+        prefix = f" and {self.prefix_cache_tokens} prefix-cache positions" if self.prefix_cache_tokens else ""
+        raise ConfigError(f"{self.slots} slots of {self.cache_length} positions{prefix}: the decoding slots' cache "
+                          f"needs {held / 2**30:,.2f} GiB per device (their keys and values), over the "
+                          f"{devices[0].device_kind}'s {limit / 2**30:,.2f} GiB: {advice}"
+                          f"{', or fewer --prefix_cache_tokens' if prefix else ''}")
 
     def checked(self, config: GPTConfig | None = None) -> EngineSettings:
         """These settings with their integers as ints, `cache_length` filled in (None: the model's context)

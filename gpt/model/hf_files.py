@@ -19,7 +19,8 @@ from safetensors.numpy import save_file
 from gpt.errors import ConfigError, MissingInput, first_line, write_failed
 from gpt.tokenizer_json import FILES as TOKENIZER_JSON_FILES
 
-__all__ = ["hub_snapshot", "read_config_json", "read_safetensors", "write_export"]
+__all__ = ["hub_snapshot", "read_config_json", "read_json_file", "read_safetensors", "check_weight_files",
+           "write_export"]
 
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 _MAX_JSON_BYTES = 16 << 20  # a config.json or a shard index is kilobytes; a larger one is no model's
@@ -110,6 +111,21 @@ def read_safetensors(directory: Path) -> dict[str, np.ndarray] | None:
     if (directory / _WEIGHTS).exists():
         return _read_file(directory / _WEIGHTS)
     return None
+
+
+def check_weight_files(directory: Path) -> None:
+    """Each safetensors file of `directory` (`model.safetensors`, or the index's shards) read as far as its header,
+    which must fit the file (no tensor's data is read); ConfigError or MissingInput in one line as
+    `read_safetensors` would raise, before the work that a load comes after (a corpus's preparation)."""
+    files = _shards(directory) if (directory / _INDEX).exists() else [directory / _WEIGHTS] if (
+        directory / _WEIGHTS).exists() else []
+    for path in files:
+        _check_plain_file(path)
+        try:
+            with safe_open(path, framework="numpy") as file:
+                file.keys()
+        except (SafetensorError, ValueError, OSError) as error:
+            raise ConfigError(f"{path} is not a readable safetensors file: {first_line(error)}") from None
 
 
 def _shards(directory: Path) -> list[Path]:

@@ -59,7 +59,7 @@ class Checkpoint:
     def at(cls, source: str) -> Checkpoint:
         """The checkpoint of a located `source` (`located`): a directory, or one of GPT-2's hub names in the
         cache; MissingInput or ConfigError in one line when it has no config.json, or one of no known family."""
-        directory = gpt2.resolve(source) if source in gpt2.HUB_NAMES and not Path(source).exists() else Path(source)
+        directory = gpt2.resolve(source)  # a directory, or GPT-2's hub name in the cache; else one line saying so
         hf_config = read_config_json(directory)
         return cls(directory, hf_config, by_model_type(hf_config, f"{directory}/config.json"))
 

@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gpt.errors import ConfigError
+from gpt.inference.device_slots import FIT_ADVICE
 from gpt.inference.engine import Engine
 from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.serve.app import create_app
@@ -227,8 +228,8 @@ def serve(config: ServeConfig) -> None:
         config = dataclasses.replace(config, api_key=os.environ[API_KEY_VARIABLE])
     _file_descriptors(config.max_connections)
     mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
-    _check_state_fits(config, mesh)
     with _listen(config.host, config.port) as listener:  # a taken port fails now, not after the warm-up
+        _check_state_fits(config, mesh)
         _load_and_serve(config, listener, mesh)
 
 
@@ -239,7 +240,8 @@ def _check_state_fits(config: ServeConfig, mesh: Mesh | None) -> None:
 
     model_config = model_config_of(config.init_from, config.dtype)
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    config.engine.checked(model_config).check_state_fits(model_config, devices)
+    settings = dataclasses.replace(config.engine, draft="none")  # a draft named by path is loaded later
+    settings.checked(model_config).check_state_fits(model_config, devices, FIT_ADVICE)
 
 
 def _compile_only(config: ServeConfig) -> None:

@@ -47,6 +47,7 @@ from gpt.errors import ConfigError, check_fits_in_memory
 from gpt.hardware import CompileOnlyChoice
 from gpt.model import pretrained
 from gpt.model.config import PRESETS, GPTConfig
+from gpt.model.hf_files import check_weight_files
 from gpt.model.sharding import (
     batch_sharding,
     bytes_per_device,
@@ -288,8 +289,13 @@ def plan(config: TrainConfig, log=print) -> Plan:
 
 
 def initial_checkpoint(config: TrainConfig) -> pretrained.Checkpoint | None:
-    """The Hugging Face checkpoint `--init_from` names, found once (its config.json read); None from scratch."""
-    return None if config.init_from == "scratch" else pretrained.Checkpoint.at(pretrained.located(config.init_from))
+    """The Hugging Face checkpoint `--init_from` names, found once (its config.json read, its weight files' headers
+    checked: before the corpus is prepared, not after); None from scratch."""
+    if config.init_from == "scratch":
+        return None
+    checkpoint = pretrained.Checkpoint.at(pretrained.located(config.init_from))
+    check_weight_files(checkpoint.directory)
+    return checkpoint
 
 
 def mesh_and_model(config: TrainConfig, devices: list | None, log=print,
