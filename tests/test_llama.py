@@ -91,12 +91,11 @@ def test_over_a_mesh_and_in_int8_it_decodes_as_on_one_device(tmp_path, family):
     assert np.abs(int8 - logits).max() < 0.1 * np.abs(logits).max()  # 0.058 measured, with 1, 2 or 4 key heads
 
 
-@pytest.mark.parametrize("family", [pytest.param("llama-untied", marks=pytest.mark.slow),
-                                    pytest.param("llama-tied", marks=pytest.mark.slow),
-                                    pytest.param("qwen2", marks=pytest.mark.slow), "qwen3"])
+@pytest.mark.parametrize("family", [*(pytest.param(family, marks=pytest.mark.slow) for family in (
+    "llama-untied", "llama-tied", "qwen2", "mistral", "qwen2-window")), "qwen3", "gemma3"])
 def test_an_export_is_transformers_model_and_imports_back_byte_equal(tmp_path, family):
-    """An imported model written back: transformers' Auto class loads it to our logits, and importing and
-    exporting it again gives the same bytes."""
+    """An imported model written back (with its sliding windows: Mistral's, Qwen2's, Gemma 3's): transformers' Auto
+    class loads it to our logits, and importing and exporting it again gives the same config and bytes."""
     _, directory = random_hf_llama(tmp_path, family, seed=3)
     model = llama.load(directory)
     exported = llama.save(model, tmp_path / "exported")
@@ -104,6 +103,7 @@ def test_an_export_is_transformers_model_and_imports_back_byte_equal(tmp_path, f
     assert type(theirs).__name__ == json.loads((directory / "config.json").read_text())["architectures"][0]
     tokens = np.random.default_rng(1).integers(0, LLAMA_SHAPE["vocab_size"], (2, 24))
     np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(theirs, tokens), atol=1e-4, rtol=0)
+    assert llama.load(exported).config == model.config
     again = llama.save(llama.load(exported), tmp_path / "again")
     assert {p.name: p.read_bytes() for p in again.iterdir()} == {p.name: p.read_bytes() for p in exported.iterdir()}
 

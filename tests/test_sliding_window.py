@@ -1,8 +1,8 @@
 """Sliding-window attention (a layer's queries see only the last `sliding_window` positions): Mistral's on every
 layer, Qwen2's on some and Gemma 3's (two local layers to a global one, with its sandwich norms, RMSNorms of
 1 + scale, scaled embeddings, query scale and two rotary bases) load at transformers' logits, decode its greedy
-tokens with prompts longer than the window, give the same tokens in chunks as in one prefill, and export back;
-the window's mask is the same in training, prefill and each decode path."""
+tokens with prompts longer than the window, and give the same tokens in chunks as in one prefill (their exports:
+tests/test_llama.py); the window's mask is the same in training, prefill and each decode path."""
 
 import json
 
@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 from flax import nnx
 
 from gpt import GPT, GPTConfig
@@ -72,18 +71,6 @@ def test_a_prompt_in_chunks_past_the_window_gives_one_prefills_logprobs(tmp_path
     logprobs_TV = jax.nn.log_softmax(model(jnp.asarray([prompt + results[0].tokens]))[0], axis=-1)
     assert results[0].logprobs == pytest.approx([float(logprobs_TV[44 + i, t]) for i, t in
                                                  enumerate(results[0].tokens)], abs=1e-4)
-
-
-@pytest.mark.parametrize("family", [pytest.param("mistral", marks=pytest.mark.slow), *SOME_QUICK[1:]])
-def test_an_export_with_a_window_is_transformers_model(tmp_path, family):
-    _, directory = random_hf_llama(tmp_path, family, seed=3)
-    model = llama.load(directory)
-    exported = llama.save(model, tmp_path / "exported")
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
-    assert type(theirs).__name__ == json.loads((directory / "config.json").read_text())["architectures"][0]
-    tokens = np.random.default_rng(1).integers(0, LLAMA_SHAPE["vocab_size"], (2, 24))
-    np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(theirs, tokens), atol=1e-4, rtol=0)
-    assert llama.load(exported).config == model.config
 
 
 def test_each_layer_kind_is_its_own_mask_in_training_and_in_the_cache():
