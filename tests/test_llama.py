@@ -291,3 +291,39 @@ def test_every_family_is_named_where_a_user_reads_which_models_load():
     for text in [(root / "README.md").read_text(), (root / "docs" / "training.md").read_text(),
                  inspect.getsource(ModelChoice), inspect.getsource(TrainConfig)]:
         assert all(family.title in text for family in FAMILIES), [f.title for f in FAMILIES if f.title not in text]
+
+
+@pytest.mark.parametrize("changes", [
+    dict(),  # GPT-2's
+    dict(mlp_width=96, n_embd=32, vocab_size=300),
+    dict(position="rope", norm="rmsnorm", gated_mlp=True, activation="silu", bias=False, n_kv_head=2, mlp_width=100,
+         rope_scaling=8.0, rope_scaling_context=16, tied_head=False),  # Llama's, with Llama 3's scaling
+    dict(position="rope", norm="rmsnorm", gated_mlp=True, activation="silu", bias=False, layer_kinds="l",
+         sliding_window=8),  # Mistral's
+    dict(position="rope", norm="rmsnorm", gated_mlp=True, activation="silu", bias=False, qkv_bias=True,
+         layer_kinds="gl", sliding_window=8),  # Qwen2's
+    dict(position="rope", norm="rmsnorm", gated_mlp=True, activation="silu", bias=False, qk_norm=True,
+         head_size=16),  # Qwen3's
+    dict(position="rope", norm="rmsnorm", gated_mlp=True, activation="gelu", bias=False, qk_norm=True,
+         sandwich_norm=True, scale_embeddings=True, norm_plus_one=True, layer_kinds="lg", sliding_window=8,
+         query_scale=0.125, rope_local_theta=100.0, rope_theta=50000.0),  # Gemma 3's
+], ids=["gpt2", "gpt2-mlp", "llama", "mistral", "qwen2", "qwen3", "gemma3"])
+def test_what_an_export_writes_reads_back_as_the_same_model(changes):
+    """config.json written for a model (by the first family that holds it) and read back gives the same GPTConfig,
+    every field; a config no family holds whole is refused rather than written without the field."""
+    import dataclasses
+
+    from gpt import GPTConfig
+    from gpt.model.families import holding
+
+    def model_of(config):  # every field, the sizes a config may spell two ways as the one size they give
+        fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("n_kv_head", "mlp_width",
+                                                                                   "mlp_ratio", "head_size")}
+        return {**fields, "kv_heads": config.kv_heads, "mlp_dim": config.mlp_dim, "head_dim": config.head_dim}
+
+    config = GPTConfig.preset("tiny", **changes)
+    reader = gpt2 if holding(config).reader == "gpt2" else llama
+    assert model_of(reader.config_from_hf(reader.config_to_hf(config))) == model_of(config)
+    no_positions = config.replace(position="rope", layer_kinds="n", sliding_window=None)  # no family has such layers
+    with pytest.raises(ConfigError, match="no Hugging Face format .* holds"):
+        holding(no_positions)

@@ -17,7 +17,7 @@ from typing import Literal
 from gpt.errors import ConfigError
 from gpt.model.config import GPTConfig
 
-__all__ = ["Family", "FAMILIES", "by_model_type", "holding", "titles"]
+__all__ = ["Family", "OneOf", "Test", "FAMILIES", "by_model_type", "holding", "titles"]
 
 # A GPTConfig field's values a format holds: one value, or a test of the value (with what it says to a user).
 Holds = dict[str, object]
@@ -75,6 +75,8 @@ class Test:
 
 _GLOBAL_OR_LOCAL = Test(lambda kinds, _: set(kinds) <= {"g", "l"}, "its layers are global or local")
 _ONE_KEY_HEAD_A_QUERY_HEAD = Test(lambda _, config: config.kv_heads == config.n_head, "a key head per query head")
+_MLP_A_MULTIPLE = Test(lambda width, config: width is None or width % config.n_embd == 0,
+                       "an MLP width a multiple of the model's")  # its n_inner is read back as a ratio
 _NO_GEMMA = dict(sandwich_norm=False, scale_embeddings=False, query_scale=None, norm_plus_one=False)
 _LLAMA = dict(position="rope", norm="rmsnorm", gated_mlp=True, activation="silu", bias=False, rope_local_theta=None,
               **_NO_GEMMA)
@@ -82,7 +84,8 @@ _LLAMA = dict(position="rope", norm="rmsnorm", gated_mlp=True, activation="silu"
 FAMILIES = (  # in the order an export tries them
     Family("gpt2", "GPT2LMHeadModel", "GPT-2", "gpt2", dict(
         position="learned", bias=True, qk_norm=False, activation="gelu", tied_head=True, norm="layernorm",
-        gated_mlp=False, head_size=None, n_kv_head=_ONE_KEY_HEAD_A_QUERY_HEAD, layer_kinds="", **_NO_GEMMA)),
+        gated_mlp=False, head_size=None, n_kv_head=_ONE_KEY_HEAD_A_QUERY_HEAD, mlp_width=_MLP_A_MULTIPLE,
+        layer_kinds="", **_NO_GEMMA)),
     Family("llama", "LlamaForCausalLM", "Llama", "llama", dict(
         **_LLAMA, qkv_bias=False, qk_norm=False, layer_kinds="")),
     Family("mistral", "MistralForCausalLM", "Mistral", "llama", dict(
@@ -93,7 +96,8 @@ FAMILIES = (  # in the order an export tries them
         **_LLAMA, qkv_bias=False, qk_norm=True, layer_kinds=_GLOBAL_OR_LOCAL), windows="layer types"),
     Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 3", "llama", dict(
         position="rope", norm="rmsnorm", gated_mlp=True, activation="gelu", bias=False, qkv_bias=False,
-        qk_norm=True, sandwich_norm=True, scale_embeddings=True, norm_plus_one=True, layer_kinds=_GLOBAL_OR_LOCAL),
+        qk_norm=True, sandwich_norm=True, scale_embeddings=True, norm_plus_one=True, layer_kinds=_GLOBAL_OR_LOCAL,
+        rope_scaling=1.0),
         windows="layer types",
         renamed={"ln2_scale": "model.layers.{}.pre_feedforward_layernorm.weight",
                  "attn_out_norm_scale": "model.layers.{}.post_attention_layernorm.weight",
