@@ -243,6 +243,8 @@ def test_the_server_reads_and_writes_text_through_the_models_tokenizer(tmp_path,
 
 def test_a_hub_name_loads_from_the_local_cache_or_says_how_to_get_it(tmp_path, monkeypatch):
     import shutil
+    import sys
+    from pathlib import Path
 
     from gpt.errors import MissingInput
     from gpt.loading import load, model_config_of, tokenizer_of
@@ -260,8 +262,9 @@ def test_a_hub_name_loads_from_the_local_cache_or_says_how_to_get_it(tmp_path, m
     assert model_config_of("Org/Tiny-Qwen") == llama.read_config(directory)
     assert tokenizer_of("Org/Tiny-Qwen").encode("some text") == tokenizer_of(str(directory)).encode("some text")
     with pytest.raises(MissingInput, match=r"^--init_from 'Org/Other' is no directory here, and 'Org/Other' is not in "
-                                           r"the local Hugging Face cache .*huggingface-cli download Org/Other") as error:
+                                           r"the local Hugging Face cache .*`hf download Org/Other`") as error:
         load("Org/Other")
+    assert (Path(sys.executable).parent / "hf").is_file()  # the command the hint names is huggingface-hub's today
     assert "\n" not in str(error.value)
 
 

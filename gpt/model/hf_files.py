@@ -55,8 +55,8 @@ def hub_snapshot(name: str, also: str | None = None) -> Path:
                 if (snapshot / "config.json").is_file():
                     return snapshot
     raise MissingInput(f"{name!r} is not in the local Hugging Face cache (looked in {', '.join(looked)}); download "
-                       f"it where there is a network (`huggingface-cli download {name}`) or pass a directory with "
-                       f"config.json and model.safetensors")
+                       f"it where there is a network (`hf download {name}`, huggingface-hub's command) or pass a "
+                       f"directory with config.json and model.safetensors")
 
 
 def read_config_json(directory: Path) -> dict:
