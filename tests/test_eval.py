@@ -148,6 +148,19 @@ def test_a_runs_split_prepared_from_another_corpus_since_is_refused(trained_run,
         evaluate(EvalConfig(init_from=str(out), split="val"))
 
 
+@pytest.mark.slow
+def test_a_newer_step_whose_record_is_no_object_leaves_the_intact_one_to_score(trained_run, tmp_path):
+    """A newest step whose record is a JSON list (not an object): the model comes from the intact step before it, and
+    the split's check reads that step's record (an AttributeError had escaped)."""
+    out = tmp_path / "run"
+    shutil.copytree(trained_run, out)
+    steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    newer = out / "checkpoints" / str(steps[-1] + 50)
+    shutil.copytree(out / "checkpoints" / str(steps[-1]), newer)
+    (newer / "metadata" / "metadata").write_text("[1, 2, 3]")
+    assert evaluate(EvalConfig(init_from=str(out), split="val"))["overall"]["tokens"] > 0
+
+
 @pytest.mark.slow  # a further case of a check the quick tier makes
 def test_a_mesh_scores_as_one_device_and_int8_costs_little(tmp_path, corpus_text):
     _, directory = random_hf_gpt2(tmp_path, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4, weight_scale=4.0)
