@@ -43,7 +43,7 @@ OURS = """
 import resource, sys, time
 from gpt.data.prepare import prepare
 start = time.perf_counter()
-meta = prepare([sys.argv[1]], sys.argv[2], val_fraction=0.05, workers=int(sys.argv[3]), progress=False)
+meta = prepare([sys.argv[1]], sys.argv[2], val_fraction=0.05, workers=int(sys.argv[3]), progress="none")
 print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
       meta["train_tokens"] + meta["val_tokens"])
 """

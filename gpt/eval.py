@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 from jax.sharding import Mesh
-from tqdm import tqdm
 
 from gpt.data.corpus import BadRecords, expand_inputs, read_sections
 from gpt.data.loader import shard_paths
@@ -51,6 +50,7 @@ from gpt.loading import ModelChoice, load, tokenizer_of
 from gpt.model.config import GPTConfig
 from gpt.model.sharding import make_mesh, parse_mesh
 from gpt.model.transformer import GPT, forward
+from gpt.progress import Progress, ProgressChoice
 from gpt.run_dir import has_checkpoint
 from gpt.tokenizer import get_tokenizer
 
@@ -58,7 +58,7 @@ __all__ = ["EvalConfig", "evaluate", "windows", "Score"]
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig(ModelChoice, TextFieldChoice):
+class EvalConfig(ModelChoice, TextFieldChoice, ProgressChoice):
     """What `python -m gpt.eval` measures; `--help` lists these as flags (which model and how: `ModelChoice`)."""
 
     data: tuple[str, ...] = ()
@@ -68,7 +68,7 @@ class EvalConfig(ModelChoice, TextFieldChoice):
     batch_size: int = 8
     """Windows scored together."""
     json: bool = False
-    """Print the results as JSON instead of a table."""
+    """Print the results as JSON instead of a table (progress lines, if any, then go to stderr)."""
     split: str = ""
     """'val' or 'train': score a training out_dir's own prepared split (`init_from/data`, each shard one
     stream) instead of --data."""
@@ -191,7 +191,7 @@ _CALLS_AHEAD = 16
 
 
 def _score_stream(nll, state, windows_: Iterable[tuple[np.ndarray, int]], context: int, batch_size: int,
-                  score: Score, bar) -> None:
+                  score: Score, progress: Progress) -> None:
     """Add the NLL and the count of every scored target of `windows_` into `score`, `batch_size` windows
     a call. The calls' results are read `_CALLS_AHEAD` at a time, so the host cuts the next windows while
     the device scores."""
@@ -214,7 +214,8 @@ def _score_stream(nll, state, windows_: Iterable[tuple[np.ndarray, int]], contex
 
     for tokens, scored, filled in batches():
         sums.append(nll(state, tokens, scored))
-        bar.update(filled)
+        progress.update(filled)
+        progress.tick()
         if len(sums) == _CALLS_AHEAD:  # read now and then: the list (and the arrays it keeps) stays short
             score.nll, sums = score.nll + sum(float(x) for x in sums), []
     score.nll += sum(float(x) for x in sums)
@@ -252,10 +253,11 @@ def evaluate(config: EvalConfig, model: GPT | None = None) -> dict:
     decoder = Decoder.of(model, config.quantize, mesh)
     nll, state = _nll_function(decoder.config, mesh), decoder.weights
     results, overall = [], Score()
-    with tqdm(desc="eval", unit="window", disable=None) as bar:
+    with Progress("eval", unit="window", style=config.progress_style,
+                  stream=sys.stderr if config.json else None) as progress:
         for name, pieces in streams:
             score = Score()
-            _score_stream(nll, state, windows(pieces(score), context, stride), context, config.batch_size, score, bar)
+            _score_stream(nll, state, windows(pieces(score), context, stride), context, config.batch_size, score, progress)
             if score.tokens == 0:
                 raise ConfigError(f"data input {name!r} has no tokens to score (it needs at least 2)")
             overall.add(score)

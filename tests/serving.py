@@ -47,7 +47,8 @@ class Server:
         self.settings = ServeConfig(**{"shutdown_deadline_s": 2, **(settings or {})})
         app = create_app(self.engine, "tiny", warmup=warmup, log=self.lines.append, api_key=self.settings.api_key,
                          shutdown_deadline_s=self.settings.shutdown_deadline_s,
-                         playground=not self.settings.no_playground)
+                         playground=not self.settings.no_playground,
+                         status_interval_s=self.settings.status_interval_s)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -17,6 +17,8 @@ from gpt.data.prepare import STAGING, in_validation, prepare
 from gpt.errors import ConfigError
 from gpt.tokenizer import get_tokenizer
 
+from bounds import bound
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -111,7 +113,7 @@ def test_the_validation_split_is_stable_when_the_corpus_grows(tmp_path, document
 _PREPARE = """
 import re, sys
 from gpt.data.prepare import prepare
-prepare([sys.argv[1]], sys.argv[2], val_fraction=0.05, shard_tokens=int(sys.argv[3]), workers=2, progress=False)
+prepare([sys.argv[1]], sys.argv[2], val_fraction=0.05, shard_tokens=int(sys.argv[3]), workers=2, progress="none")
 print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024)
 """
 
@@ -127,7 +129,7 @@ def finish_then_die(self):
     if self.split == "train":
         os.kill(os.getpid(), signal.SIGKILL)
 module._ShardWriter._finish = finish_then_die
-module.prepare([sys.argv[1]], sys.argv[2], val_fraction=0.05, shard_tokens=int(sys.argv[3]), workers=2, progress=False)
+module.prepare([sys.argv[1]], sys.argv[2], val_fraction=0.05, shard_tokens=int(sys.argv[3]), workers=2, progress="none")
 """
 
 
@@ -150,7 +152,7 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, corpus_text):
         path = tmp_path / f"corpus_{megabytes}.jsonl"
         _generate(path, corpus_text, megabytes)
         result = subprocess.run([sys.executable, "-c", _PREPARE, str(path), str(tmp_path / f"out_{megabytes}"), "5000000"],
-                                capture_output=True, text=True, timeout=600, env={**os.environ, "XLA_FLAGS": ""})
+                                capture_output=True, text=True, timeout=bound(600), env={**os.environ, "XLA_FLAGS": ""})
         assert result.returncode == 0, result.stderr[-2000:]
         peaks[megabytes] = int(result.stdout.split()[-1])
         path.unlink()
@@ -163,18 +165,18 @@ def test_a_preparation_killed_after_its_first_shard_resumes_to_the_same_bytes(tm
     source = tmp_path / "corpus.jsonl"
     _generate(source, corpus_text, 12)
     whole = tmp_path / "whole"
-    prepare([source], whole, val_fraction=0.05, shard_tokens=300_000, workers=1, progress=False)
+    prepare([source], whole, val_fraction=0.05, shard_tokens=300_000, workers=1, progress="none")
 
     killed = tmp_path / "killed"
     process = subprocess.run([sys.executable, "-c", _KILLED_AFTER_FIRST_SHARD, str(source), str(killed), "300000"],
-                             env={**os.environ, "XLA_FLAGS": ""}, capture_output=True, text=True, timeout=120)
+                             env={**os.environ, "XLA_FLAGS": ""}, capture_output=True, text=True, timeout=bound(120))
     assert process.returncode == -signal.SIGKILL, process.stderr
     finished = sorted(p.name for p in (killed / STAGING).glob("train_*.bin"))
     assert "meta.json" not in os.listdir(killed) and len(finished) < len(list(whole.glob("train_*.bin")))
     progress = json.loads((killed / STAGING / "progress.json").read_text())
     assert progress["train"]["next_section"] > 0  # the rerun resumes, it does not start over
 
-    meta = prepare([source], killed, val_fraction=0.05, shard_tokens=300_000, workers=1, progress=False)
+    meta = prepare([source], killed, val_fraction=0.05, shard_tokens=300_000, workers=1, progress="none")
     assert _shard_bytes(killed) == _shard_bytes(whole)
     assert meta["shards"] == json.loads((whole / "meta.json").read_text())["shards"]
     assert not (killed / STAGING).exists()
@@ -237,7 +239,7 @@ def test_non_utf8_bytes_become_replacement_characters(tmp_path):
 @pytest.mark.slow
 def test_the_cli_prepares_what_train_reads(tmp_path, corpus):
     result = subprocess.run([sys.executable, "-m", "gpt.data", "--data", corpus, "--out_dir", str(tmp_path / "d"),
-                             "--workers", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                             "--workers", "2"], capture_output=True, text=True, timeout=bound(120), cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "documents ->" in result.stdout and (tmp_path / "d" / "meta.json").is_file()
 

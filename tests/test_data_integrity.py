@@ -18,6 +18,7 @@ from gpt.data.shards import ShardHasher, verify_shards
 from gpt.errors import ConfigError, DiskFull
 from gpt.run_dir import RunLock, RunLocked
 
+from bounds import bound
 from json_fields import HOW, changed, fields
 from training import ROOT, run
 
@@ -52,17 +53,17 @@ def test_of_two_preparations_into_one_directory_the_second_is_refused_and_the_fi
     b.write_text(corpus_text[:100_000][::-1])
     out = tmp_path / "data"
     first = prepare_cli("--data", str(a), "--out_dir", str(out), "--workers", "1")
-    deadline = time.time() + 60
+    deadline = time.time() + bound(60)
     while not (out / ".lock").is_file() or not (out / ".lock").read_text():
         assert time.time() < deadline and first.poll() is None, first.communicate()
         time.sleep(0.01)
     first.send_signal(signal.SIGSTOP)  # held in the middle of its preparation, the lock with it
     try:
         second = subprocess.run([sys.executable, "-m", "gpt.data", "--data", str(b), "--out_dir", str(out)], env=ENV,
-                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+                                cwd=ROOT, capture_output=True, text=True, timeout=bound(120))
     finally:
         first.send_signal(signal.SIGCONT)
-    _, err = first.communicate(timeout=300)
+    _, err = first.communicate(timeout=bound(300))
     assert first.returncode == 0, err
     assert second.returncode == 2 and len(second.stderr.strip().splitlines()) == 1, second.stderr
     assert "in use by another corpus preparation (pid" in second.stderr and "Traceback" not in second.stderr
@@ -85,7 +86,7 @@ def test_a_training_run_refuses_a_data_directory_being_prepared(tmp_path, corpus
     with RunLock(out / "data", role="corpus preparation"):
         done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--data", corpus, "--out_dir", str(out),
                                "--preset", "tiny", "--max_steps", "2"], env=ENV, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=bound(300))
     assert done.returncode == 2 and "in use by another corpus preparation (pid" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not (out / "checkpoints").exists()
 
@@ -154,6 +155,10 @@ def test_a_preparation_that_fails_leaves_the_previous_one_usable(tmp_path, corpu
     tiny.write_text(corpus_text[:300])  # one section: no validation split
     with pytest.raises(ConfigError, match="split of .* is empty"):
         prepare([tiny], out, shard_tokens=20_000, workers=1)
+    unbroken = tmp_path / "unbroken.txt"  # no newline to cut at: one section however long
+    unbroken.write_text("word " * 4_000)
+    with pytest.raises(ConfigError, match=r"is empty \(20,000 characters in 1 section, the split's unit; val_fraction"):
+        prepare([unbroken], out, shard_tokens=20_000, workers=1)
     assert files() == kept and "meta.json" in kept  # its meta.json had been deleted
     assert verify_shards(out, VOCAB) and before["shards"] == json.loads((out / "meta.json").read_text())["shards"]
 
@@ -323,7 +328,7 @@ def test_the_cli_refuses_a_truncated_shard_in_one_line_with_exit_2(trained, tmp_
 
     done = subprocess.run([sys.executable, str(ROOT / "train.py"), *cli_flags(data=(corpus,), out_dir=str(out),
                                                                               max_steps=10, num_devices=None),
-                           "--resume_anyway"], env=ENV, capture_output=True, text=True, timeout=300)
+                           "--resume_anyway"], env=ENV, capture_output=True, text=True, timeout=bound(300))
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "train_00000.bin" in done.stderr and "delete" in done.stderr and "Traceback" not in done.stderr
 
@@ -413,7 +418,7 @@ def test_a_broken_input_is_one_line_naming_it_and_leaves_nothing_behind(tmp_path
 def test_the_cli_answers_a_broken_input_with_exit_2_and_one_line(tmp_path):
     path = broken_input("a truncated .jsonl.zst", tmp_path)
     done = subprocess.run([sys.executable, "-m", "gpt.data", "--data", str(path), "--out_dir", str(tmp_path / "d")],
-                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=bound(120))
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "truncated" in done.stderr and "Traceback" not in done.stderr
 

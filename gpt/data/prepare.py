@@ -46,11 +46,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from gpt.data.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, input_format, read_sections
 from gpt.data.shards import SHARD_SUM_FIELDS, ShardHasher, check_fields, check_meta
 from gpt.errors import ConfigError, MissingInput, write_failed
+from gpt.progress import Progress, ProgressChoice, Style
 from gpt.run_dir import RunLock, make_dir
 from gpt.tokenizer import TextTokenizer, get_tokenizer
 
@@ -297,6 +297,7 @@ def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, wr
         batch, size = [], 0
         for index, path, section in _numbered_sections(paths, text_field, bad):
             counts["sections"] += 1
+            counts["characters"] += len(section.text)
             counts["documents"] += section.last
             replaced = section.text.count("\ufffd")
             counts["replaced_invalid_utf8"] += replaced
@@ -312,9 +313,7 @@ def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, wr
             yield batch
 
     total_bytes = sum(p.stat().st_size for p in paths if p.is_file())
-    with ThreadPoolExecutor(workers) as pool, tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
-                                                   disable=None if progress is None else not progress,
-                                                   file=sys.stderr) as bar:
+    with ThreadPoolExecutor(workers) as pool, Progress("tokenizing", total_bytes, unit="B", style=progress) as bar:
         in_flight: collections.deque = collections.deque()
 
         def drain_one() -> None:
@@ -324,6 +323,7 @@ def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, wr
         for batch in batches():
             in_flight.append(pool.submit(_encode, batch, val_fraction, dtype, tokenizer))
             bar.update(sum(len(section.text) for _, section in batch))
+            bar.tick()
             if len(in_flight) >= 2 * workers:
                 drain_one()
         while in_flight:
@@ -344,14 +344,15 @@ def _check_splits(inputs, counts: collections.Counter, bad: BadRecords, totals: 
         raise ConfigError(f"the corpus {[str(i) for i in inputs]} is empty: it has no tokens")
     for split, name in (("train", "training"), ("val", "validation")):
         if totals[split] == 0:
-            raise ConfigError(f"the {name} split of {[str(i) for i in inputs]} is empty ({counts['sections']} "
-                              f"sections of ~{SECTION_CHARS} characters, val_fraction={val_fraction}): use more "
+            sections = f"{counts['sections']:,} section{'s' * (counts['sections'] != 1)}"
+            raise ConfigError(f"the {name} split of {[str(i) for i in inputs]} is empty ({counts['characters']:,} "
+                              f"characters in {sections}, the split's unit; val_fraction={val_fraction}): use more "
                               f"text or another val_fraction")
 
 
 def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
             val_fraction: float = DEFAULT_VAL_FRACTION, text_field: str = "text", workers: int | None = None, shard_tokens: int = 100_000_000,
-            progress: bool | None = None, corpus_sources: list[dict] | None = None, lock: bool = True,
+            progress: Style = "auto", corpus_sources: list[dict] | None = None, lock: bool = True,
             tokenizer: TextTokenizer | None = None) -> dict:
     """Tokenize `inputs` (files, directories, globs; text, JSONL, Parquet or saved datasets) into token
     shards in `out_dir` with `tokenizer` (default: GPT-2's; a model's own to fine-tune it), as this module's
@@ -359,7 +360,7 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
 
     `corpus_sources`: `sources(inputs)` when the caller has it already (the inputs are then not read
     again to hash them). `lock`: take `out_dir`'s lock for the preparation (False for a caller that holds
-    it: a training run). Returns the metadata (also written to `out_dir/meta.json`), with `train_tokens`
+    it: a training run). `progress`: how the tokenizing shows its progress (`gpt.progress`). Returns the metadata (also written to `out_dir/meta.json`), with `train_tokens`
     and `val_tokens`.
     """
     if not 0 < val_fraction < 1:
@@ -479,7 +480,7 @@ class CorpusChoice(TextFieldChoice):
 
 
 @dataclasses.dataclass(frozen=True)
-class PrepareConfig(CorpusChoice):
+class PrepareConfig(CorpusChoice, ProgressChoice):
     """`python -m gpt.data --help` lists these as flags (the corpus and its split: `CorpusChoice`)."""
 
     out_dir: str = "out/data"
@@ -492,7 +493,7 @@ class PrepareConfig(CorpusChoice):
 
 def main(config: PrepareConfig) -> None:
     meta = prepare(list(config.data) or default_corpus(), config.out_dir, config.val_fraction, config.text_field,
-                   config.workers, config.shard_tokens)
+                   config.workers, config.shard_tokens, config.progress_style)
     print(f"{meta['documents']:,} documents -> {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
           f"in {len(meta['shards']['train'])} + {len(meta['shards']['val'])} shards in {config.out_dir}")
 

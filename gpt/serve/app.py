@@ -137,11 +137,12 @@ class _Served:
 
 def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown_deadline_s: float = 10.0,
                max_request_bytes: int = 8 << 20, api_key: str | None = None, playground: bool = True,
-               log: Callable[[str], None] = print) -> FastAPI:
+               log: Callable[[str], None] = print, status_interval_s: float = 0.0) -> FastAPI:
     """The ASGI app over `engine`. Its lifespan warms the engine up and starts its thread, and at shutdown
     stops it (running requests get up to `shutdown_deadline_s`, then end with finish_reason "abort"). A
     body over `max_request_bytes` gets 413; with `api_key`, a request without it gets 401. `playground`
-    serves the page at `/`."""
+    serves the page at `/`. With `status_interval_s`, a status line (`Metrics.status_line`) goes to `log` that
+    often while anything changes."""
     tokenizer = engine.tokenizer
     eot = tokenizer.eot_id if tokenizer.eot_id is not None and engine.config.vocab_size > tokenizer.eot_id else None
     limits = Limits(model_name, engine.config.vocab_size, engine.cache_length, engine.max_queue,
@@ -155,10 +156,13 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             await asyncio.to_thread(engine.warmup, log)
         engine.start()
         state["serving"] = True
+        status = asyncio.create_task(_status_lines(served.metrics, status_interval_s, log)) if status_interval_s else None
         try:
             yield
         finally:
             state["serving"] = False
+            if status is not None:
+                status.cancel()
             await asyncio.to_thread(engine.stop, shutdown_deadline_s)
 
     # No documentation pages: FastAPI's load their scripts from a third-party CDN, on a server built to face
@@ -182,6 +186,18 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
         return reply
 
     return app
+
+
+async def _status_lines(metrics: Metrics, every_s: float, log: Callable[[str], None]) -> None:
+    """`metrics.status_line()` to `log` every `every_s` seconds, when it differs from the last one printed (an
+    idle server prints nothing)."""
+    last = metrics.status_line()
+    while True:
+        await asyncio.sleep(every_s)
+        line = metrics.status_line()
+        if line != last:
+            log(line)
+            last = line
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -46,6 +46,9 @@ class ServeConfig(ModelChoice, CompileCacheChoice, CompileOnlyChoice):
     """An idle keep-alive connection is closed after this long."""
     no_playground: bool = False
     """Serve no playground page at / (the API alone)."""
+    status_interval_s: float = 10.0
+    """Seconds between the status lines printed while requests come (running and waiting requests, tokens/s,
+    requests answered); none while idle; 0: never."""
 
     def check(self) -> None:
         """ConfigError naming the first setting out of its bound (before anything loads)."""
@@ -56,6 +59,8 @@ class ServeConfig(ModelChoice, CompileCacheChoice, CompileOnlyChoice):
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if not self.shutdown_deadline_s >= 0:
             raise ConfigError(f"--shutdown_deadline_s must be >= 0, got {self.shutdown_deadline_s}")
+        if not 0 <= self.status_interval_s < math.inf:
+            raise ConfigError(f"--status_interval_s must be >= 0 and finite, got {self.status_interval_s}")
         for name in ("header_timeout_s", "keep_alive_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"--{name} must be positive and finite, got {getattr(self, name)}")

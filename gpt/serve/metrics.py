@@ -19,6 +19,7 @@ class Metrics:
     """The Prometheus series, in a registry of the app's own (so that several apps can live in one process)."""
 
     def __init__(self, engine: Engine):
+        self._engine = engine
         self.registry = registry = prometheus_client.CollectorRegistry()
         prometheus_client.Gauge("gpt_queue_depth", "Requests waiting for a slot", registry=registry
                                 ).set_function(lambda: engine.queue_depth)
@@ -45,6 +46,15 @@ class Metrics:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
 
+    def status_line(self) -> str:
+        """The state now, in a line: "serving: 3 running, 1 waiting; 15.2 tokens/s over the last 10 s; 480 tokens
+        and 7 requests answered in all (1 refused)" (refused: a 4xx)."""
+        answered = _totals(self.requests)
+        requests, refused = sum(answered.values()), sum(n for labels, n in answered.items() if labels[0].startswith("4"))
+        return (f"serving: {self._engine.live_slots} running, {self._engine.queue_depth} waiting; "
+                f"{self._rate():,.1f} tokens/s over the last 10 s; {sum(_totals(self.tokens).values()):,.0f} tokens "
+                f"and {requests:,.0f} request{'s' * (requests != 1)} answered in all ({refused:,.0f} refused)")
+
     def record_tokens(self, count: int) -> None:
         self.tokens.inc(count)
         with self._lock:
@@ -56,3 +66,9 @@ class Metrics:
             while self._recent and self._recent[0][0] < now - 10:
                 self._recent.popleft()
             return sum(n for _, n in self._recent) / 10.0
+
+
+def _totals(counter: prometheus_client.Counter) -> dict[tuple[str, ...], float]:
+    """A counter's total by its labels' values (one entry, for (), when it has no labels)."""
+    return {tuple(sample.labels.values()): sample.value for metric in counter.collect() for sample in metric.samples
+            if sample.name.endswith("_total")}

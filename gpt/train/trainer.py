@@ -36,7 +36,6 @@ import tyro
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
-from tqdm import tqdm
 
 from gpt.compilation_cache import CompileCacheChoice
 from gpt.data.loader import Batches
@@ -58,6 +57,7 @@ from gpt.model.sharding import (
 )
 from gpt.model.transformer import GPT, num_params
 from gpt.program_report import check_compiled_fits, compile_within_memory
+from gpt.progress import Progress, ProgressChoice
 from gpt.run_dir import RunLock, check_identity, identity, newest_step
 from gpt.run_tokenizer import keep_tokenizer
 from gpt.signals import StopSignals
@@ -85,7 +85,7 @@ FIT_ADVICE = ("a smaller --batch_size with a larger --grad_accum, --model.remat,
               "state split over more devices (--mesh fsdp=N)")
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(CorpusChoice, CompileCacheChoice, CompileOnlyChoice):
+class TrainConfig(CorpusChoice, CompileCacheChoice, CompileOnlyChoice, ProgressChoice):
     """Everything a training run needs; `python train.py --help` lists these as flags (the corpus it trains
     on and its split: `CorpusChoice`; the optimizer: `optim`; compiling for a TPU topology: `CompileOnlyChoice`)."""
 
@@ -469,6 +469,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
 
     def prepare_corpus() -> dict:  # under the data directory's lock, which the run holds
         return prepare(checked.inputs, data_dir, config.val_fraction, config.text_field,
+                       progress=config.progress_style if jax.process_index() == 0 else "none",
                        corpus_sources=checked.corpus_sources, lock=False, tokenizer=checked.tokenizer)
 
     if nproc > 1:  # the others' wait for the corpus then times process 0's preparation, not a slower compile
@@ -546,8 +547,8 @@ def loop(run: Run, log=print) -> TrainResult:
     profile = _Profile(run)
     try:
         with StopSignals() as stop, Prefetch(run.batch, range(run.start, run.end), config.prefetch) as batches, \
-                tqdm(total=run.end, initial=run.start, desc="train", unit="step",
-                     disable=None if jax.process_index() == 0 else True) as bar:
+                Progress("train", run.end, run.start, "step",
+                         config.progress_style if jax.process_index() == 0 else "none") as bar:
             while step < run.end:
                 stop_signal = _stop_signal(stop, step, config.log_interval)
                 if stop_signal is not None:
@@ -572,7 +573,7 @@ def loop(run: Run, log=print) -> TrainResult:
                 if every(config.eval_interval):
                     val_loss = run.evaluate()
                     run.writer.write({"step": step, "val_loss": val_loss})
-                    bar.write(f"step {step}: val loss {val_loss:.4f}")
+                    bar.write(f"step {step}: val loss {val_loss:.4f}", step=step, val_loss=val_loss)
                 if every(config.checkpoint_interval):
                     pending.read(step)
                     run.save(step)
@@ -601,10 +602,10 @@ def _stop_signal(stop: StopSignals, step: int, log_interval: int) -> int | None:
     return agree_on_signal(stop.received) if step % log_interval == 0 else None
 
 
-def _log(run: Run, pending: PendingMetrics, step: int, bar) -> None:
+def _log(run: Run, pending: PendingMetrics, step: int, progress: Progress) -> None:
     record = pending.record(step)
     run.writer.write(record)
-    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+    progress.report(step, **{name: record[name] for name in ("loss", "grad_norm", "tokens_per_s", "mfu")})
 
 
 class _Profile:
