@@ -19,12 +19,12 @@ from gpt.train.trainer import train  # noqa: E402
 @cli_main
 def main(argv: list[str]) -> int:
     config = parse_train_config(argv)
-    enable_compilation_cache(config.compile_cache)
-    if config.compile_only:
+    if config.compile_only:  # no compilation cache: a program compiled for a topology never runs here
         report = compile_train_step(config)
-        print("\n".join(report.lines()))
+        print("\n".join(report.lines(config.verbose)))
         report.check_fits(f"--compile_only {config.compile_only}", f"try {FIT_ADVICE}")
         return 0
+    enable_compilation_cache(config.compile_cache)
     result = train(config)
     if result.signal is not None:
         return 128 + result.signal  # stopped, not finished: the shell's convention for a signal

@@ -177,6 +177,9 @@ class CompileOnlyChoice:
     (memory, FLOPs, collectives) and the fastest they could run there, and exit: nothing read but a config, nothing
     written. v5e-N and v6e-N count chips (1, 4, 8, 16, ... 256), v5p-N TensorCores (8 ... 1024); v5e-256x2 is two
     slices. Needs TPU's compiler: pip install -e '.[tpu]'."""
+    verbose: bool = False
+    """With --compile_only: also each program's memory by part, XLA's counts of its FLOPs and bytes, and what
+    the bounds leave out."""
 
     def __post_init__(self):
         if self.compile_only:

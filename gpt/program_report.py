@@ -21,13 +21,20 @@ from gpt.errors import ConfigError, first_line
 from gpt.hardware import Chip, chip_of, device_memory_bytes
 
 __all__ = ["ProgramReport", "collective_bytes", "sharded_bytes", "compile_within_memory", "check_compiled_fits",
-           "peak_bytes"]
+           "peak_bytes", "compiling_line"]
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
 _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*[a-z\d]*)\[(?P<dims>[\d,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
              "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+
+
+def compiling_line(setting: str, what: str, devices: list, mesh_shape: dict[str, int]) -> str:
+    """The line a `--compile_only` report starts with, before the compile: what is compiled, for which devices and
+    over which mesh ("--compile_only v5e-8: compiling the train step of ..., on 8 x TPU v5 lite, mesh data=8")."""
+    axes = ",".join(f"{axis}={size}" for axis, size in mesh_shape.items() if size > 1) or "one device"
+    return f"{setting}: compiling {what}; on {len(devices)} x {devices[0].device_kind}, mesh {axes}"
 
 
 def sharded_bytes(tree) -> int:
@@ -132,6 +139,10 @@ def collective_bytes(hlo_text: str) -> dict[str, float]:
     return moved
 
 
+_BOUND_NAMES = {"compute": "the chip's bf16 FLOP/s", "memory": "its memory bandwidth",
+                "interconnect": "its interconnect bandwidth"}
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramReport:
     """One compiled program, per device: what it holds, computes and moves, and what that implies on `chip`."""
@@ -187,33 +198,46 @@ class ProgramReport:
     def fits(self) -> bool | None:
         return None if self.chip is None else self.total_bytes <= self.chip.usable_bytes
 
-    def lines(self) -> list[str]:
-        """The report, a line a figure."""
+    def lines(self, verbose: bool = False) -> list[str]:
+        """The report in sentences: the memory a device holds at the program's peak and whether it fits, the
+        fastest a call could run and what bounds it, the bytes between devices; with `verbose`, the memory by
+        part and XLA's counts too."""
         gib = lambda n: f"{n / 2**30:,.2f} GiB"  # noqa: E731
-        other = self.argument_bytes - sum(self.held.values())
-        out = [f"{self.name}, compiled for {self.devices} x {self.device_kind}; per device:"]
-        out += [f"  {name:<22}{gib(n):>14}" for name, n in self.held.items()]
-        out += [f"  {'other arguments':<22}{gib(other):>14}  (the batch, and the chip's tiling of small arrays)",
-                f"  {'outputs (not in place)':<22}{gib(self.output_bytes - self.alias_bytes):>14}",
-                f"  {'temporaries':<22}{gib(self.temp_bytes):>14}",
-                f"  {'total':<22}{gib(self.total_bytes):>14}" + (
-                    f"  of the chip's {gib(self.chip.memory_bytes)} ({gib(self.chip.usable_bytes)} for a program): "
-                    f"{'fits' if self.fits() else 'does NOT fit'}" if self.chip else ""),
-                f"  FLOPs per call: the model's by the hand count {self.model_flops / self.devices:.4g}, XLA's count "
-                f"{self.flops:.4g}; bytes accessed {self.bytes_accessed:.4g}",
-                "  collectives per call: " + (", ".join(f"{kind} {gib(n)}" for kind, n in sorted(
-                    self.collectives.items())) or "none")]
+        parts = [*(f"{name} {n / 2**30:,.2f}" for name, n in self.held.items()),
+                 f"the rest {(self.total_bytes - sum(self.held.values())) / 2**30:,.2f}"]
+        of_chip = f" of the {gib(self.chip.usable_bytes)} a program may hold" if self.chip else ""
+        verdict = f": {'fits' if self.fits() else 'does NOT fit'}" if self.chip else ""
+        out = [f"{self.name}: {gib(self.total_bytes)} per device at its peak{of_chip} ({', '.join(parts)} GiB){verdict}"]
         bounds = self.bound_seconds()
         if bounds is not None:
             seconds = max(bounds.values())
             limit = max(bounds, key=bounds.get)
             mfu = self.model_flops / (seconds * self.devices * self.chip.bf16_flops)
-            out.append("  roofline per call: " + ", ".join(f"{k} {v * 1e3:,.2f} ms" for k, v in bounds.items()) +
-                       f"; at best {seconds * 1e3:,.2f} ms ({limit}-bound): {self.tokens / seconds:,.0f} tokens/s, "
-                       f"MFU {mfu:.1%}")
-            if self.loops:
-                out.append(f"  ({self.loops} loop(s) in the program, each counted once by XLA: the memory and "
-                           f"interconnect bounds are low by what their other iterations move)")
+            out.append(f"  at best {seconds * 1e3:,.2f} ms a call, bound by {_BOUND_NAMES[limit]}: at most "
+                       f"{self.tokens / seconds:,.0f} tokens/s, MFU {mfu:.1%} (no real run is faster)")
+        moved = sum(self.collectives.values())
+        out.append(f"  between devices, a call: {gib(moved)} (" + ", ".join(
+            f"{kind} {gib(n)}" for kind, n in sorted(self.collectives.items())) + ")" if moved else
+                   "  between devices: nothing")
+        return out + (self._details() if verbose else [])
+
+    def _details(self) -> list[str]:
+        """The figures behind the sentences, for the reader who checks them (`--verbose`)."""
+        gib = lambda n: f"{n / 2**30:,.2f} GiB"  # noqa: E731
+        other = self.argument_bytes - sum(self.held.values())
+        out = ["  per device, by part:"]
+        out += [f"    {name:<22}{gib(n):>14}" for name, n in self.held.items()]
+        out += [f"    {'other arguments':<22}{gib(other):>14}  (the batch, and the chip's tiling of small arrays)",
+                f"    {'outputs (not in place)':<22}{gib(self.output_bytes - self.alias_bytes):>14}",
+                f"    {'temporaries':<22}{gib(self.temp_bytes):>14}",
+                f"  FLOPs per call and device: the model's by the hand count {self.model_flops / self.devices:.4g}, "
+                f"XLA's count {self.flops:.4g}; bytes accessed (XLA) {self.bytes_accessed:.4g}"]
+        bounds = self.bound_seconds()
+        if bounds is not None:
+            out.append("  each bound alone: " + ", ".join(f"{k} {v * 1e3:,.2f} ms" for k, v in bounds.items()))
+        if self.loops:
+            out.append(f"  XLA counts a loop's body once ({self.loops} loop{'s' * (self.loops > 1)} in this program): "
+                       f"the memory and interconnect bounds leave out what its other iterations move")
         return out
 
     def check_fits(self, setting: str, advice: str) -> None:

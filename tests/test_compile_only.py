@@ -2,6 +2,7 @@
 chips, the report's numbers against hand counts, and `train.py --compile_only` as a user runs it."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ from gpt.hardware import CHIPS, chip_of, parse_topology
 from gpt.model.config import GPTConfig
 from gpt.model.transformer import num_params
 from gpt.program_report import collective_bytes, compile_within_memory, peak_bytes
+
+from bounds import bound
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,13 +136,23 @@ def test_the_report_counts_the_models_flops_where_xla_sees_all_of_them(compile_s
 @pytest.mark.slow
 def test_train_py_compile_only_prints_the_report_and_refuses_what_cannot_fit(tmp_path):
     _libtpu()
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # where the compilation cache would be
     run = lambda *flags: subprocess.run(  # noqa: E731
         [sys.executable, "train.py", "--preset", "tiny", "--out_dir", str(tmp_path / "out"), *flags],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    done = run("--compile_only", "v5e-8", "--batch_size", "8")
+        cwd=ROOT, capture_output=True, text=True, timeout=bound(600), env=env)
+    done = run("--compile_only", "v5e-8", "--batch_size", "8", "--grad_accum", "2", "--model.dtype", "bfloat16")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "train step, compiled for 8 x TPU v5 lite" in done.stdout and "fits" in done.stdout
-    assert "tokens/s" in done.stdout and not (tmp_path / "out").exists()  # nothing written
+    lines = done.stdout.splitlines()
+    first, *report = lines[[line.startswith("--compile_only") for line in lines].index(True):]
+    assert first.startswith("--compile_only v5e-8: compiling the train step of a GPT of "), done.stdout
+    # What was compiled, before the figures: the batch, the tokens a step, the dtypes, the chips and the mesh.
+    assert ("8 sequences x 64 tokens x 2 accumulated (1,024 tokens a step), weights float32, compute bfloat16; "
+            "on 8 x TPU v5 lite, mesh data=8") in first, first
+    assert report[0].startswith("train step: ") and report[0].endswith(": fits"), report
+    assert "tokens/s" in done.stdout and "temporaries" not in done.stdout  # the parts: with --verbose
+    assert not (tmp_path / "out").exists() and not any((tmp_path / "cache").rglob("*"))  # nothing written
+    verbose = run("--compile_only", "v5e-8", "--batch_size", "8", "--verbose")
+    assert verbose.returncode == 0 and "temporaries" in verbose.stdout, verbose.stderr[-2000:]
     pod = run("--compile_only", "v5p-128", "--batch_size", "64", "--mesh", "data=16,fsdp=4")
     assert pod.returncode == 0 and "64 x TPU v5" in pod.stdout, pod.stderr[-2000:]
     huge = run("--compile_only", "v5e-8", "--model.n_embd", "8192", "--model.n_head", "64", "--batch_size", "8")
@@ -149,8 +162,11 @@ def test_train_py_compile_only_prints_the_report_and_refuses_what_cannot_fit(tmp
     assert "WARNING" not in huge.stderr  # libtpu told what it runs on: nothing else on stderr
     served = subprocess.run([sys.executable, "serve.py", "--init_from", "gpt2", "--compile_only", "v5e-8", "--mesh",
                              "data=2,tensor=4", "--slots", "4", "--cache_length", "256", "--draft", "ngram"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+                            cwd=ROOT, capture_output=True, text=True, timeout=bound(600))
     assert served.returncode == 0, served.stderr[-2000:]
+    assert served.stdout.startswith("--compile_only v5e-8: compiling the engine's prefill and decode for a GPT of "
+                                    "124.4 M parameters"), served.stdout
+    assert "4 slots, drafting with ngram; on 8 x TPU v5 lite, mesh data=2,tensor=4" in served.stdout.splitlines()[0]
     assert "prefill of 2 x 256 tokens" in served.stdout
     assert "decode of 4 slots x 1 step(s), 4 guesses of PromptLookup a step" in served.stdout
 

@@ -34,7 +34,7 @@ from gpt.model.sharding import constrain
 
 __all__ = ["GPT", "Weights", "LayerAttention", "layer_attention", "forward", "embed", "transform", "lm_head", "block",
            "layer_norm", "rms_norm",
-           "normalize", "rms_normalize", "in_compute_dtype", "parameter", "num_params", "flops_per_token"]
+           "normalize", "rms_normalize", "in_compute_dtype", "parameter", "num_params", "flops_per_token", "model_summary"]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -601,6 +601,13 @@ def num_params(config: GPTConfig) -> int:
     head is the token embedding, counted once."""
     abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def model_summary(config: GPTConfig) -> str:
+    """A GPT of `config` in a phrase a user reads: "a GPT of 16.1 M parameters (6 layers x 384 wide, context 1,024,
+    vocabulary 50,304)"."""
+    return (f"a GPT of {num_params(config) / 1e6:,.1f} M parameters ({config.n_layer} layers x {config.n_embd} wide, "
+            f"context {config.block_size:,}, vocabulary {config.vocab_size:,})")
 
 
 def flops_per_token(config: GPTConfig, seq_len: int) -> float:

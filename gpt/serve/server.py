@@ -251,14 +251,21 @@ def _compile_only(config: ServeConfig) -> None:
     from gpt.inference.compile_only import FIT_ADVICE, compile_engine
     from gpt.inference.speculation import names_a_model
     from gpt.loading import model_config_of
+    from gpt.model.transformer import model_summary
+    from gpt.program_report import compiling_line
 
     model_config = model_config_of(config.init_from, config.dtype)
     draft = config.engine.draft
     draft_config = model_config_of(draft, config.dtype) if names_a_model(draft) else None
     mesh = make_mesh(**parse_mesh(config.mesh), devices=parse_topology(config.compile_only).devices())
     setting = f"--compile_only {config.compile_only}"
+    weights = f"{config.quantize} weights" if config.quantize != "none" else "its weights"
+    drafting = f", drafting with {config.engine.draft}" if config.engine.draft != "none" else ""
+    print(compiling_line(setting, f"the engine's prefill and decode for {model_summary(model_config)}: {weights}, compute {config.dtype}, "
+                                  f"{config.engine.slots} slots{drafting}", list(mesh.devices.flat), dict(mesh.shape)),
+          flush=True)
     for report in compile_engine(model_config, config.engine, config.quantize, mesh, setting, draft_config):
-        print("\n".join(report.lines()), flush=True)
+        print("\n".join(report.lines(config.verbose)), flush=True)
         report.check_fits(setting, FIT_ADVICE)
 
 
@@ -278,7 +285,7 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,
                      max_request_bytes=int(config.max_request_mb * 2**20), api_key=config.api_key,
-                     playground=not config.no_playground, log=log)
+                     playground=not config.no_playground, log=log, status_interval_s=config.status_interval_s)
     server = GracefulServer(uvicorn_config(app, config), engine, config.shutdown_deadline_s)
 
     async def main():

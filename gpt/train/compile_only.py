@@ -10,12 +10,12 @@ import jax.numpy as jnp
 
 from gpt.hardware import chip_of, parse_topology
 from gpt.model.sharding import replicated
-from gpt.program_report import ProgramReport, compile_within_memory, sharded_bytes
+from gpt.model.transformer import model_summary
+from gpt.program_report import ProgramReport, compile_within_memory, compiling_line, sharded_bytes
 from gpt.train.step import abstract_train_state, flops_per_token, make_train_step
 from gpt.train.trainer import FIT_ADVICE, TrainConfig, initial_checkpoint, mesh_and_model, rows_sharding
 
 __all__ = ["compile_train_step", "FIT_ADVICE"]
-
 
 
 def compile_train_step(config: TrainConfig, log=print) -> ProgramReport:
@@ -26,6 +26,12 @@ def compile_train_step(config: TrainConfig, log=print) -> ProgramReport:
     """
     devices = parse_topology(config.compile_only).devices()
     config, model_config, mesh = mesh_and_model(config, devices, log, initial_checkpoint(config))
+    tokens = config.grad_accum * config.batch_size * config.block_size
+    accumulated = f" x {config.grad_accum} accumulated" if config.grad_accum > 1 else ""
+    log(compiling_line(f"--compile_only {config.compile_only}",
+                       f"the train step of {model_summary(model_config)}: {config.batch_size} sequences x "
+                       f"{config.block_size:,} tokens{accumulated} ({tokens:,} tokens a step), weights "
+                       f"{model_config.param_dtype}, compute {model_config.dtype}", devices, dict(mesh.shape)))
     graphdef, params, opt_state, shardings = abstract_train_state(model_config, config.optim, mesh)
     step = make_train_step(graphdef, config.optim, dropout=model_config.dropout > 0, mesh=mesh, shardings=shardings,
                            label_smoothing=config.label_smoothing)
@@ -35,7 +41,6 @@ def compile_train_step(config: TrainConfig, log=print) -> ProgramReport:
     compiled = compile_within_memory(step.lower(params, opt_state, batch, key), "train step",
                                      devices[0].device_kind, f"--compile_only {config.compile_only}",
                                      f"try {FIT_ADVICE}")
-    tokens = config.grad_accum * config.batch_size * config.block_size
     return ProgramReport.of("train step", compiled, devices,
                             {"parameters": sharded_bytes(params), "optimizer state": sharded_bytes(opt_state)},
                             tokens, flops_per_token(model_config, config.block_size) * tokens,
