@@ -45,7 +45,17 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# Without a GPU only a rehearsal runs (`--smoke` in a job's arguments, as above); every other job says so and skips.
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  GPU=1
+else
+  echo "no NVIDIA GPU here (no nvidia-smi): a job runs only as a CPU rehearsal (--smoke in its TRAIN_ARGS or DECODE_ARGS)"
+  GPU=
+fi
+rehearsed() {  # whether job $1 is given --smoke, which rehearses it at tiny shapes on a CPU
+  case $1 in train) [[ " ${TRAIN_ARGS:-} " == *" --smoke "* ]] ;; decode) [[ " ${DECODE_ARGS:-} " == *" --smoke "* ]] ;; *) false ;; esac
+}
 python3 -c "import jax, torch, transformers; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__, 'transformers', transformers.__version__)"
 git log -1 --format='commit %h %cd' 2>/dev/null || true
 
@@ -88,6 +98,10 @@ jobs=("$@")
 status=0
 for job in "${jobs[@]}"; do
   echo "== $job ($(date -u +%H:%M:%S))"
+  if [ -z "$GPU" ] && ! rehearsed "$job"; then
+    echo "== $job skipped: it needs a GPU"
+    continue
+  fi
   case $job in
     check) timeout 110 python3 bench/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
     train) { [ -z "${LLMC:-}" ] && [ -d .peers/llm.c ] && build_llmc && LLMC=$PWD/.peers/llm.c/train_gpt2cu

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from bounds import bound
 from training import ROOT
 
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
@@ -54,7 +55,7 @@ def _run_signalled(args: list[str], delay: float, signals: list[int], gap: float
                 process.send_signal(sig)
             time.sleep(gap)
         try:
-            stdout, stderr = process.communicate(timeout=30)
+            stdout, stderr = process.communicate(timeout=bound(30))
         except subprocess.TimeoutExpired:  # the stacks it is stuck in, for the failure's message (-X faulthandler)
             process.send_signal(signal.SIGABRT)
             pytest.fail(f"still running 30 s after {signals}:\n{process.communicate()[1][-8000:]}")
@@ -109,7 +110,7 @@ def _warm_run_s(args: list[str], tmp_path) -> float:
 
 
 def _finishes(args: list[str]) -> None:
-    finished = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    finished = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=bound(300))
     assert finished.returncode == 0, finished.stderr[-3000:]
 
 
@@ -133,6 +134,6 @@ def test_compile_only_keeps_jax_on_the_cpu(monkeypatch):
 def test_an_installed_libtpu_without_a_tpu_prints_nothing():
     script = "from gpt.process_start import start_command_line; start_command_line([]); import jax; print(jax.devices())"
     env = {name: value for name, value in ENV.items() if name != "JAX_PLATFORMS"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=bound(120))
     assert result.returncode == 0 and "CpuDevice" in result.stdout, result.stderr
     assert result.stderr == ""  # libtpu, started, printed its warnings about the TPU it did not find

@@ -52,3 +52,16 @@ def test_the_documents_show_commands_of_every_program():
 @pytest.mark.parametrize("where, program, flags", COMMANDS, ids=[f"{w}" for w, _, _ in COMMANDS])
 def test_a_documented_command_line_parses(where, program, flags):
     PARSERS[program](flags)
+
+
+def test_the_set_up_commands_install_torchs_cpu_build_and_ci_runs_them_as_written():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    install, test = re.search(r"## Set up and test\n\n```bash\n(.*?)\n```", readme, re.S).group(1).splitlines()
+    words = shlex.split(install)
+    assert words[:2] == ["pip", "install"] and test == "pytest"
+    assert "torch==2.13.0" in words and words[words.index("-e") + 1] == ".[test]"
+    # On an ordinary Linux machine, PyPI's torch is a multi-GB CUDA build: the CPU build's index is in the command.
+    assert words[words.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    ci = [shlex.split(line) for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("pip install")]
+    assert [[word for word in line if word != "-q"] for line in ci][:1] == [words]  # CI's first install is the README's
+    assert re.search(r"^pytest$", (ROOT / ".ci" / "run").read_text(), re.M)

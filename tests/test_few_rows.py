@@ -23,6 +23,7 @@ from gpt.model.few_rows import MAX_KERNEL_ROWS, kernel_int8_product, kernel_prod
 from gpt.model.layouts import Int8Matrix
 from gpt.model.transformer import forward, lm_head
 
+from bounds import bound
 from conftest import KERNEL_ISAS, some_quick
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,7 +133,7 @@ def test_it_installs_and_runs_without_a_compiler(tmp_path):
     env = {**os.environ, "CC": "false", "CXX": "false"}
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
                               "--no-index", "--target", str(tmp_path / "site"), str(source)],
-                             env=env, capture_output=True, text=True, timeout=300)
+                             env=env, capture_output=True, text=True, timeout=bound(300))
     assert install.returncode == 0, install.stderr
     installed = tmp_path / "site" / "gpt" / "model"
     assert (installed / "few_rows.py").exists() and not list(installed.glob("_cpu_kernels*"))
@@ -142,6 +143,6 @@ def test_it_installs_and_runs_without_a_compiler(tmp_path):
              "x = jnp.asarray(np.arange(-6, 6, dtype=np.int8).reshape(2, 6))\n"
              "print(isa(), product(x, x).tolist())\n")
     ran = subprocess.run([sys.executable, "-c", check], env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
-                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=bound(120))
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["None", "[[91,", "-35],", "[-35,", "55]]"]

@@ -3,21 +3,35 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from bounds import bound
 from training import ROOT
 
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
+
+
+def test_gpu_sh_without_a_gpu_says_so_and_skips_every_job_it_is_not_rehearsing(tmp_path):
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi: bench/gpu.sh runs its jobs for real here")
+    env = {**ENV, "OUT": str(tmp_path), "TRAIN_ARGS": "", "DECODE_ARGS": ""}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "sample", "train", "check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=bound(120))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "no NVIDIA GPU here" in done.stdout and "command not found" not in done.stdout + done.stderr
+    assert [line for line in done.stdout.splitlines() if "skipped" in line] == [
+        f"== {job} skipped: it needs a GPU" for job in ("sample", "train", "check")]
 
 
 @pytest.mark.slow
 def test_gpu_bench_smoke_measures_every_configuration_and_the_torch_peer(tmp_path):
     rows_path, profiles = tmp_path / "rows.json", tmp_path / "profiles"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--smoke", "--json", str(rows_path),
-                           "--profile_dir", str(profiles)], env=ENV, capture_output=True, text=True, timeout=600)
+                           "--profile_dir", str(profiles)], env=ENV, capture_output=True, text=True, timeout=bound(600))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(rows_path.read_text())
     ours = [row for row in rows if row["impl"] == "jax"]
@@ -34,14 +48,14 @@ def test_gpu_bench_smoke_measures_every_configuration_and_the_torch_peer(tmp_pat
         f"smoke-scan{scan}-remat{remat}-baseline" for scan in (0, 1) for remat in (0, 1)]
     for path in profiles.iterdir():
         table = subprocess.run([sys.executable, str(ROOT / "bench" / "step_profile.py"), str(path)], env=ENV,
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=bound(120))
         assert table.returncode == 0 and "| mlp_up bwd |" in table.stdout, table.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_gpu_check_smoke_passes_and_reports_every_check():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke"], env=ENV,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=bound(300))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     checks = [line for line in done.stdout.splitlines() if line.startswith("| ") and "| yes |" in line]
     assert len(checks) == 8, done.stdout
@@ -67,7 +81,7 @@ for step in range(steps):
 
 def test_gpu_bench_refuses_an_unknown_lever_before_any_worker_starts():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--smoke", "--variants",
-                           "baseline", "all+fast_mode"], env=ENV, capture_output=True, text=True, timeout=120)
+                           "baseline", "all+fast_mode"], env=ENV, capture_output=True, text=True, timeout=bound(120))
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().splitlines()[-1].startswith("gpu_bench.py: unknown lever 'fast_mode' in variant")
 
@@ -126,7 +140,7 @@ def test_the_train_and_decode_calls_run_their_variants_and_profile_the_chosen_on
                          "--profile_variants baseline --no-torch",
            "DECODE_ARGS": "--smoke --batches 1 --skip-torch --variants baseline o1", "PROFILE_ARGS": "--smoke"}
     done = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "train", "decode"], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=bound(900))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads((out / "train.json").read_text())
     assert [(row["impl"], row["variant"]) for row in rows] == [
@@ -164,11 +178,11 @@ def test_sample_bench_runs_each_decode_variant_with_its_levers_and_the_same_gree
     # Each variant in a worker of its own, started with its levers; every one decodes the baseline's tokens.
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "sample_bench.py"), "--smoke", "--batches", "2",
                            "--skip-torch", "--variants", "baseline", "chunk4", "all+chunk16"], env=ENV,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=bound(600))
     assert done.returncode == 1 and "unknown lever 'chunk4'" in done.stderr.strip().splitlines()[-1]
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "sample_bench.py"), "--smoke", "--batches", "2",
                            "--skip-torch", "--variants", "baseline", "chunk1", "all+chunk16"], env=ENV,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=bound(600))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])  # the last line: the rows in JSON
     assert [row["impl"].split(", weights none")[-1] for row in rows] == [")", ", chunk1)", ", all+chunk16)"]
@@ -186,7 +200,7 @@ def test_sample_bench_runs_a_llama_shape_as_gpt2s():
     int8 decode's greedy tokens the float32 one's."""
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "sample_bench.py"), "--smoke", "--shape",
                            "smollm2-135m", "--batches", "2", "--skip-torch", "--quantize", "none", "int8"], env=ENV,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=bound(600))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     assert [row["impl"] for row in rows] == ["gpt (jax, float32, weights none)", "gpt (jax, float32, weights int8)"]

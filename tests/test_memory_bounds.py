@@ -18,6 +18,8 @@ from gpt.hardware import parse_topology
 from gpt.inference.engine import Engine
 from gpt.inference.engine_settings import EngineSettings
 
+from bounds import bound
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -68,7 +70,7 @@ def test_serve_py_refuses_them_within_seconds_and_little_memory(tmp_path, flags)
             "runpy.run_path(sys.argv[0], run_name='__main__')")
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", peak, "serve.py", "--init_from", str(directory), "--port", "0",
-                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=bound(120),
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     seconds = time.monotonic() - start
     lines = done.stderr.strip().splitlines()

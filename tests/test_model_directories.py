@@ -17,6 +17,7 @@ import pytest
 from gpt.errors import UserError
 from gpt.loading import load, model_config_of, tokenizer_of
 
+from bounds import bound
 from hf_reference import make_tokenizer, random_hf_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,7 +177,7 @@ def test_the_commands_refuse_a_broken_directory_with_exit_2_before_anything(good
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for command in commands:
         done = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=bound(300))
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and lines[-1].startswith("error: ") and "num_attention_heads is missing" in \
             lines[-1] and "Traceback" not in done.stderr, (command, done.stderr[-2000:])

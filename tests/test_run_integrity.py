@@ -22,6 +22,7 @@ from gpt.train.checkpoint import CheckpointManager, is_finite, load_model
 from gpt.train.optimizer import OptimizerConfig
 from gpt.train.trainer import NonFiniteStep, TrainConfig
 
+from bounds import bound
 from json_fields import HOW, changed, fields
 from training import ROOT, TINY, cli_flags, flat, free_port, run
 
@@ -89,7 +90,7 @@ def test_one_writer_per_out_dir_and_a_killed_runs_lock_does_not_block_its_resume
     together = [train_process(*flags), train_process(*flags)]
     try:
         # Started together: one of them refuses at once, naming the holder.
-        deadline = time.time() + 120
+        deadline = time.time() + bound(120)
         while all(p.poll() is None for p in together):
             assert time.time() < deadline, "neither trainer refused"
             time.sleep(0.2)
@@ -103,7 +104,7 @@ def test_one_writer_per_out_dir_and_a_killed_runs_lock_does_not_block_its_resume
         # Five steps later, a run with another lr refuses too, and leaves the first's files untouched.
         wait_for_step(out, 5, first)
         later = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags, "--lr=0.01"], env=ENV,
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=bound(120))
         assert later.returncode == 2 and "is in use by another training run" in later.stderr, later.stderr
         wait_for_step(out, 12, first)
     finally:
@@ -294,7 +295,7 @@ def test_a_full_disk_stops_the_run_at_that_save_with_the_os_error_last(tmp_path,
             [sys.executable, str(ROOT / "train.py"), *cli_flags(data=(corpus,), out_dir=str(out), max_steps=200,
                                                                checkpoint_interval=2, keep_checkpoints=100,
                                                                eval_interval=1000, num_devices=None)],
-            env=ENV, capture_output=True, text=True, timeout=300)
+            env=ENV, capture_output=True, text=True, timeout=bound(300))
         last_line = result.stderr.strip().splitlines()[-1]
         assert result.returncode == 2, result.stderr[-3000:]  # the user's to make room: as bad input
         assert last_line.startswith("error: saving checkpoint step") and "No space left on device" in last_line, last_line
@@ -345,7 +346,7 @@ def user_error_outcomes(tmp_path_factory) -> list[dict]:
         cases.append([script, [*own_dir, *flags], str(base / str(i))])
     (base / "cases.json").write_text(json.dumps(cases))
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_errors.py"), str(base / "cases.json")],
-                          env={**ENV, "JAX_LOG_COMPILES": "1"}, capture_output=True, text=True, timeout=300)
+                          env={**ENV, "JAX_LOG_COMPILES": "1"}, capture_output=True, text=True, timeout=bound(300))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -423,7 +424,7 @@ def test_two_processes_one_device_each_stop_together_when_only_one_gets_sigterm(
     try:
         wait_for_step(out, 3, workers[0], seconds=180)
         workers[1].send_signal(signal.SIGTERM)
-        outputs = [w.communicate(timeout=180) for w in workers]
+        outputs = [w.communicate(timeout=bound(180)) for w in workers]
     finally:
         for worker in workers:
             stop(worker)
@@ -445,7 +446,7 @@ def test_a_process_that_waits_too_long_for_the_corpus_stops_with_a_clear_error(t
              "--coordinator_address", f"127.0.0.1:{free_port()}", "--num_processes", "2"]
     workers = [train_process(*flags, "--process_id", str(i), env={**ENV, "JAX_PLATFORMS": "cpu"}) for i in range(2)]
     try:
-        outputs = [w.communicate(timeout=180) for w in workers]
+        outputs = [w.communicate(timeout=bound(180)) for w in workers]
     finally:
         for worker in workers:
             stop(worker)
@@ -487,7 +488,7 @@ def test_a_process_that_compiles_slower_than_the_bound_still_trains_with_the_oth
     workers = [train_process(*flags, "--process_id", "0", env=env),
                train_process(*flags, "--process_id", "1", env=env, python_args=("-c", _COMPILES_SLOWER, str(held_s)))]
     try:
-        outputs = [w.communicate(timeout=180) for w in workers]
+        outputs = [w.communicate(timeout=bound(180)) for w in workers]
     finally:
         for worker in workers:
             stop(worker)
@@ -613,7 +614,7 @@ main(sys.argv[1])
 @pytest.mark.parametrize("where, status, name", [("body", 130, "SIGINT"), ("finalizer", 143, "SIGTERM")])
 def test_a_signal_stops_a_cli_at_once_with_one_line(where, status, name):
     result = subprocess.run([sys.executable, "-c", _SIGNALLED_CLI, where], capture_output=True, text=True,
-                            timeout=60, env=ENV)
+                            timeout=bound(60), env=ENV)
     assert result.returncode == status, result.stderr  # a finalizer's signal had been lost: status 0
     assert result.stderr.strip().splitlines()[-1] == f"stopped by {name}"
     assert "never here" not in result.stdout
@@ -661,12 +662,12 @@ def test_output_piped_to_a_reader_that_stops_early_ends_quietly_with_sigpipes_st
                                stderr=subprocess.PIPE, text=True, env=ENV)
     assert process.stdout.readline() == "line 0\n"
     process.stdout.close()  # as `| head -1` does
-    assert process.wait(timeout=60) == 128 + signal.SIGPIPE
+    assert process.wait(timeout=bound(60)) == 128 + signal.SIGPIPE
     assert process.stderr.read() == ""  # it had been a BrokenPipeError's traceback, exit 1
     process.stderr.close()
 
     other = subprocess.run([sys.executable, "-c", _PRINTING_CLI, "another pipe"], capture_output=True, text=True,
-                           timeout=60, env=ENV)
+                           timeout=bound(60), env=ENV)
     assert other.returncode == 1 and "BrokenPipeError" in other.stderr  # a failure elsewhere keeps its traceback
 
 
@@ -696,7 +697,7 @@ def test_when_a_process_dies_the_other_says_which_in_one_line_and_a_restart_resu
     assert f"the newest checkpoint is step {newest}: restart every process" in last_line
 
     workers = start(free_port(), stop_after=newest + 2)
-    outputs = [w.communicate(timeout=180) for w in workers]
+    outputs = [w.communicate(timeout=bound(180)) for w in workers]
     for worker, (_, err) in zip(workers, outputs):
         assert worker.returncode == 0, err[-3000:]
     assert saved_steps(out)[-1] == newest + 2

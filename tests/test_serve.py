@@ -18,6 +18,7 @@ import pytest
 from gpt.model import gpt2
 from gpt.tokenizer import get_tokenizer
 
+from bounds import bound
 from serving import Server, alone
 from training import ROOT
 
@@ -147,6 +148,8 @@ def test_a_short_request_finishes_while_a_long_one_decodes(server):
     ({"model": "tiny", "prompt": ["a", "b", "c"], "n": 6}, "n", r"3 prompts x n=6 is 18 completions; at most 16"),
     ({"model": "tiny", "prompt": "x", "echo": 1}, "echo", "echo must be true or false, got 1"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0; 0 only with echo"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": -1}, "max_tokens", "max_tokens must be >= 1, got -1; 0 only with echo"),
+    ({"model": "tiny", "prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens", "max_tokens must be >= 1, got -1"),
     ({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 6}, "logprobs", r"logprobs must be an integer in \[0, 5\]"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias", "logit_bias is not supported"),
     ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": [1]}, "stream_options", "must be an object"),
@@ -158,6 +161,8 @@ def test_bad_requests_get_400_naming_the_field(server, body, param, message):
     error = reply.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert __import__("re").search(message, error["message"])
+    # Only OpenAI's words for the fields: none of the engine's own names for them.
+    assert not __import__("re").search(r"prompt_logprobs|stop_strings|stop_tokens|max_new_tokens", error["message"])
 
 
 def test_json_infinities_are_bounded_and_huge_knobs_run(server, model):
@@ -254,6 +259,25 @@ def test_metrics_are_exported(server):
 
 
 @pytest.mark.slow
+def test_a_status_line_while_requests_come_and_none_while_idle(model):
+    server = Server(model, settings={"status_interval_s": 0.1}, warmup=False, slots=2, max_queue=4, cache_length=64)
+    try:
+        time.sleep(0.5)  # five intervals with nothing to say
+        assert not [line for line in server.lines if line.startswith("serving:")]
+        server.client.completions.create(model="tiny", prompt="Status", max_tokens=8, temperature=0)
+        with pytest.raises(openai.BadRequestError):
+            server.client.completions.create(model="tiny", prompt="Status", max_tokens=-1)
+        deadline = time.monotonic() + bound(30)
+        while not any("2 requests answered" in line for line in server.lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        line = next(line for line in server.lines if "2 requests answered" in line)
+        assert line.startswith("serving: 0 running, 0 waiting; ") and "tokens/s over the last 10 s" in line, line
+        assert line.endswith("; 8 tokens and 2 requests answered in all (1 refused)"), line
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
 def test_a_full_queue_gets_429_and_a_disconnect_frees_the_slot(model):
     server = Server(model, slots=1, max_queue=1, cache_length=128)
     try:
@@ -289,7 +313,7 @@ def test_a_signal_during_warm_up_stops_the_server_at_once(tmp_path, model):
     try:
         assert next(process.stdout).startswith("warm-up: compiling prefill 1/")
         process.send_signal(signal.SIGTERM)  # 7 more shapes to compile: it had waited for them all, then crashed
-        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+        assert process.wait(timeout=bound(60)) == 128 + signal.SIGTERM
         assert process.stderr.read().strip().endswith("stopped by SIGTERM")
     finally:
         process.kill()
@@ -325,7 +349,7 @@ def test_sigterm_finishes_running_requests_and_exits(tmp_path, model):
         chunks = [json.loads(e[5:]) for e in [first, *rest] if e != "data: [DONE]"]
         assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert "".join(c["choices"][0]["text"] for c in chunks) == alone(model, "Finish me", 100)
-        assert process.wait(timeout=30) == 128 + signal.SIGTERM  # uvicorn re-raises it after its shutdown
+        assert process.wait(timeout=bound(30)) == 128 + signal.SIGTERM  # uvicorn re-raises it after its shutdown
     finally:
         process.kill()
         process.communicate()  # reaps it and closes its pipes

@@ -21,6 +21,7 @@ from gpt.serve import app as app_module
 from gpt.serve.server import startup_lines
 from gpt.tokenizer import get_tokenizer
 
+from bounds import bound
 from serving import Server, alone
 from training import ROOT
 
@@ -276,7 +277,7 @@ def test_out_of_descriptors_the_accept_loop_backs_off_with_one_line_a_second():
         clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(80)]  # more than 48 descriptors
         process.stdin.write("\n")
         process.stdin.flush()
-        out, err = process.communicate(timeout=30)
+        out, err = process.communicate(timeout=bound(30))
     finally:
         process.kill()
         for client in locals().get("clients", []):

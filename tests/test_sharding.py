@@ -24,6 +24,7 @@ from gpt.train.checkpoint import load_model
 from gpt.train.optimizer import OptimizerConfig
 from gpt.train.step import init_train_state, make_train_step
 
+from bounds import bound
 from training import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,7 +229,7 @@ def test_two_processes_train_like_one_process_with_four_devices(tmp_path, corpus
         command += [f"--model.{key}", str(value)]
     workers = [subprocess.Popen(command + ["--process_id", str(i)], env=env, cwd=tmp_path,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    outputs = [w.communicate(timeout=bound(300))[0] for w in workers]
     for worker, output in zip(workers, outputs):
         assert worker.returncode == 0, output[-3000:]
 

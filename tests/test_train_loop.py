@@ -22,6 +22,7 @@ from gpt.train import trainer as train_module
 from gpt.train.checkpoint import CheckpointManager, load_model
 from gpt.train.trainer import NonFiniteStep, TrainConfig, plan, setup
 
+from bounds import bound
 from training import ROOT, TINY, cli_flags, flat, run
 
 # The last commit whose loop read every step's metrics before dispatching the next one.
@@ -150,7 +151,7 @@ def train_with_the_code_of(commit: str, tmp_path, corpus) -> None:
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
     env = {**os.environ, "PYTHONPATH": str(old), "JAX_PLATFORMS": "cpu"}
     written = subprocess.run([sys.executable, str(old / "train.py"), *flags], cwd=old, env=env,
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=bound(300))
     assert written.returncode == 0, written.stderr[-3000:]
 
 

@@ -231,9 +231,9 @@ def parse_completion(raw: bytes, limits: Limits) -> Parsed:
     logprobs = _number(body, "logprobs", None, int)  # None: none; 0: the chosen tokens' own; k: and top k
     echo, stream = _flag(body, "echo"), _flag(body, "stream")
     max_tokens = _number(body, "max_tokens", 16, int)
-    if max_tokens == 0 and not echo:
-        raise ApiError(400, "max_tokens must be >= 1, got 0; 0 only with echo: true, which scores the prompt and "
-                            "generates nothing", "max_tokens")
+    if max_tokens < 0 or max_tokens == 0 and not echo:
+        raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}; 0 only with echo: true, which scores the "
+                            f"prompt and generates nothing", "max_tokens")
     seed = _number(body, "seed", None, int)
     if seed is not None and not 0 <= seed < 2**32:  # the sampler's key holds 32 bits: a larger one would alias
         raise ApiError(400, f"seed must be in [0, 2**32), got {describe(seed)}", "seed")
