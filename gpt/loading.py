@@ -19,7 +19,7 @@ from gpt.run_dir import has_checkpoint
 from gpt.run_tokenizer import run_tokenizer
 from gpt.tokenizer import TextTokenizer, get_tokenizer
 
-__all__ = ["load", "load_draft", "model_config_of", "tokenizer_of", "ModelChoice"]
+__all__ = ["load", "load_draft", "model_config_of", "tokenizer_of", "end_of_turn_of", "ModelChoice"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,15 @@ def tokenizer_of(init_from: str) -> TextTokenizer:
     if pretrained.is_pretrained(init_from):
         return pretrained.Checkpoint.at(init_from).tokenizer()
     return get_tokenizer()  # nothing to read here: `load` says so, naming its flag
+
+
+def end_of_turn_of(init_from: str) -> tuple[int, ...]:
+    """The ids beside its tokenizer's end of text where what `load(init_from)` loads ends a reply: a Hugging Face
+    directory's generation_config.json's (an instruct model's end of turn); () for a training run."""
+    init_from = pretrained.located(init_from)
+    if not has_checkpoint(init_from) and pretrained.is_pretrained(init_from):
+        return pretrained.Checkpoint.at(init_from).end_of_turn()
+    return ()
 
 
 def _not_a_model(init_from: str, flag: str = "init_from", also: str = "") -> MissingInput:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import tyro
 
+from gpt.chat import Conversation, converse
+from gpt.chat_template import ChatTemplate
 from gpt.compilation_cache import CompileCacheChoice
 from gpt.errors import ConfigError, MissingInput, check_fits_in_memory
 from gpt.generate import cache_length_for, generate_text, new_tokens_that_fit
@@ -17,10 +19,10 @@ from gpt.inference.engine_settings import DraftChoice
 from gpt.inference.request import check_prompts
 from gpt.inference.sampling import Sampling
 from gpt.inference.speculation import check_draft
-from gpt.loading import ModelChoice, load, load_draft, tokenizer_of
+from gpt.loading import ModelChoice, end_of_turn_of, load, load_draft, tokenizer_of
 from gpt.model.sharding import make_mesh, parse_mesh
 
-__all__ = ["SampleConfig", "sample"]
+__all__ = ["SampleConfig", "sample", "talk"]
 
 _DEFAULT_NEW_TOKENS = 200
 # What a sample keeps for each of its tokens on the host: a Python int in a list (~36 bytes), a slot of the
@@ -44,6 +46,11 @@ class SampleConfig(DraftChoice, ModelChoice, CompileCacheChoice):
     seed: int = 1337
     stream: bool = False
     """Print each sample's text as it is produced (samples are then generated one after another)."""
+    chat: bool = False
+    """Hold a conversation in the terminal instead (`gpt.chat`): a model with a chat template (an instruct
+    checkpoint's); --start and --num_samples do not apply."""
+    system: str = ""
+    """With --chat: the system message that opens the conversation (none by default)."""
 
 
 def _prompt(start: str) -> str:
@@ -99,3 +106,27 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
         for text in texts:
             out.write(start + text + "\n---------------\n")
     return texts
+
+
+def talk(config: SampleConfig, read=input, out=sys.stdout) -> list[dict]:
+    """`sample.py --chat`: a conversation with `config`'s model in the terminal (`gpt.chat.converse`), its lines read
+    with `read`; ConfigError, before the model is loaded, where it has no chat template."""
+    config.sampling.check()
+    check_draft(config.draft, config.draft_tokens, names_a_model=True)
+    if config.max_new_tokens is not None and config.max_new_tokens < 1:
+        raise ConfigError(f"SampleConfig.max_new_tokens must be >= 1, got {config.max_new_tokens}")
+    tokenizer = tokenizer_of(config.init_from)
+    template = ChatTemplate.of(tokenizer)
+    if template is None:
+        raise ConfigError(f"--init_from {config.init_from!r} has no chat template (tokenizer_config.json's "
+                          f"chat_template, or chat_template.jinja beside its tokenizer): sample.py without --chat "
+                          f"continues a text instead")
+    end_of_turn = tuple(dict.fromkeys([*([] if tokenizer.eot_id is None else [tokenizer.eot_id]),
+                                       *end_of_turn_of(config.init_from)]))
+    mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
+    draft, model = load_draft(config.draft, config.dtype, tokenizer), load(config.init_from, config.dtype)
+    decoder = Decoder.of(model, config.quantize, mesh)
+    draft = make_drafter(draft, decoder, model.config.block_size)
+    opening = [{"role": "system", "content": config.system}] if config.system else []
+    return converse(Conversation(decoder, tokenizer, template, end_of_turn, config.sampling, config.seed,
+                                 config.max_new_tokens, draft, config.draft_tokens, opening), read, out)

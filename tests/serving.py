@@ -36,9 +36,10 @@ class Server:
     """serve.py's server (its connection limits and graceful shutdown) on a thread, on an ephemeral port;
     `settings`: ServeConfig fields (api_key, max_connections, header_timeout_s, shutdown_deadline_s, ...).
     `delay_s` slows each engine round (to hold requests in flight); stop() always ends it. `warmup=False`
-    starts it without compiling every program first (each compiles at its first use instead)."""
+    starts it without compiling every program first (each compiles at its first use instead). `end_of_turn`:
+    the ids a chat reply ends at beside the tokenizer's end of text."""
 
-    def __init__(self, model, settings: dict | None = None, warmup: bool = True, **engine_args):
+    def __init__(self, model, settings: dict | None = None, warmup: bool = True, end_of_turn=(), **engine_args):
         self.engine = Engine(model, **engine_args)
         self.delay_s = 0.0
         step = self.engine.step
@@ -48,7 +49,7 @@ class Server:
         app = create_app(self.engine, "tiny", warmup=warmup, log=self.lines.append, api_key=self.settings.api_key,
                          shutdown_deadline_s=self.settings.shutdown_deadline_s,
                          playground=not self.settings.no_playground,
-                         status_interval_s=self.settings.status_interval_s)
+                         status_interval_s=self.settings.status_interval_s, end_of_turn=end_of_turn)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

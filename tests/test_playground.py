@@ -18,6 +18,7 @@ from gpt.serve.playground import SECURITY_HEADERS
 from gpt.tokenizer import get_tokenizer
 from gpt.tokenizer_json import TokenizerJson
 
+from chat_templates import CONVERSATION, STEPS, make_chat_model
 from hf_reference import LLAMA_SHAPE, make_tokenizer, random_hf_llama
 from serving import Server, decisive_model
 
@@ -324,3 +325,44 @@ def test_the_printing_model_prints(tmp_path):
     text = generate_text(printing_model(HTML, PRINTER_PROMPT), [PRINTER_PROMPT], len(get_tokenizer().encode(HTML)),
                          sampling=GREEDY)[0]
     assert text == HTML
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory, prose_text):
+    from gpt.loading import end_of_turn_of, load, tokenizer_of
+
+    _, directory, _, _, _ = make_chat_model(tmp_path_factory.mktemp("chat"), prose_text[:100_000])
+    server = Server(load(str(directory)), tokenizer=tokenizer_of(str(directory)),
+                    end_of_turn=end_of_turn_of(str(directory)), warmup=False, slots=2, cache_length=256)
+    yield server
+    server.stop()
+
+
+def test_the_chat_tab_holds_a_conversation_as_the_api_answers_it(chat_server, browser):
+    browser.get(chat_server.url + "/")
+    browser.find_element(By.ID, "mode-chat").click()
+    fill(browser, "chat-system", CONVERSATION[0]["content"])
+    fill(browser, "max-tokens", STEPS)
+    fill(browser, "temperature", 0)
+    messages = [CONVERSATION[0]]
+    for text in (CONVERSATION[1]["content"], HTML):  # the second: markup typed by the user, shown as text
+        browser.execute_script("document.getElementById('chat-input').value = arguments[0]", text)
+        browser.find_element(By.ID, "chat-send").click()
+        wait(browser, lambda: status(browser).startswith(("done", "error", "stopped")))
+        messages.append({"role": "user", "content": text})
+        expected = chat_server.client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=STEPS, temperature=0, logprobs=True, top_logprobs=5)
+        choice = expected.choices[0]
+        assert status(browser) == f"done ({choice.finish_reason})"
+        turns = browser.execute_script("""return [...document.querySelectorAll('#conversation .turn')].map((turn) => ({
+            role: turn.classList.contains('user') ? 'user' : 'assistant', text: turn.textContent,
+            tokens: [...turn.querySelectorAll('.token')].map((s) => [s.textContent, Number(s.dataset.logprob)])}));""")
+        assert turns[-2] == {"role": "user", "text": text, "tokens": []}
+        assert [token for token, _ in turns[-1]["tokens"]] == [t.token for t in choice.logprobs.content]
+        np.testing.assert_allclose([lp for _, lp in turns[-1]["tokens"]], [t.logprob for t in choice.logprobs.content],
+                                   rtol=1e-5, atol=1e-5)
+        messages.append({"role": "assistant", "content": choice.message.content})
+    assert browser.execute_script("return document.querySelectorAll('#conversation img, #conversation script').length") == 0
+    assert "pwned" not in browser.execute_script("return Object.keys(document.body.dataset)")
+    browser.find_element(By.ID, "chat-reset").click()
+    assert browser.execute_script("return document.querySelectorAll('#conversation .turn').length") == 0

@@ -239,9 +239,9 @@ def test_a_body_over_the_limit_gets_413_unread_and_the_server_stays_up(server, m
 
 
 def test_unknown_routes_get_openai_errors(server):
-    with pytest.raises(openai.NotFoundError, match="POST /v1/chat/completions: Not Found; this server answers POST "
-                                                   "/v1/completions"):
-        server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.NotFoundError, match="POST /v1/embeddings: Not Found; this server answers POST "
+                                                   "/v1/completions, POST /v1/chat/completions"):
+        server.client.embeddings.create(model="tiny", input="Hi")
     reply = httpx.get(server.url + "/v1/completions")
     assert reply.status_code == 405 and reply.headers["allow"] == "POST"
     assert reply.json()["error"]["message"].startswith("GET /v1/completions: Method Not Allowed")

@@ -37,7 +37,7 @@ from gpt.inference.decoding import (
 from gpt.inference.drafters import Drafter
 from gpt.inference.request import Request
 from gpt.inference.sampling import GREEDY, SamplingParams
-from gpt.model.sharding import data_parallel_size
+from gpt.model.sharding import data_parallel_size, devices_of
 from gpt.program_report import check_compiled_fits, sharded_bytes
 
 __all__ = ["DeviceSlots", "FIT_ADVICE", "COMPILED", "compiled_decode", "compiled_init_slots", "compiled_prefill",
@@ -131,7 +131,7 @@ the slots keep what it needs) a decode may verify up to `max_draft_tokens` of it
             check_compiled_fits(decode, devices, "decode", setting, self.fit_advice)
 
     def _devices(self) -> list:
-        return list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
+        return devices_of(self.mesh)
 
     def settings(self, request: Request, stops: Sequence[int]) -> Settings:
         """A request's knobs as host scalars (one row of an Admission's settings); `stops`: its stop tokens,

@@ -61,6 +61,7 @@ from gpt.inference.shapes import (
     pieces_after_prefixes,
     prompt_buckets,
 )
+from gpt.model.sharding import devices_of
 from gpt.model.transformer import GPT
 from gpt.tokenizer import get_tokenizer
 
@@ -94,7 +95,7 @@ class Engine:
         config = model.config
         self.settings = s = dataclasses.replace(settings or EngineSettings(), **changes).checked(config)
         mesh = model.mesh if isinstance(model, Decoder) and mesh is None else mesh
-        s.check_state_fits(config, list(mesh.devices.flat) if mesh is not None else jax.devices()[:1], fit_advice)
+        s.check_state_fits(config, devices_of(mesh), fit_advice)
         decoder = Decoder.of(model, quantize, mesh)
         drafter = make_drafter(s.draft, decoder, s.cache_length)
         self.device = DeviceSlots(decoder, s.slots, s.cache_length, s.max_stop_tokens, s.steps_per_call, drafter,

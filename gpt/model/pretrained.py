@@ -13,7 +13,7 @@ from gpt.errors import ConfigError, MissingInput
 from gpt.model import gpt2, llama
 from gpt.model.config import GPTConfig
 from gpt.model.families import Family, by_model_type
-from gpt.model.hf_files import hub_snapshot, read_config_json
+from gpt.model.hf_files import hub_snapshot, read_config_json, read_json_file
 from gpt.model.transformer import GPT
 from gpt.tokenizer import TextTokenizer, get_tokenizer
 from gpt.tokenizer_json import TokenizerJson
@@ -76,6 +76,19 @@ class Checkpoint:
         """Its GPT: `dtype` to compute in, `param_dtype` to store (default: dtype)."""
         return self.reader.load(self.directory, dtype=dtype, param_dtype=param_dtype, hf_config=self.hf_config)
 
+    def end_of_turn(self) -> tuple[int, ...]:
+        """The ids its generation_config.json ends a generation at (`eos_token_id`: one id, or a list: an instruct
+        model's end of turn beside its end of text); () where it has none."""
+        path = self.directory / "generation_config.json"
+        record = read_json_file(path) if path.exists() else {}
+        ids = record.get("eos_token_id") if isinstance(record, dict) else None
+        ids = [ids] if _is_id(ids) else ids if ids is not None else []
+        vocabulary = self.config().vocab_size
+        if not isinstance(ids, list) or not all(_is_id(i) and i < vocabulary for i in ids):
+            raise ConfigError(f"{path}'s eos_token_id must be a token id or a list of them, each in [0, {vocabulary}), "
+                              f"got {str(ids)[:80]}")
+        return tuple(ids)
+
     def tokenizer(self) -> TextTokenizer:
         """The tokenizer that reads its text: GPT-2's for a GPT-2, else its own (its tokenizer.json); ConfigError
         naming both sizes where it has more tokens than the model's vocabulary (their ids would index past the
@@ -92,3 +105,7 @@ class Checkpoint:
             raise ConfigError(f"the tokenizer of {self.directory} has {tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size of {vocab_size} (config.json)")
         return tokenizer
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gpt.errors import ConfigError
 
-__all__ = ["MESH_AXES", "RULES", "logical_to_spec", "constrain", "make_mesh", "parse_mesh", "param_shardings",
+__all__ = ["MESH_AXES", "RULES", "logical_to_spec", "constrain", "make_mesh", "parse_mesh", "devices_of", "param_shardings",
            "shard_state", "abstract", "replicated", "batch_sharding", "data_parallel_size", "bytes_per_device",
            "initialize_distributed"]
 
@@ -168,6 +168,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def batch_sharding(mesh: Mesh, axes: Sequence[str | None] = ("batch", None)) -> NamedSharding:
     """Token batches: the `batch` axis split over every data-parallel mesh axis."""
     return NamedSharding(mesh, logical_to_spec(axes))
+
+
+def devices_of(mesh: Mesh | None) -> list:
+    """The devices a program runs on: the mesh's, or the first device where there is no mesh."""
+    return list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
 
 
 def data_parallel_size(mesh: Mesh) -> int:

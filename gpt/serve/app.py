@@ -5,6 +5,10 @@
                            echo (the prompt before the completion, its tokens scored when logprobs is
                            given; with max_tokens 0 the prompt is only scored), and the extras top_k,
                            min_p, repetition_penalty
+    POST /v1/chat/completions  messages (system, developer, user, assistant; content as text or text parts)
+                           rendered by the model's chat template, max_tokens / max_completion_tokens,
+                           temperature, top_p, n, stop, seed, stream (delta chunks), logprobs and
+                           top_logprobs, chat_template_kwargs (`gpt.serve.chat_protocol`)
     GET  /v1/models        the one model served (and /v1/models/NAME: it, or 404)
     GET  /tokenizer_info   the tokenizer's special tokens and the context (as vLLM answers it)
     POST /tokenize         {"prompt": text, "add_special_tokens": true} -> {"tokens": ids, "count", "max_model_len"}
@@ -35,7 +39,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import prometheus_client
 from fastapi import FastAPI
@@ -44,9 +48,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from gpt.chat_template import ChatTemplate
 from gpt.inference.completion import Completion
 from gpt.inference.engine import Engine
 from gpt.inference.scheduler import EngineStopped, QueueFull
+from gpt.serve.chat_protocol import parse_chat
 from gpt.serve.metrics import Metrics
 from gpt.serve.playground import PAGE_PATHS, add_playground_routes
 from gpt.serve.protocol import ApiError, Limits, parse_completion, parse_detokenize, parse_tokenize
@@ -57,7 +63,8 @@ __all__ = ["create_app", "error_reply", "OPEN_PATHS"]
 # Answered without the API key: probes, scrapers, and the playground's files (no model data; its requests
 # to the API carry the key).
 OPEN_PATHS = ("/health", "/metrics", *PAGE_PATHS)
-_ROUTES = ("POST /v1/completions, GET /v1/models, GET /tokenizer_info, POST /tokenize, POST /detokenize, "
+_ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /tokenizer_info, POST /tokenize, "
+           "POST /detokenize, "
            "GET /openapi.json, GET /health, GET /metrics and GET / (the playground)")
 # Parsing a body this small on the event loop costs less than handing it to a thread.
 _INLINE_BODY_BYTES = 16 << 10
@@ -137,16 +144,19 @@ class _Served:
 
 def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown_deadline_s: float = 10.0,
                max_request_bytes: int = 8 << 20, api_key: str | None = None, playground: bool = True,
-               log: Callable[[str], None] = print, status_interval_s: float = 0.0) -> FastAPI:
+               log: Callable[[str], None] = print, status_interval_s: float = 0.0,
+               end_of_turn: Sequence[int] = ()) -> FastAPI:
     """The ASGI app over `engine`. Its lifespan warms the engine up and starts its thread, and at shutdown
     stops it (running requests get up to `shutdown_deadline_s`, then end with finish_reason "abort"). A
     body over `max_request_bytes` gets 413; with `api_key`, a request without it gets 401. `playground`
     serves the page at `/`. With `status_interval_s`, a status line (`Metrics.status_line`) goes to `log` that
-    often while anything changes."""
+    often while anything changes. A chat reply ends at the tokenizer's end of text and at `end_of_turn`'s ids
+    (`gpt.loading.end_of_turn_of`: an instruct model's)."""
     tokenizer = engine.tokenizer
     eot = tokenizer.eot_id if tokenizer.eot_id is not None and engine.config.vocab_size > tokenizer.eot_id else None
+    stops = tuple(dict.fromkeys([*([] if eot is None else [eot]), *end_of_turn]))
     limits = Limits(model_name, engine.config.vocab_size, engine.cache_length, engine.max_queue,
-                    engine.max_stop_tokens, eot, tokenizer)
+                    engine.max_stop_tokens, eot, tokenizer, ChatTemplate.of(tokenizer), stops)
     served = _Served(engine, model_name, limits, Metrics(engine), max_request_bytes)
     state = {"serving": False}
 
@@ -156,7 +166,8 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
             await asyncio.to_thread(engine.warmup, log)
         engine.start()
         state["serving"] = True
-        status = asyncio.create_task(_status_lines(served.metrics, status_interval_s, log)) if status_interval_s else None
+        status = (asyncio.create_task(_status_lines(served.metrics, status_interval_s, log))
+                  if status_interval_s else None)
         try:
             yield
         finally:
@@ -178,12 +189,11 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True, shutdown
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
-        try:
-            reply = await _complete(http, served)
-        except Exception as error:  # every failure, expected or not, answered and counted here
-            reply = error_reply(error)
-        served.metrics.requests.labels(str(reply.status_code)).inc()
-        return reply
+        return await _answered(http, served, parse_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest):
+        return await _answered(http, served, parse_chat)
 
     return app
 
@@ -281,11 +291,21 @@ def _add_tokenizer_routes(app: FastAPI, served: _Served) -> None:
         return Response(reply, media_type="application/json")
 
 
-async def _complete(http: HTTPRequest, served: _Served) -> Response:
-    """A /v1/completions request: parsed, submitted, then streamed or answered whole; raises what
-    `error_reply` answers."""
+async def _answered(http: HTTPRequest, served: _Served, parse) -> Response:
+    """A completions or chat request's reply, whatever happens (an error as `error_reply` answers it), counted."""
+    try:
+        reply = await _complete(http, served, parse)
+    except Exception as error:  # every failure, expected or not, answered and counted here
+        reply = error_reply(error)
+    served.metrics.requests.labels(str(reply.status_code)).inc()
+    return reply
+
+
+async def _complete(http: HTTPRequest, served: _Served, parse) -> Response:
+    """A /v1/completions or /v1/chat/completions request, read by `parse`: submitted, then streamed or answered
+    whole; raises what `error_reply` answers."""
     arrived = time.monotonic()
-    parsed = await _off_the_loop(parse_completion, await _read_body(http, served.max_request_bytes), served.limits)
+    parsed = await _off_the_loop(parse, await _read_body(http, served.max_request_bytes), served.limits)
     choices = [Choice(i, r.prompt, text) for i, (r, text) in enumerate(zip(parsed.requests, parsed.prompt_texts))]
     updates: asyncio.Queue = asyncio.Queue()
     hook = _updates_hook(served.metrics, arrived, updates, asyncio.get_running_loop())
@@ -296,7 +316,9 @@ async def _complete(http: HTTPRequest, served: _Served) -> Response:
         _cancel(choices)
         raise
 
-    header = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+    kind = ("chatcmpl", "chat.completion.chunk" if parsed.stream else "chat.completion") if parsed.chat else \
+        ("cmpl", "text_completion")
+    header = {"id": f"{kind[0]}-{uuid.uuid4().hex}", "object": kind[1], "created": int(time.time()),
               "model": served.model_name}
     next_update = lambda: wait_for_update(updates, http.is_disconnected)  # noqa: E731
     if parsed.stream:

@@ -22,8 +22,8 @@ from gpt.inference.request import Request, check_request, is_int
 from gpt.inference.sampling import Sampling
 from gpt.tokenizer import get_tokenizer
 
-__all__ = ["ApiError", "Limits", "Parsed", "parse_json", "parse_completion", "parse_tokenize", "parse_detokenize",
-           "describe"]
+__all__ = ["ApiError", "Limits", "Parsed", "Knobs", "parse_json", "parse_completion", "parse_tokenize",
+           "parse_detokenize", "describe", "read_body", "read_knobs", "checked", "number"]
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256  # longer than any stop string a client means
@@ -48,7 +48,8 @@ class Limits:
 
     model_name: the name clients must send; vocab_size, cache_length, max_queue, max_stop_tokens: the
     engine's; eot: the end-of-text id every completion stops at (None when the vocabulary has none);
-    tokenizer: what reads and writes the text (the engine's: GPT-2's, or a model's own); max_depth: how deeply
+    tokenizer: what reads and writes the text (the engine's: GPT-2's, or a model's own); chat, end_of_turn: the
+    chat template and where a reply ends (chat requests); max_depth: how deeply
     JSON arrays and objects may nest; max_prompt_chars (derived): the most characters a prompt string can
     have and still fit the cache in tokens, found from the vocabulary's longest token when the limits are
     made (at start-up, not on a request's clock).
@@ -61,6 +62,10 @@ class Limits:
     max_stop_tokens: int
     eot: int | None
     tokenizer: object = dataclasses.field(default_factory=get_tokenizer, compare=False)
+    chat: object = None
+    """The model's chat template (`gpt.chat_template.ChatTemplate`); None where it has none."""
+    end_of_turn: tuple[int, ...] = ()
+    """The ids a chat reply stops at: the end of the assistant's turn and the end of the text."""
     max_depth: int = 32
     max_prompt_chars: int = dataclasses.field(init=False)
 
@@ -82,6 +87,8 @@ class Parsed:
     prompt_tokens: int
     include_usage: bool
     tokenizer: object
+    chat: bool = False
+    """A chat request: answered in the chat completions' shape."""
 
 
 @functools.cache
@@ -139,7 +146,7 @@ def _field_of(message: str) -> str | None:
     return first if first in _FIELDS else "prompt" if message.startswith("prompt") else None
 
 
-def _number(body: dict, name: str, default, kind=float):
+def number(body: dict, name: str, default, kind=float):
     """body[name] as a `kind` (int or float), `default` when absent or null; ApiError 400 naming it when it
     is not a number, not an integer where one is needed, or too large for a float."""
     value = body.get(name, default)
@@ -210,60 +217,92 @@ def _check_model(body: dict, limits: Limits, required: bool = True) -> None:
         raise ApiError(400, f"model {shown} is not served here; the model is {limits.model_name!r}", "model")
 
 
-def parse_completion(raw: bytes, limits: Limits) -> Parsed:
-    """A /v1/completions body, parsed and checked against `limits`; ApiError (400) naming the first field
-    that is wrong. Prompts are tokenized here, after every cheaper check."""
+def read_body(raw: bytes, limits: Limits, unsupported: dict[str, tuple]) -> dict:
+    """The body as a JSON object naming the served model, with none of the `unsupported` fields set to other than
+    their inert values; ApiError 400 otherwise."""
     body = parse_json(raw, limits.max_depth)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_model(body, limits)
-    for name, inert in _UNSUPPORTED.items():
+    for name, inert in unsupported.items():
         if body.get(name) not in inert:
             raise ApiError(400, f"{name} is not supported by this server (got {describe(body[name])})", name)
-    raw_prompts = _prompt_list(body)
-    n = _number(body, "n", 1, int)
+    return body
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+    """What a completions and a chat request share: n, stop strings, the seed, sampling, streaming."""
+
+    n: int
+    stop: tuple[str, ...]
+    seed: int
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+
+
+def read_knobs(body: dict, limits: Limits, prompts: int = 1) -> Knobs:
+    """The shared fields of a body with `prompts` prompts, checked; ApiError 400 naming the first that is wrong."""
+    n = number(body, "n", 1, int)
     if not 1 <= n <= limits.max_queue:
         raise ApiError(400, f"n must be in [1, {limits.max_queue}], got {n}", "n")
-    if len(raw_prompts) * n > limits.max_queue:  # more than the queue holds could never be admitted
-        raise ApiError(400, f"{len(raw_prompts)} prompts x n={n} is {len(raw_prompts) * n} completions; at most "
+    if prompts * n > limits.max_queue:  # more than the queue holds could never be admitted
+        raise ApiError(400, f"{prompts} prompts x n={n} is {prompts * n} completions; at most "
                             f"{limits.max_queue} (the server's max_queue) fit in one request", "n")
     stop = _stop_strings(body)
-    logprobs = _number(body, "logprobs", None, int)  # None: none; 0: the chosen tokens' own; k: and top k
-    echo, stream = _flag(body, "echo"), _flag(body, "stream")
-    max_tokens = _number(body, "max_tokens", 16, int)
-    if max_tokens < 0 or max_tokens == 0 and not echo:
-        raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}; 0 only with echo: true, which scores the "
-                            f"prompt and generates nothing", "max_tokens")
-    seed = _number(body, "seed", None, int)
+    stream = _flag(body, "stream")
+    seed = number(body, "seed", None, int)
     if seed is not None and not 0 <= seed < 2**32:  # the sampler's key holds 32 bits: a larger one would alias
         raise ApiError(400, f"seed must be in [0, 2**32), got {describe(seed)}", "seed")
     sampling = Sampling(
-        temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", None),
-        top_k=_number(body, "top_k", None, int) or None,  # 0 is a common way to say "no top-k"
-        min_p=_number(body, "min_p", None), repetition_penalty=_number(body, "repetition_penalty", 1.0))
+        temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", None),
+        top_k=number(body, "top_k", None, int) or None,  # 0 is a common way to say "no top-k"
+        min_p=number(body, "min_p", None), repetition_penalty=number(body, "repetition_penalty", 1.0))
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
         if getattr(sampling, name) is not None and not math.isfinite(getattr(sampling, name)):
             raise ApiError(400, f"{name} must be finite, got {getattr(sampling, name)}", name)
-    knobs = dict(max_tokens=max_tokens, sampling=sampling, seed=secrets.randbits(32) if seed is None else seed,
-                 stop_strings=stop, logprobs=logprobs or 0, stop_tokens=(limits.eot,) if limits.eot is not None else (),
-                 prompt_logprobs=echo and (logprobs is not None or max_tokens == 0))
     stream_options = {} if body.get("stream_options") is None else body["stream_options"]
     if not isinstance(stream_options, dict) or not isinstance(stream_options.get("include_usage", False), bool):
         raise ApiError(400, "stream_options must be an object like {\"include_usage\": true}, got "
                             f"{describe(body.get('stream_options'))}", "stream_options")
-    prompts = _tokenized(raw_prompts, limits)  # after every cheaper check
-    requests, texts = [], []
-    for prompt, sent in zip(prompts, raw_prompts):
-        text = sent if isinstance(sent, str) else limits.tokenizer.decode(prompt) if echo else ""
-        requests += [Request(prompt, stream=j, **knobs) for j in range(n)]
-        texts += [text] * n
+    return Knobs(n, stop, secrets.randbits(32) if seed is None else seed, sampling, stream,
+                 stream_options.get("include_usage", False))
+
+
+def checked(requests: list[Request], limits: Limits) -> list[Request]:
+    """`requests`, each checked against the engine's bounds; ApiError 400 naming the field of the first out."""
     try:
         for request in requests:
             check_request(request, limits.vocab_size, limits.cache_length, limits.max_stop_tokens)
     except ConfigError as e:
         raise ApiError(400, str(e), _field_of(str(e))) from None
-    return Parsed(requests, texts, stream, logprobs, echo, sum(map(len, prompts)),
-                  stream_options.get("include_usage", False), limits.tokenizer)
+    return requests
+
+
+def parse_completion(raw: bytes, limits: Limits) -> Parsed:
+    """A /v1/completions body, parsed and checked against `limits`; ApiError (400) naming the first field
+    that is wrong. Prompts are tokenized here, after every cheaper check."""
+    body = read_body(raw, limits, _UNSUPPORTED)
+    raw_prompts = _prompt_list(body)
+    knobs = read_knobs(body, limits, len(raw_prompts))
+    logprobs = number(body, "logprobs", None, int)  # None: none; 0: the chosen tokens' own; k: and top k
+    echo = _flag(body, "echo")
+    max_tokens = number(body, "max_tokens", 16, int)
+    if max_tokens < 0 or max_tokens == 0 and not echo:
+        raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}; 0 only with echo: true, which scores the "
+                            f"prompt and generates nothing", "max_tokens")
+    each = dict(max_tokens=max_tokens, sampling=knobs.sampling, seed=knobs.seed, stop_strings=knobs.stop,
+                logprobs=logprobs or 0, stop_tokens=(limits.eot,) if limits.eot is not None else (),
+                prompt_logprobs=echo and (logprobs is not None or max_tokens == 0))
+    prompts = _tokenized(raw_prompts, limits)  # after every cheaper check
+    requests, texts = [], []
+    for prompt, sent in zip(prompts, raw_prompts):
+        text = sent if isinstance(sent, str) else limits.tokenizer.decode(prompt) if echo else ""
+        requests += [Request(prompt, stream=j, **each) for j in range(knobs.n)]
+        texts += [text] * knobs.n
+    return Parsed(checked(requests, limits), texts, knobs.stream, logprobs, echo, sum(map(len, prompts)),
+                  knobs.include_usage, limits.tokenizer)
 
 
 def parse_tokenize(raw: bytes, limits: Limits) -> tuple[str, bool]:

@@ -1,6 +1,6 @@
-"""What the completions API sends back: each choice's text and logprobs (OpenAI's legacy completions
-objects), the usage, and a streamed reply's server-sent events. No HTTP framework here: the app turns
-these into responses."""
+"""What the completions and chat completions APIs send back: each choice's text and logprobs (OpenAI's legacy
+completions objects, or the chat's message, delta and logprobs objects), the usage, and a streamed reply's
+server-sent events. No HTTP framework here: the app turns these into responses."""
 
 from __future__ import annotations
 
@@ -37,14 +37,15 @@ def _prompt_scores(choice: Choice) -> list[_Scored]:
     return list(zip(choice.prompt, c.prompt_logprobs, c.prompt_top_logprobs))
 
 
-def _completion_scores(choice: Choice, start: int, end: int, done: bool) -> list[_Scored]:
-    """Tokens start..end of the completion with their scores, and once it is done, the stop token that
-    ended it (in no text: as OpenAI and vLLM report it, so that a client scoring the prompt with
-    `echo` and one generated token always finds the last token its own)."""
+def _completion_scores(choice: Choice, start: int, end: int, done: bool, chat: bool) -> list[_Scored]:
+    """Tokens start..end of the completion with their scores, and once it is done, a completion's stop token
+    that ended it (in no text: as OpenAI and vLLM report it, so that a client scoring the prompt with
+    `echo` and one generated token always finds the last token its own; a chat reply's end of turn is not
+    reported, as OpenAI's chat does not)."""
     c = choice.completion
     tops = c.top_logprobs[start:end] if c.request.logprobs else [None] * (end - start)
     scored = list(zip(c.tokens[start:end], c.logprobs[start:end], tops))
-    return scored + [c.stop_token] if done and c.stop_token is not None else scored
+    return scored + [c.stop_token] if done and not chat and c.stop_token is not None else scored
 
 
 def _logprobs(scored: list[_Scored], text_offset: int, top: int, tokenizer) -> dict:
@@ -65,13 +66,39 @@ def _logprobs(scored: list[_Scored], text_offset: int, top: int, tokenizer) -> d
     }
 
 
+def _chat_logprobs(scored: list[_Scored], tokenizer) -> dict:
+    """OpenAI's chat logprobs object for `scored` tokens: each token's text, log-probability, bytes and top
+    alternatives."""
+    def entry(token: int, logprob: float) -> dict:
+        spelled = tokenizer.token_bytes(token)
+        return {"token": spelled.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(spelled)}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alternatives or []]}
+                        for t, lp, alternatives in scored]}
+
+
+def _entry(parsed: Parsed, choice: Choice, text: str, scored: list[_Scored], finish_reason: str | None,
+           offset: int, delta: dict | None = None) -> dict:
+    """One choice's entry: a completion's text, or a chat's message (`delta` None) or delta; its logprobs."""
+    if parsed.logprobs is None:
+        logprobs = None
+    elif parsed.chat:
+        logprobs = _chat_logprobs(scored, parsed.tokenizer)
+    else:
+        logprobs = _logprobs(scored, offset, parsed.logprobs, parsed.tokenizer)
+    if not parsed.chat:
+        return {"text": text, "index": choice.index, "finish_reason": finish_reason, "logprobs": logprobs}
+    said = {"message": {"role": "assistant", "content": text}} if delta is None else {"delta": delta}
+    return {"index": choice.index, **said, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 def choice_json(choice: Choice, parsed: Parsed) -> dict:
     """A finished choice as a plain (not streamed) reply's entry."""
     c = choice.completion
-    scored = (_prompt_scores(choice) if parsed.echo else []) + _completion_scores(choice, 0, len(c.tokens), True)
-    return {"text": (choice.prompt_text if parsed.echo else "") + c.text.finish(), "index": choice.index,
-            "finish_reason": c.finish_reason,
-            "logprobs": _logprobs(scored, 0, parsed.logprobs, parsed.tokenizer) if parsed.logprobs is not None else None}
+    scored = ((_prompt_scores(choice) if parsed.echo else [])
+              + _completion_scores(choice, 0, len(c.tokens), True, parsed.chat))
+    return _entry(parsed, choice, (choice.prompt_text if parsed.echo else "") + c.text.finish(), scored,
+                  c.finish_reason, 0)
 
 
 def usage(choices: list[Choice], prompt_tokens: int) -> dict:
@@ -83,12 +110,17 @@ def usage(choices: list[Choice], prompt_tokens: int) -> dict:
 async def stream_events(header: dict, choices: list[Choice], parsed: Parsed,
                         next_update: Callable[[], Awaitable[Choice | None]]) -> AsyncIterator[str]:
     """Server-sent events: a chunk per choice per batch of new text, a last chunk per choice with its
-    finish_reason, a chunk with the usage and no choices if the client asked for it, then [DONE].
+    finish_reason, a chunk with the usage and no choices if the client asked for it, then [DONE]. A chat's
+    choices each open with a chunk whose delta names the assistant's role, as OpenAI's do.
     `next_update` gives the next choice with news, or None once the client has gone (the events end)."""
     logprobs, echo = parsed.logprobs, parsed.echo
     finished: set[int] = set()
     offsets = {c.index: 0 for c in choices}
     echoed: set[int] = set()  # the choices whose prompt went out (with `echo`, in their first chunk)
+    if parsed.chat:
+        for choice in choices:
+            opening = _entry(parsed, choice, "", [], None, 0, {"role": "assistant", "content": ""})
+            yield f"data: {json.dumps({**header, 'choices': [opening]})}\n\n"
     while len(finished) < len(choices):
         choice = await next_update()
         if choice is None:
@@ -99,14 +131,13 @@ async def stream_events(header: dict, choices: list[Choice], parsed: Parsed,
         done = c.done.is_set()
         end = len(c.tokens)
         text = c.text.finish() if done else c.text.take()
-        scored = _completion_scores(choice, choice.sent_tokens, end, done)
+        scored = _completion_scores(choice, choice.sent_tokens, end, done, parsed.chat)
         if echo and choice.index not in echoed:
             echoed.add(choice.index)
             text, scored = choice.prompt_text + text, (_prompt_scores(choice) if logprobs is not None else []) + scored
         if text or done:
-            chunk = {"text": text, "index": choice.index, "finish_reason": c.finish_reason if done else None,
-                     "logprobs": (_logprobs(scored, offsets[choice.index], logprobs, parsed.tokenizer)
-                                  if logprobs is not None else None)}
+            chunk = _entry(parsed, choice, text, scored, c.finish_reason if done else None, offsets[choice.index],
+                           {"content": text} if text else {})
             choice.sent_tokens = end
             offsets[choice.index] += len(text)
             yield f"data: {json.dumps({**header, 'choices': [chunk]})}\n\n"

@@ -28,7 +28,6 @@ import socket
 import time
 from pathlib import Path
 
-import jax
 import uvicorn
 from jax.sharding import Mesh
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -36,7 +35,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from gpt.errors import ConfigError
 from gpt.inference.device_slots import FIT_ADVICE
 from gpt.inference.engine import Engine
-from gpt.model.sharding import make_mesh, parse_mesh
+from gpt.model.sharding import devices_of, make_mesh, parse_mesh
 from gpt.serve.app import create_app
 from gpt.serve.config import ServeConfig
 from gpt.serve.protocol import ApiError
@@ -239,7 +238,7 @@ def _check_state_fits(config: ServeConfig, mesh: Mesh | None) -> None:
     from gpt.loading import model_config_of
 
     model_config = model_config_of(config.init_from, config.dtype)
-    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    devices = devices_of(mesh)
     settings = dataclasses.replace(config.engine, draft="none")  # a draft named by path is loaded later
     settings.checked(model_config).check_state_fits(model_config, devices, FIT_ADVICE)
 
@@ -271,7 +270,7 @@ def _compile_only(config: ServeConfig) -> None:
 
 def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | None) -> None:
     from gpt.compilation_cache import enable_compilation_cache
-    from gpt.loading import load, load_draft, tokenizer_of
+    from gpt.loading import end_of_turn_of, load, load_draft, tokenizer_of
 
     enable_compilation_cache(config.compile_cache)
     log = lambda line: print(line, flush=True)  # noqa: E731
@@ -285,7 +284,8 @@ def _load_and_serve(config: ServeConfig, listener: socket.socket, mesh: Mesh | N
     name = config.model_name or Path(config.init_from.rstrip("/")).name
     app = create_app(engine, name, warmup=False, shutdown_deadline_s=config.shutdown_deadline_s,
                      max_request_bytes=int(config.max_request_mb * 2**20), api_key=config.api_key,
-                     playground=not config.no_playground, log=log, status_interval_s=config.status_interval_s)
+                     playground=not config.no_playground, log=log, status_interval_s=config.status_interval_s,
+                     end_of_turn=end_of_turn_of(config.init_from))
     server = GracefulServer(uvicorn_config(app, config), engine, config.shutdown_deadline_s)
 
     async def main():

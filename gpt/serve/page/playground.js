@@ -1,6 +1,7 @@
-// The playground: completions streamed and coloured by probability, and a text scored token by token.
-// It speaks only the server's public API (/v1/models, /v1/completions, /tokenize). Model text is only
-// ever set as textContent: never parsed as HTML.
+// The playground: completions and a conversation's replies streamed and coloured by probability, and a text
+// scored token by token. It speaks only the server's public API (/v1/models, /v1/completions,
+// /v1/chat/completions, /tokenize). Model text, and what the user typed, is only ever set as textContent: never
+// parsed as HTML.
 "use strict";
 
 const TOP = 5; // alternatives asked for each token
@@ -8,6 +9,7 @@ const $ = (id) => document.getElementById(id);
 let model = null;
 let endOfText = null; // the tokenizer's EOS text (GPT-2's "<|endoftext|>"), "" where it has none
 let running = null; // the AbortController of the request in flight
+let conversation = []; // the chat's messages so far, as /v1/chat/completions takes them
 
 // ----------------------------------------------------------------------------------------- the API
 
@@ -139,7 +141,8 @@ function addTokens(logprobs, kind) {
 
 // The tokens' ids, from the tokenizer endpoint: each token's text alone is one token (else "?").
 async function labelIds() {
-  const spans = [...$("output").querySelectorAll(".token")].filter((span) => span.dataset.id === undefined);
+  const spans = [...document.querySelectorAll("#output .token, #conversation .token")]
+    .filter((span) => span.dataset.id === undefined);
   await Promise.all(spans.map(async (span) => {
     const reply = await (await api("/tokenize", { prompt: span.textContent, add_special_tokens: false })).json();
     span.dataset.id = reply.tokens.length === 1 ? String(reply.tokens[0]) : "?";
@@ -148,16 +151,18 @@ async function labelIds() {
 
 // ----------------------------------------------------------------------------------------- generate
 
-function generationBody(name) {
+// The settings both generating and chatting send: max tokens, temperature, top-k, top-p, seed, a stop string.
+function sampling() {
   const number = (id) => $(id).value === "" ? null : Number($(id).value);
-  const body = {
-    model: name, prompt: $("prompt").value, max_tokens: number("max-tokens"), temperature: number("temperature"),
-    top_p: number("top-p"), stream: true, logprobs: TOP,
-  };
+  const body = { max_tokens: number("max-tokens"), temperature: number("temperature"), top_p: number("top-p"), stream: true };
   if (number("top-k")) body.top_k = number("top-k");
   if (number("seed") !== null) body.seed = number("seed");
   if ($("stop").value) body.stop = [$("stop").value.replaceAll("\\n", "\n")];
   return body;
+}
+
+function generationBody(name) {
+  return { model: name, prompt: $("prompt").value, ...sampling(), logprobs: TOP };
 }
 
 async function generate() {
@@ -178,7 +183,7 @@ async function generate() {
 }
 
 // One request at a time: the output cleared, the buttons set, `work(signal)` run (Stop aborts its signal),
-// and its outcome, an error, or "stopped" as the status.
+// and its outcome, an error, or "stopped" as the status. Whether it ended without an error.
 async function request(doing, work) {
   $("output").replaceChildren();
   $("details").hidden = true;
@@ -189,8 +194,11 @@ async function request(doing, work) {
     const outcome = await work(running.signal);
     if ($("show-tokens").checked) await labelIds();
     $("status").textContent = outcome;
+    return true;
   } catch (error) {
-    $("status").textContent = error.name === "AbortError" ? "stopped" : "error: " + error.message;
+    const stopped = error.name === "AbortError";
+    $("status").textContent = stopped ? "stopped" : "error: " + error.message;
+    return stopped;
   } finally {
     setRunning(false);
   }
@@ -198,9 +206,56 @@ async function request(doing, work) {
 
 function setRunning(on) {
   running = on ? new AbortController() : null;
-  $("generate").disabled = on;
-  $("score").disabled = on;
-  $("stop-button").disabled = !on;
+  for (const id of ["generate", "score", "chat-send"]) $(id).disabled = on;
+  for (const id of ["stop-button", "chat-stop"]) $(id).disabled = !on;
+}
+
+// ----------------------------------------------------------------------------------------- chat
+
+function turn(role, text) {
+  const div = document.createElement("div");
+  div.className = "turn " + role + (role === "assistant" ? " tokens" : "");
+  div.textContent = text;
+  $("conversation").append(div);
+  return div;
+}
+
+// The user's message sent with the conversation before it; the reply streamed into a turn of its own, each
+// token shaded by its probability. A stopped reply stays in the conversation as far as it came.
+async function send() {
+  const text = $("chat-input").value;
+  if (!text.trim() || running) return;
+  $("chat-input").value = "";
+  const system = $("chat-system").value ? [{ role: "system", content: $("chat-system").value }] : [];
+  const messages = [...system, ...conversation, { role: "user", content: text }];
+  turn("user", text);
+  const reply = turn("assistant", "");
+  let said = "";
+  const answered = await request("replying", async (signal) => {
+    const body = { model: await servedModel(), messages, ...sampling(), logprobs: true, top_logprobs: TOP };
+    let finish = null;
+    for await (const chunk of events(await api("/v1/chat/completions", body, signal))) {
+      const choice = chunk.choices[0];
+      if (!choice) continue; // the usage's chunk
+      said += (choice.delta && choice.delta.content) || "";
+      for (const token of (choice.logprobs && choice.logprobs.content) || []) {
+        const alternatives = Object.fromEntries(token.top_logprobs.map((a) => [a.token, a.logprob]));
+        reply.append(tokenSpan(token.token, token.logprob, alternatives, "generated"));
+      }
+      finish = choice.finish_reason || finish;
+    }
+    return "done" + (finish ? " (" + finish + ")" : "");
+  });
+  if (answered) conversation.push({ role: "user", content: text }, { role: "assistant", content: said });
+  else reply.remove();
+}
+
+function newConversation() {
+  if (running) running.abort();
+  conversation = [];
+  $("conversation").replaceChildren();
+  $("details").hidden = true;
+  $("status").textContent = "";
 }
 
 // ----------------------------------------------------------------------------------------- score
@@ -230,12 +285,13 @@ async function score() {
 // ----------------------------------------------------------------------------------------- the page
 
 function setMode(mode) {
-  const scoring = mode === "score";
-  $("generate-panel").hidden = scoring;
-  $("score-panel").hidden = !scoring;
-  $("mode-generate").setAttribute("aria-selected", String(!scoring));
-  $("mode-score").setAttribute("aria-selected", String(scoring));
-  $("legend").textContent = scoring ? "colour: surprisal (the darker, the less expected)"
+  for (const name of ["generate", "chat", "score"]) {
+    $(name + "-panel").hidden = name !== mode;
+    $("mode-" + name).setAttribute("aria-selected", String(name === mode));
+  }
+  $("settings-panel").hidden = mode === "score";
+  $("output").hidden = mode === "chat"; // the chat's tokens are in its turns
+  $("legend").textContent = mode === "score" ? "colour: surprisal (the darker, the less expected)"
     : "colour: the less probable the token, the darker";
   $("output").replaceChildren();
   $("details").hidden = true;
@@ -243,12 +299,18 @@ function setMode(mode) {
 
 document.addEventListener("DOMContentLoaded", () => {
   $("mode-generate").addEventListener("click", () => setMode("generate"));
+  $("mode-chat").addEventListener("click", () => setMode("chat"));
   $("mode-score").addEventListener("click", () => setMode("score"));
   $("generate").addEventListener("click", generate);
   $("score").addEventListener("click", score);
-  $("stop-button").addEventListener("click", () => running && running.abort());
+  $("chat-send").addEventListener("click", send);
+  $("chat-input").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); send(); }
+  });
+  $("chat-reset").addEventListener("click", newConversation);
+  for (const id of ["stop-button", "chat-stop"]) $(id).addEventListener("click", () => running && running.abort());
   $("show-tokens").addEventListener("change", async () => {
-    $("output").classList.toggle("boundaries", $("show-tokens").checked);
+    for (const id of ["output", "conversation"]) $(id).classList.toggle("boundaries", $("show-tokens").checked);
     if ($("show-tokens").checked) {
       try { await labelIds(); } catch (error) { $("status").textContent = "error: " + error.message; }
     }
