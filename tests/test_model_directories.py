@@ -76,6 +76,18 @@ def huge_header(directory):
     shard.write_bytes((1 << 62).to_bytes(8, "little") + b"{}")
 
 
+def shard_change(change):
+    """The first shard rewritten with its tensors changed by `change(tensors)` (a dict it edits)."""
+    def rewrite(directory):
+        from safetensors.numpy import load_file, save_file
+
+        shard = first_shard(directory)
+        tensors = load_file(shard)
+        change(tensors)
+        save_file(tensors, shard)
+    return rewrite
+
+
 def nested(depth):
     return "[" * depth + "]" * depth
 
@@ -119,6 +131,12 @@ BROKEN = {  # what breaks the directory, and what the one line says
     "a shard truncated": (truncate_first_shard, r"is not a readable safetensors file"),
     "a shard empty": (lambda d: first_shard(d).write_bytes(b""), r"is not a readable safetensors file"),
     "a header past the end": (huge_header, r"is not a readable safetensors file"),
+    "a tensor of another size": (shard_change(lambda t: t.update({k: np.zeros((10, *v.shape), v.dtype) for k, v in
+                                                                  list(t.items())[:1]})),
+                                 r"tensor '.*' holds [0-9,]+ values; config.json's shapes give it [0-9,]+"),
+    "a tensor missing": (shard_change(lambda t: t.pop(sorted(t)[0])), r"missing tensor '.*'"),
+    "a tensor too many": (shard_change(lambda t: t.update(extra=np.zeros(3, np.float32))),
+                          r"unexpected tensors \['extra'\]"),
     "a tokenizer too large": (lambda d: make_tokenizer(d, Path(json.__file__).read_text() * 2, bos=False,
                                                        vocab_size=320),
                               r"has 320 tokens, more than the model's vocab_size of 300"),
@@ -132,6 +150,15 @@ def broken_copy(good, tmp_path, case):
     shutil.copytree(good, directory)
     BROKEN[case][0](directory)
     return directory
+
+
+def test_the_weights_headers_are_checked_before_a_byte_of_their_data_is_read(good, tmp_path, monkeypatch):
+    from gpt.model import hf_files
+
+    directory = broken_copy(good, tmp_path, "a tensor of another size")
+    monkeypatch.setattr(hf_files, "_read_file", lambda path: pytest.fail(f"{path}'s data was read"))
+    with pytest.raises(UserError, match="holds [0-9,]+ values; config.json's shapes give it"):
+        load(str(directory))
 
 
 @pytest.mark.parametrize("case", BROKEN)

@@ -26,7 +26,7 @@ from gpt.errors import ConfigError, MissingInput, first_line
 from gpt.model.config import GPTConfig
 from gpt.model.config_json import MAX_CONTEXT, integer, number
 from gpt.model.families import by_model_type
-from gpt.model.hf_files import hub_snapshot, read_config_json, read_safetensors, write_export
+from gpt.model.hf_files import check_tensor_shapes, hub_snapshot, read_config_json, read_safetensors, write_export
 from gpt.model.parameters import weight_tensors
 from gpt.model.transformer import GPT, parameter
 from gpt.tokenizer import hf_tokenizer_files
@@ -238,6 +238,10 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
     directory = resolve(source)
     hf_config = read_config_json(directory) if hf_config is None else hf_config
     config = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype or dtype)
+    expected = {hf.format(i): shape for hf, per_layer, shape, _ in _table(config)
+                for i in (range(config.n_layer) if per_layer else [0])}
+    check_tensor_shapes(directory, expected, rename=lambda name: name.removeprefix("transformer."),  # before the data
+                       optional=lambda name: name == "lm_head.weight" or name.endswith(_IGNORED_SUFFIXES))
     tensors = _read_tensors(directory)
 
     lm_head = tensors.pop("lm_head.weight", None)

@@ -5,6 +5,7 @@ module's business (`gpt.model.gpt2`, `gpt.model.llama`)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import stat
@@ -20,7 +21,7 @@ from gpt.errors import ConfigError, MissingInput, first_line, write_failed
 from gpt.tokenizer_json import FILES as TOKENIZER_JSON_FILES
 
 __all__ = ["hub_snapshot", "read_config_json", "read_json_file", "read_safetensors", "check_weight_files",
-           "write_export"]
+           "header_shapes", "check_tensor_shapes", "write_export"]
 
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 _MAX_JSON_BYTES = 16 << 20  # a config.json or a shard index is kilobytes; a larger one is no model's
@@ -117,15 +118,47 @@ def check_weight_files(directory: Path) -> None:
     """Each safetensors file of `directory` (`model.safetensors`, or the index's shards) read as far as its header,
     which must fit the file (no tensor's data is read); ConfigError or MissingInput in one line as
     `read_safetensors` would raise, before the work that a load comes after (a corpus's preparation)."""
+    header_shapes(directory)
+
+
+def header_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape by name, from the headers of `directory`'s safetensors files alone (no tensor's data
+    read); {} where it has none. ConfigError or MissingInput in one line for a file that is not safetensors, or a
+    shard the index may not name."""
     files = _shards(directory) if (directory / _INDEX).exists() else [directory / _WEIGHTS] if (
         directory / _WEIGHTS).exists() else []
+    shapes = {}
     for path in files:
         _check_plain_file(path)
         try:
             with safe_open(path, framework="numpy") as file:
-                file.keys()
+                shapes.update({name: tuple(file.get_slice(name).get_shape()) for name in file.keys()})
         except (SafetensorError, ValueError, OSError) as error:
             raise ConfigError(f"{path} is not a readable safetensors file: {first_line(error)}") from None
+    return shapes
+
+
+def check_tensor_shapes(directory: Path, expected: dict[str, tuple[int, ...] | int], optional=lambda name: False,
+                        rename=lambda name: name) -> None:
+    """Before any tensor's data is read: each tensor of `expected` in the headers of `directory`'s safetensors files
+    (their names after `rename`) with that shape (a tuple) or that many values (an int, where a family's files
+    are reshaped into ours), and no other but those `optional` allows; ConfigError in one line naming the tensor
+    and what was expected. A directory without safetensors files (a GPT-2 pytorch_model.bin) is checked as it
+    loads instead."""
+    shapes = {rename(name): shape for name, shape in header_shapes(directory).items()}
+    if not shapes:
+        return
+    for name, want in expected.items():
+        if name not in shapes:
+            raise ConfigError(f"{directory}: missing tensor {name!r}")
+        if isinstance(want, tuple) and shapes[name] != want:
+            raise ConfigError(f"{directory}: tensor {name!r} has shape {shapes[name]}, expected {want}")
+        if isinstance(want, int) and math.prod(shapes[name]) != want:
+            raise ConfigError(f"{directory}: tensor {name!r} holds {math.prod(shapes[name]):,} values; config.json's "
+                              f"shapes give it {want:,}")
+    unexpected = sorted(name for name in shapes if name not in expected and not optional(name))
+    if unexpected:
+        raise ConfigError(f"{directory}: unexpected tensors {unexpected[:8]}")
 
 
 def _shards(directory: Path) -> list[Path]:

@@ -12,6 +12,7 @@ of its own.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from flax import nnx
 from gpt.errors import ConfigError, MissingInput
 from gpt.model.config import GPTConfig
 from gpt.model.families import Family, by_model_type, holding
-from gpt.model.hf_files import read_config_json, read_safetensors, write_export
+from gpt.model.hf_files import check_tensor_shapes, read_config_json, read_safetensors, write_export
 from gpt.model.llama_config import config_from_hf, config_to_hf
 from gpt.model.parameters import block_weights
 from gpt.model.transformer import GPT, parameter
@@ -107,6 +108,19 @@ def save(model: GPT, out_dir: str | os.PathLike, tokenizer_files: dict[str, str]
                                            **(tokenizer_files or {})})
 
 
+def _sizes(model: GPT, names_of: dict[str, str | tuple[str, ...]]) -> dict[str, int]:
+    """How many values each of a Llama-shaped file's tensors holds for `model`'s (abstract) parameters: a block
+    weight's per layer, split evenly between the names stacked into it (k and v)."""
+    config = model.config
+    sizes = {_MODEL_NAMES[path]: math.prod(parameter(model, path).shape)
+             for path in ("wte", "lnf_scale", *(() if config.tied_head else ("lm_head",)))}
+    for w in block_weights(config):
+        names = names_of[w.name] if isinstance(names_of[w.name], tuple) else (names_of[w.name],)
+        each = math.prod(parameter(model, f"blocks.{w.name}").shape[1:]) // len(names)
+        sizes.update({name.format(i): each for name in names for i in range(config.n_layer)})
+    return sizes
+
+
 def read_config(source: str | os.PathLike, **overrides) -> GPTConfig:
     """The GPTConfig of a checkpoint directory, from its config.json alone."""
     return config_from_hf(read_config_json(Path(source)), **overrides)
@@ -122,6 +136,9 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
     hf = read_config_json(directory) if hf_config is None else hf_config
     config = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype or dtype)
     names_of = _block_names(by_model_type(hf))
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    check_tensor_shapes(directory, _sizes(model, names_of),  # before a byte of data is read
+                       optional=lambda name: config.tied_head and name == _MODEL_NAMES["lm_head"])
     tensors = read_safetensors(directory)
     if tensors is None:
         raise MissingInput(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
@@ -144,7 +161,6 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
     if tensors:
         raise ConfigError(f"{directory}: unexpected tensors {sorted(tensors)[:8]}")
 
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     for path, value in values.items():
         param = parameter(model, path)
         if value.shape != param.shape:
