@@ -80,7 +80,8 @@ class Progress:
         self.stream = stream if stream is not None else sys.stdout
         if style == "auto":
             style = "bar" if _is_terminal(sys.stdout) else "lines"
-        self.what, self.total, self.initial, self.unit, self.style, self.every_s = what, total, initial, unit, style, every_s
+        self.what, self.total, self.initial, self.unit, self.style = what, total, initial, unit, style
+        self.every_s = every_s
         self.count = initial
         self.started = self.last_line = time.monotonic()
         self.bar = tqdm(total=total, initial=initial, desc=what, unit=unit, unit_scale=unit == "B",
@@ -118,8 +119,9 @@ class Progress:
             return
         self.last_line = time.monotonic()
         if self.style == "json":
-            record = {"progress": self.what, self.unit if self.unit != "B" else "bytes": self.count if at is None else at,
-                      "total": self.total, **figures, "eta_s": self.eta_seconds()}
+            counted = self.unit if self.unit != "B" else "bytes"
+            record = {"progress": self.what, counted: self.count if at is None else at, "total": self.total,
+                      **figures, "eta_s": self.eta_seconds()}
             print(json.dumps(record), file=self.stream, flush=True)
         elif self.style == "lines":
             parts = [self._count_text(self.count if at is None else at),
