@@ -32,7 +32,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from gpt.errors import ConfigError, first_line
 from gpt.tokenizer import TextTokenizer
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "TEMPLATE_FILES", "RENDER_SECONDS", "MAX_RENDERED_CHARS"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "TEMPLATE_FILES", "RENDER_SECONDS", "MAX_RENDERED_CHARS", "ROLES",
+           "message_text"]
 
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 """The files beside a tokenizer that hold its chat template (before tokenizer_config.json's `chat_template`)."""
@@ -40,6 +41,22 @@ RENDER_SECONDS = 5.0
 """The longest one rendering may take (a conversation renders in about a millisecond)."""
 MAX_RENDERED_CHARS = 16 << 20
 """The most text one rendering may write."""
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+"""The roles a message may have (OpenAI's and Hugging Face's), and the role a template sees for each ("developer" is
+OpenAI's newer name for system)."""
+
+
+def message_text(content) -> str | None:
+    """A message's content as text: a string, or a list of text parts (`{"type": "text", "text": ...}`) joined by
+    newlines, as vLLM joins them; None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "\n".join(part["text"] for part in content)
+    return None
 
 
 class ChatTemplateError(ConfigError):

@@ -16,6 +16,7 @@ from gpt.model.config import DType, GPTConfig, check_dtype
 from gpt.model.families import titles
 from gpt.model.transformer import GPT
 from gpt.run_dir import has_checkpoint
+from gpt.run_tokenizer import DIRECTORY as TOKENIZER_DIRECTORY
 from gpt.run_tokenizer import run_tokenizer
 from gpt.tokenizer import TextTokenizer, get_tokenizer
 
@@ -69,9 +70,13 @@ def tokenizer_of(init_from: str) -> TextTokenizer:
 
 def end_of_turn_of(init_from: str) -> tuple[int, ...]:
     """The ids beside its tokenizer's end of text where what `load(init_from)` loads ends a reply: a Hugging Face
-    directory's generation_config.json's (an instruct model's end of turn); () for a training run."""
+    directory's generation_config.json's (an instruct model's end of turn), or that of the tokenizer a training run
+    keeps (a run fine-tuned on conversations: `gpt.chat_format`'s `<|end|>`, or the instruct model's); () where
+    there is none."""
     init_from = pretrained.located(init_from)
-    if not has_checkpoint(init_from) and pretrained.is_pretrained(init_from):
+    if has_checkpoint(init_from):
+        return pretrained.end_of_turn_in(Path(init_from) / TOKENIZER_DIRECTORY, model_config_of(init_from).vocab_size)
+    if pretrained.is_pretrained(init_from):
         return pretrained.Checkpoint.at(init_from).end_of_turn()
     return ()
 
@@ -87,16 +92,9 @@ def model_config_of(init_from: str, dtype: str = "float32") -> GPTConfig:
     check_dtype(dtype)
     init_from = pretrained.located(init_from)
     if has_checkpoint(init_from):
-        from gpt.train.checkpoint import CheckpointManager
+        from gpt.train.checkpoint import newest_model_config
 
-        manager = CheckpointManager(init_from, async_save=False)
-        try:
-            newest = manager.newest_metadata()
-        finally:
-            manager.close()
-        if newest is None:
-            raise MissingInput(f"no finished checkpoint in {manager.directory}")
-        return GPTConfig(**newest[1]["model_config"]).replace(dtype=dtype)
+        return newest_model_config(init_from).replace(dtype=dtype)
     if (Path(init_from) / "config.json").is_file():
         return pretrained.Checkpoint.at(init_from).config(dtype=dtype)
     if init_from in gpt2.HUB_NAMES:  # its shape, whether or not the local cache holds its weights (--compile_only)

@@ -4,6 +4,7 @@ write its text as it was trained, whatever became of the directory it came from.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -45,6 +46,20 @@ def keep_tokenizer(out_dir: str | os.PathLike, tokenizer: TextTokenizer) -> None
 
 def hf_files(out_dir: str | os.PathLike, model_max_length: int) -> dict[str, str]:
     """The run's tokenizer as the files transformers' `AutoTokenizer` reads, by name (an export writes them):
-    its own tokenizer.json's, or GPT-2's (`gpt.tokenizer.hf_tokenizer_files`)."""
+    its own tokenizer.json's, or GPT-2's (`gpt.tokenizer.hf_tokenizer_files`). A generation_config.json among them
+    (an instruct model's end of turn) gets the tokenizer's BOS and EOS ids where it names none: transformers reads
+    that file instead of config.json's ids."""
     tokenizer = run_tokenizer(out_dir)
-    return tokenizer.files if isinstance(tokenizer, TokenizerJson) else hf_tokenizer_files(model_max_length)
+    if not isinstance(tokenizer, TokenizerJson):
+        return hf_tokenizer_files(model_max_length)
+    files = dict(tokenizer.files)
+    if "generation_config.json" in files:
+        try:
+            record = json.loads(files["generation_config.json"])
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            files["generation_config.json"] = json.dumps({**tokenizer.config_ids, **record}, indent=2) + "\n"
+        else:  # not a record: the model's config.json's ids serve
+            del files["generation_config.json"]
+    return files

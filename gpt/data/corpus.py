@@ -40,8 +40,8 @@ from pathlib import Path
 from gpt.errors import ConfigError, MissingInput
 from gpt.run_dir import LOCK_NAME
 
-__all__ = ["Section", "BadRecords", "expand_inputs", "input_format", "read_sections", "SECTION_CHARS",
-           "TEXT_SUFFIXES"]
+__all__ = ["Section", "BadRecords", "expand_inputs", "input_format", "read_sections", "holds_conversations",
+           "SECTION_CHARS", "TEXT_SUFFIXES"]
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".tex", ".html", ".c", ".h")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -57,11 +57,14 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 @dataclasses.dataclass(frozen=True)
 class Section:
     """A piece of one document's text; `first` marks the document's start (the tokenizer's BOS goes before it,
-    where it has one), `last` its end (the EOS, GPT-2's <|endoftext|>, follows it)."""
+    where it has one), `last` its end (the EOS, GPT-2's <|endoftext|>, follows it). A conversation is one section:
+    its `messages` (`gpt.data.conversations`), its text their JSON, and `where` its file:line."""
 
     text: str
     first: bool
     last: bool
+    messages: list[dict] | None = None
+    where: str = ""
 
 
 @dataclasses.dataclass
@@ -248,7 +251,8 @@ def _open_jsonl(path: Path):
     return open(path, "rb")
 
 
-def _jsonl_documents(path: Path, field: str, bad: BadRecords) -> Iterator[Iterable[str]]:
+def _jsonl_records(path: Path, field: str, bad: BadRecords) -> Iterator[tuple[str, object]]:
+    """(file:line, the record's `field`) of each JSON line that has one; the others counted in `bad`."""
     with _open_jsonl(path) as raw:
         for number, line in enumerate(io.BufferedReader(raw, buffer_size=_PIECE_BYTES), start=1):
             if line.isspace():  # (not strip(): that copies every line)
@@ -261,60 +265,101 @@ def _jsonl_documents(path: Path, field: str, bad: BadRecords) -> Iterator[Iterab
             if not isinstance(record, dict) or field not in record:
                 bad.add(f"records without a {field!r} field", f"{path}:{number}")
                 continue
-            text = record[field]
-            if not isinstance(text, str):
-                bad.add(f"records whose {field!r} is not a string", f"{path}:{number}")
-                continue
-            yield (_SURROGATE.sub("\ufffd", text),)  # a lone surrogate: JSON, but no text
+            yield f"{path}:{number}", record[field]
 
 
-def _arrow_documents(batches, field: str, where: str, bad: BadRecords) -> Iterator[Iterable[str]]:
+def _arrow_records(batches, field: str, where: str) -> Iterator[tuple[str, object]]:
     row = 0
     for batch in batches:
         if field not in batch.schema.names:
             raise ConfigError(f"{where} has no column {field!r} (columns: {batch.schema.names}); pass --text_field")
         for value in batch.column(field).to_pylist():
             row += 1
-            if not isinstance(value, str):
-                bad.add(f"rows whose {field!r} is not a string", f"{where} row {row}")
-                continue
-            yield (value,)
+            yield f"{where} row {row}", value
 
 
-def _parquet_documents(path: Path, field: str, bad: BadRecords) -> Iterator[Iterable[str]]:
+def _parquet_records(path: Path, field: str, bad: BadRecords) -> Iterator[tuple[str, object]]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
     if field not in parquet.schema_arrow.names:
         raise ConfigError(f"{path} has no column {field!r} (columns: {parquet.schema_arrow.names}); pass --text_field")
-    yield from _arrow_documents(parquet.iter_batches(batch_size=1024, columns=[field]), field, str(path), bad)
+    yield from _arrow_records(parquet.iter_batches(batch_size=1024, columns=[field]), field, str(path))
 
 
-def _hf_dataset_documents(path: Path, field: str, bad: BadRecords) -> Iterator[Iterable[str]]:
+def _hf_dataset_records(path: Path, field: str, bad: BadRecords) -> Iterator[tuple[str, object]]:
     import pyarrow as pa
 
     state = json.loads((path / "state.json").read_text())
     for entry in state.get("_data_files", []):
         with pa.memory_map(str(path / entry["filename"])) as source:
-            yield from _arrow_documents(pa.ipc.open_stream(source), field, f"{path}/{entry['filename']}", bad)
+            yield from _arrow_records(pa.ipc.open_stream(source), field, f"{path}/{entry['filename']}")
 
 
-def read_sections(path: Path, text_field: str, bad: BadRecords) -> Iterator[Section]:
-    """The sections of every document in one input, in order."""
-    kind = input_format(path)
-    if kind == "text":
-        documents = _text_documents(path, bad)
-    elif kind == "jsonl":
-        documents = _jsonl_documents(path, text_field, bad)
-    elif kind == "parquet":
-        documents = _parquet_documents(path, text_field, bad)
+_RECORD_READERS = {"jsonl": _jsonl_records, "parquet": _parquet_records, "hf_dataset": _hf_dataset_records}
+
+
+def _documents(path: Path, field: str, bad: BadRecords) -> Iterator[Iterable[str]]:
+    """Each document of a structured input: its `field`, a string (the others counted in `bad`)."""
+    for where, text in _RECORD_READERS[input_format(path)](path, field, bad):
+        if not isinstance(text, str):
+            bad.add(f"records whose {field!r} is not a string", where)
+            continue
+        yield (_SURROGATE.sub("\ufffd", text),)  # a lone surrogate: JSON, but no text
+
+
+def _conversations(path: Path, bad: BadRecords) -> Iterator[Section]:
+    """Each conversation of a structured input, one section each (the malformed counted in `bad`)."""
+    from gpt.data.conversations import FIELD, messages_of
+
+    if input_format(path) == "text":
+        raise ConfigError(f"data input {str(path)!r} is a text file in a corpus of conversations: pass JSONL, "
+                          f"Parquet or saved datasets whose records hold {FIELD!r}")
+    for where, value in _RECORD_READERS[input_format(path)](path, FIELD, bad):
+        messages, problem = messages_of(value)
+        if messages is None:
+            bad.add(problem, where)
+            continue
+        text = _SURROGATE.sub("\ufffd", json.dumps(messages, ensure_ascii=False))
+        yield Section(text, first=True, last=True, messages=json.loads(text), where=where)
+
+
+def read_sections(path: Path, text_field: str, bad: BadRecords, conversations: bool = False) -> Iterator[Section]:
+    """The sections of every document in one input, in order (of every conversation, with `conversations`)."""
+    if conversations:
+        sections = _conversations(path, bad)
     else:
-        documents = _hf_dataset_documents(path, text_field, bad)
+        documents = _text_documents(path, bad) if input_format(path) == "text" else _documents(path, text_field, bad)
+        sections = (section for pieces in documents for section in split_sections(pieces))
     try:
-        for pieces in documents:
-            yield from split_sections(pieces)
+        yield from sections
     except _READ_ERRORS as e:  # a damaged, truncated or unreadable input: one line naming it
         raise ConfigError(f"data input {str(path)!r} cannot be read: {_reason(e)}") from None
+
+
+def holds_conversations(paths: Sequence[Path], text_field: str) -> bool:
+    """Whether a corpus is one of conversations: its first structured input's first record (a JSONL line, a
+    Parquet or saved-dataset row) holds a `messages` list and no `text_field`. Text files are documents."""
+    from gpt.data.conversations import FIELD
+
+    for path in paths:
+        kind = input_format(path)
+        if kind == "jsonl":
+            with _open_jsonl(path) as raw:
+                for line in io.BufferedReader(raw, buffer_size=_PIECE_BYTES):
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    return isinstance(record, dict) and isinstance(record.get(FIELD), list) and text_field not in record
+            return False
+        if kind in ("parquet", "hf_dataset"):
+            try:
+                first = next(_RECORD_READERS[kind](path, FIELD, BadRecords()), (None, None))[1]
+            except ConfigError:  # no messages column
+                return False
+            return isinstance(first, list)
+    return False
 
 
 def _reason(error: BaseException) -> str:

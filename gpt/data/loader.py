@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gpt.data.conversations import ConversationBatches
 from gpt.data.shards import read_meta
 from gpt.errors import ConfigError
 
@@ -48,9 +49,12 @@ class Batches:
 
     @classmethod
     def of_split(cls, data_dir: str | os.PathLike, split: str, block_size: int, batch_size: int, seed: int,
-                 process_index: int = 0, process_count: int = 1) -> Batches:
+                 process_index: int = 0, process_count: int = 1) -> Batches | ConversationBatches:
+        """The loader of a prepared split: its windows, or for a corpus of conversations, one conversation a row
+        (`gpt.data.conversations.ConversationBatches`)."""
         paths, dtype = shard_paths(data_dir, split)
-        return cls(paths, block_size, batch_size, seed, process_index, process_count, dtype)
+        kind = ConversationBatches if read_meta(data_dir).get("conversations") else cls
+        return kind(paths, block_size, batch_size, seed, process_index, process_count, dtype)
 
     def __getitem__(self, step: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, step])

@@ -47,14 +47,25 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt.data.corpus import SECTION_CHARS, BadRecords, Section, expand_inputs, input_format, read_sections
+from gpt.chat_format import for_conversations
+from gpt.chat_template import ChatTemplate
+from gpt.data.conversations import encode_conversation
+from gpt.data.corpus import (
+    SECTION_CHARS,
+    BadRecords,
+    Section,
+    expand_inputs,
+    holds_conversations,
+    input_format,
+    read_sections,
+)
 from gpt.data.shards import SHARD_SUM_FIELDS, ShardHasher, check_fields, check_meta
 from gpt.errors import ConfigError, MissingInput, write_failed
 from gpt.progress import Progress, ProgressChoice, Style
 from gpt.run_dir import RunLock, make_dir
 from gpt.tokenizer import TextTokenizer, get_tokenizer
 
-__all__ = ["prepare", "sources", "in_validation", "default_corpus", "corpus_identity", "PrepareConfig", "CorpusChoice",
+__all__ = ["prepare", "sources", "in_validation", "default_corpus", "corpus_inputs", "conversation_template", "corpus_identity", "PrepareConfig", "CorpusChoice",
            "TextFieldChoice", "DEFAULT_VAL_FRACTION"]
 
 SPLIT_RULE = "section is val when blake2b-64(text) / 2**64 < val_fraction"
@@ -74,6 +85,14 @@ def default_corpus() -> list[Path]:
     if not files:
         raise MissingInput(f"no standard-library sources found in {stdlib}; pass --data PATHS")
     return files
+
+
+def corpus_inputs(data: Sequence[str]) -> list:
+    """The inputs `--data` names: the embedded default corpus when it names none, the embedded conversations
+    (`gpt.data.chat_demo`) for the name `stdlib-chat`, each other path as it is."""
+    from gpt.data import chat_demo
+
+    return [chat_demo.demo_path() if item == chat_demo.NAME else item for item in data] or default_corpus()
 
 
 def in_validation(text: str, val_fraction: float) -> bool:
@@ -208,25 +227,30 @@ class _ShardWriter:
 
 # ------------------------------------------------------------------------------------------ prepare
 
-def _numbered_sections(paths: list[Path], text_field: str, bad: BadRecords) -> Iterator[tuple[int, Path, Section]]:
+def _numbered_sections(paths: list[Path], text_field: str, bad: BadRecords, conversations: bool
+                       ) -> Iterator[tuple[int, Path, Section]]:
     index = 0
     for path in paths:
-        for section in read_sections(path, text_field, bad):
+        for section in read_sections(path, text_field, bad, conversations):
             yield index, path, section
             index += 1
 
 
-def _encode(batch: list[tuple[int, Section]], val_fraction: float, dtype, tokenizer: TextTokenizer
-            ) -> list[tuple[int, str, np.ndarray]]:
-    """(section index, split, tokens) of each section in a batch, a document's BOS (where the tokenizer adds
-    one) before its first section and its EOS after its last; runs on a worker thread."""
+def _encode(batch: list[tuple[int, Section]], val_fraction: float, dtype, tokenizer: TextTokenizer,
+            template: ChatTemplate | None) -> list[tuple[int, str, np.ndarray, Section]]:
+    """(section index, split, tokens, section) of each section in a batch, a document's BOS (where the tokenizer
+    adds one) before its first section and its EOS after its last; a conversation's as `template` renders it
+    (`gpt.data.conversations`); runs on a worker thread."""
     out = []
     for index, section in batch:
-        tokens = tokenizer.encode_to_numpy(section.text, add_special=section.first)
-        if section.last:
-            tokens = np.append(tokens, np.uint32(tokenizer.eot_id))
+        if section.messages is not None:
+            tokens = encode_conversation(section.messages, template, tokenizer, section.where)
+        else:
+            tokens = tokenizer.encode_to_numpy(section.text, add_special=section.first)
+            if section.last:
+                tokens = np.append(tokens, np.uint32(tokenizer.eot_id))
         split = "val" if in_validation(section.text, val_fraction) else "train"
-        out.append((index, split, tokens.astype(dtype)))
+        out.append((index, split, tokens.astype(dtype), section))
     return out
 
 
@@ -284,10 +308,12 @@ def _clear_shards(directory: Path) -> None:
 
 
 def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, writers: dict, workers: int,
-              progress: bool | None, tokenizer: TextTokenizer) -> tuple[collections.Counter, BadRecords]:
+              progress: bool | None, tokenizer: TextTokenizer, template: ChatTemplate | None
+              ) -> tuple[collections.Counter, BadRecords, dict]:
     """Read the sections of `paths` past those both splits' writers already hold, tokenize them in batches on
-    `workers` threads (at most two batches each in flight) and hand each, in order, to its split's writer.
-    Returns the counts of sections, documents and replaced bytes over the whole corpus, and the bad records."""
+    `workers` threads (at most two batches each in flight) and hand each, in order, to its split's writer; a
+    corpus of conversations with `template`. Returns the counts of sections, documents and replaced bytes over the
+    whole corpus, the bad records, and the longest conversation tokenized ({tokens, where}, or {})."""
     resume_at = min(w.next_section for w in writers.values())
     bad = BadRecords()
     counts = collections.Counter()
@@ -295,7 +321,7 @@ def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, wr
 
     def batches() -> Iterator[list[tuple[int, Section]]]:
         batch, size = [], 0
-        for index, path, section in _numbered_sections(paths, text_field, bad):
+        for index, path, section in _numbered_sections(paths, text_field, bad, template is not None):
             counts["sections"] += 1
             counts["characters"] += len(section.text)
             counts["documents"] += section.last
@@ -313,15 +339,18 @@ def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, wr
             yield batch
 
     total_bytes = sum(p.stat().st_size for p in paths if p.is_file())
+    longest: dict = {}
     with ThreadPoolExecutor(workers) as pool, Progress("tokenizing", total_bytes, unit="B", style=progress) as bar:
         in_flight: collections.deque = collections.deque()
 
         def drain_one() -> None:
-            for index, split, tokens in in_flight.popleft().result():
+            for index, split, tokens, section in in_flight.popleft().result():
                 writers[split].write(index, tokens)
+                if section.messages is not None and tokens.size > longest.get("tokens", 0):
+                    longest.update(tokens=int(tokens.size), where=section.where)
 
         for batch in batches():
-            in_flight.append(pool.submit(_encode, batch, val_fraction, dtype, tokenizer))
+            in_flight.append(pool.submit(_encode, batch, val_fraction, dtype, tokenizer, template))
             bar.update(sum(len(section.text) for _, section in batch))
             bar.tick()
             if len(in_flight) >= 2 * workers:
@@ -332,7 +361,7 @@ def _tokenize(paths: list[Path], text_field: str, val_fraction: float, dtype, wr
         if replaced > _LOSSY_SHARE * characters:
             print(f"warning: {path}: {replaced:,} of its {characters:,} characters were not valid UTF-8 (or were lone "
                   f"surrogates) and became U+FFFD", file=sys.stderr)
-    return counts, bad
+    return counts, bad, longest
 
 
 def _check_splits(inputs, counts: collections.Counter, bad: BadRecords, totals: dict, val_fraction: float) -> None:
@@ -392,8 +421,10 @@ def prepare(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
 def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_field, workers, shard_tokens,
                     progress, tokenizer: TextTokenizer) -> dict:
     paths = [Path(source["path"]) for source in corpus_sources]
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+    tokenizer, template = conversation_template(paths, text_field, tokenizer)
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 and template is None else np.uint32)
     settings = {"format": _FORMAT_VERSION, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+                "conversations": template is not None,
                 "dtype": dtype.name, "val_fraction": val_fraction, "text_field": text_field,
                 "shard_tokens": shard_tokens, "section_chars": SECTION_CHARS, "split_rule": SPLIT_RULE}
     meta_path = out_dir / "meta.json"
@@ -425,7 +456,8 @@ def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_fi
         writers = {split: _ShardWriter(staging, split, dtype, shard_tokens, None, save_progress)
                    for split in ("train", "val")}
     try:
-        counts, bad = _tokenize(paths, text_field, val_fraction, dtype, writers, workers, progress, tokenizer)
+        counts, bad, longest = _tokenize(paths, text_field, val_fraction, dtype, writers, workers, progress,
+                                         tokenizer, template)
         shards = {split: writer.close() for split, writer in writers.items()}
     except BaseException:
         for writer in writers.values():
@@ -439,9 +471,27 @@ def _prepare_locked(corpus_sources, inputs, out_dir: Path, val_fraction, text_fi
     meta = {**settings, "sources": corpus_sources, "shards": shards,
             "train_tokens": totals["train"], "val_tokens": totals["val"], "documents": counts["documents"],
             "sections": counts["sections"], "replaced_invalid_utf8": counts["replaced_invalid_utf8"],
-            "bad_records": {"counts": bad.counts, "first": bad.first}}
+            "bad_records": {"counts": bad.counts, "first": bad.first},
+            **({"longest_conversation": longest} if longest else {})}
     _move_in(staging, out_dir, meta)
     return meta
+
+
+def conversation_template(paths: list[Path], text_field: str, tokenizer: TextTokenizer
+                          ) -> tuple[TextTokenizer, ChatTemplate | None]:
+    """The tokenizer and chat template a corpus of conversations is rendered with
+    (`gpt.data.corpus.holds_conversations`): the tokenizer's own, or GPT-2's in this project's chat format
+    (`gpt.chat_format.for_conversations`); `tokenizer` and None for a corpus of documents. ConfigError where the
+    corpus is of conversations and the tokenizer has no template."""
+    if not holds_conversations(paths, text_field):
+        return tokenizer, None
+    tokenizer, _ = for_conversations(tokenizer, tokenizer.vocab_size)
+    template = ChatTemplate.of(tokenizer)
+    if template is None:
+        raise ConfigError(f"the corpus {[str(p) for p in paths][:3]} holds conversations ('messages'), and the "
+                          f"tokenizer {tokenizer.name[:40]} has no chat template to render them with: fine-tune an "
+                          f"instruct model's directory, or a GPT-2 (its chat format: gpt/chat_format.py)")
+    return tokenizer, template
 
 
 def _move_in(staging: Path, out_dir: Path, meta: dict) -> None:
@@ -473,8 +523,9 @@ class CorpusChoice(TextFieldChoice):
     """The corpus a preparation reads and how it is split: `python -m gpt.data`'s and train.py's flags."""
 
     data: tuple[str, ...] = ()
-    """Files, directories or globs: text, .jsonl(.gz/.zst), .parquet, or a saved datasets directory;
-    empty: the embedded default corpus (the Python standard library)."""
+    """Files, directories or globs: text, .jsonl(.gz/.zst), .parquet, or a saved datasets directory (JSONL, Parquet
+    or datasets records with `messages`: conversations, `gpt/data/conversations.py`); empty: the embedded default
+    corpus (the Python standard library); `stdlib-chat`: the embedded conversations (`gpt/data/chat_demo.py`)."""
     val_fraction: float = DEFAULT_VAL_FRACTION
     """The share of the corpus held out for evaluation (sections chosen by hash: see gpt/data/prepare.py)."""
 
@@ -492,7 +543,7 @@ class PrepareConfig(CorpusChoice, ProgressChoice):
 
 
 def main(config: PrepareConfig) -> None:
-    meta = prepare(list(config.data) or default_corpus(), config.out_dir, config.val_fraction, config.text_field,
+    meta = prepare(corpus_inputs(config.data), config.out_dir, config.val_fraction, config.text_field,
                    config.workers, config.shard_tokens, config.progress_style)
     print(f"{meta['documents']:,} documents -> {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
           f"in {len(meta['shards']['train'])} + {len(meta['shards']['val'])} shards in {config.out_dir}")

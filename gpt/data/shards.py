@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gpt.data.conversations import ID_BITS
 from gpt.errors import ConfigError, MissingInput, first_line
 
 __all__ = ["ShardHasher", "read_meta", "check_meta", "check_fields", "is_json_type", "verify_shards", "shards_digest",
@@ -51,7 +52,7 @@ def _again(data_dir: Path) -> str:
 _META_FIELDS = {"format": int, "tokenizer": str, "vocab_size": int, "dtype": str, "val_fraction": float,
                 "text_field": str, "shard_tokens": int, "section_chars": int, "split_rule": str, "sources": list,
                 "shards": dict, "train_tokens": int, "val_tokens": int, "documents": int, "sections": int,
-                "replaced_invalid_utf8": int, "bad_records": dict}
+                "replaced_invalid_utf8": int, "bad_records": dict, "conversations": bool}
 SHARD_SUM_FIELDS = {"tokens": int, "sha256": str}
 """What a finished shard's record holds of it (meta.json's, and a preparation's progress.json's)."""
 _SHARD_FIELDS = {"file": str, **SHARD_SUM_FIELDS}
@@ -143,18 +144,22 @@ def verify_shards(data_dir: str | os.PathLike, vocab_size: int, splits: tuple[st
         if path.stat().st_size != expected:
             raise ConfigError(f"shard {path} has {path.stat().st_size:,} bytes where meta.json records "
                               f"{shard['tokens']:,} tokens ({expected:,} bytes); {_again(data_dir)}")
+    id_bits = int(ID_BITS) if meta.get("conversations") else None  # a conversation's tokens carry flags above
     for shard in shards:
-        _check_contents(data_dir / shard["file"], shard["sha256"], dtype, vocab_size, data_dir)
+        _check_contents(data_dir / shard["file"], shard["sha256"], dtype, vocab_size, data_dir, id_bits)
     return shards_digest(meta)
 
 
-def _check_contents(path: Path, sha256: str, dtype: np.dtype, vocab_size: int, data_dir: Path) -> None:
+def _check_contents(path: Path, sha256: str, dtype: np.dtype, vocab_size: int, data_dir: Path,
+                    id_bits: int | None) -> None:
     hasher = ShardHasher()
     with open(path, "rb") as file:
         position = 0
         while block := file.read(_BLOCK_TOKENS * dtype.itemsize):
             ids = np.frombuffer(block, dtype)
             hasher.update(ids)
+            if id_bits is not None:
+                ids = ids & dtype.type(id_bits)
             if ids.size and ids.max() >= vocab_size:
                 bad = int(np.argmax(ids >= vocab_size))
                 raise ConfigError(f"shard {path} holds token id {int(ids[bad])} at position {position + bad:,}, "

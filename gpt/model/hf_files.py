@@ -29,8 +29,7 @@ _MAX_JSON_BYTES = 16 << 20  # a config.json or a shard index is kilobytes; a lar
 _EXPORT_FILES = {"config.json", _WEIGHTS}
 # The tokenizer files an export may hold beside its weights: GPT-2's (`gpt.tokenizer.hf_tokenizer_files`), or a
 # model's own tokenizer.json, with its tokenizer_config.json where it has one (`gpt.tokenizer_json.FILES`).
-_TOKENIZER_FILES = ({"vocab.json", "merges.txt", "tokenizer_config.json"}, set(TOKENIZER_JSON_FILES[:1]),
-                    set(TOKENIZER_JSON_FILES))
+_TOKENIZER_FILES = ({"vocab.json", "merges.txt", "tokenizer_config.json"}, set(TOKENIZER_JSON_FILES))
 
 
 def _hub_cache_dirs() -> list[Path]:
@@ -259,7 +258,7 @@ def _check_destination(out_dir: Path) -> None:
                           f"directory")
     names = {entry.name for entry in target.iterdir()}
     try:
-        previous = (names in (_EXPORT_FILES, *(_EXPORT_FILES | files for files in _TOKENIZER_FILES))
+        previous = (_EXPORT_FILES <= names and any(names - _EXPORT_FILES <= files for files in _TOKENIZER_FILES)
                     and "model_type" in json.loads((target / "config.json").read_text()))
     except (OSError, ValueError, TypeError):
         previous = False

@@ -25,7 +25,8 @@ __all__ = ["lm_head_cross_entropy"]
 
 
 def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax.Array,
-                          chunk_bytes: int | None = None, label_smoothing: float = 0.0, fp8: bool = False) -> jax.Array:
+                          chunk_bytes: int | None = None, label_smoothing: float = 0.0, fp8: bool = False,
+                          scored_only: bool = False) -> jax.Array:
     """Mean cross-entropy of `targets` under the logits `x @ table.T`, as
     `optax.softmax_cross_entropy_with_integer_labels(x @ table.T, targets).mean()` computes it (with
     `label_smoothing` e: against `optax.smooth_labels(one_hot(targets), e)`, i.e. 1 - e on the target and
@@ -34,12 +35,15 @@ def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax
     Args:
       x_BTD: final hidden states [B, T, D] (any float dtype; the matmuls run in it).
       table_VD: the LM head [V, D] (the embedding table when tied), in x's dtype.
-      targets_BT: int32 next-token ids [B, T] in [0, V).
+      targets_BT: int32 next-token ids [B, T] in [0, V); with `scored_only`, a target below 0 is not scored (a
+        conversation's user turn: `gpt.data.conversations`).
       chunk_bytes: the float32 logits each device holds at once (default: 128 MiB on CPU, 1 GiB
         elsewhere). The chunks split T and keep B whole, so a batch split over devices stays split.
       label_smoothing: e in [0, 1); 0 is the plain cross-entropy.
       fp8: the head's products in FP8 (`gpt.model.fp8`): x and the table rounded to e4m3 (each under one
         scale), each chunk's gradient of its logits to e5m2 before the two backward products.
+      scored_only: the mean over the targets >= 0 alone (0 where there are none), the others adding nothing to the
+        loss or its gradients. A static choice: without it the program is the plain one.
     Returns:
       the float32 scalar mean loss (nats). Differentiable in x and table.
 
@@ -54,7 +58,8 @@ def lm_head_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, targets_BT: jax
         chunk_bytes = chosen.loss_chunk_bytes
     shards = _batch_shards(B)
     longest = chunk_bytes // (B // shards * table_VD.shape[0] * 4)
-    head = _Head(chosen.head_rows_multiple, chosen.head_logits == "compute", float(label_smoothing), fp8)
+    head = _Head(chosen.head_rows_multiple, chosen.head_logits == "compute", float(label_smoothing), fp8,
+                 scored_only)
     with jax.named_scope("loss"):
         return _chunked_loss(x_BTD, table_VD, targets_BT, _chunk_length(T, longest), shards, head)
 
@@ -66,6 +71,7 @@ class _Head(NamedTuple):
     compute_logits: bool  # logits in x's dtype rather than float32
     smoothing: float
     fp8: bool
+    scored_only: bool  # targets below 0 are left out
 
 
 def _batch_shards(B: int) -> int:
@@ -101,10 +107,17 @@ def _unchunk(a_nM: jax.Array, B: int, T: int) -> jax.Array:
     return a_BnC.reshape(B, n * (M // B), *a_nM.shape[2:])[:, :T]
 
 
-def _chunked_inputs(x_BTD, targets_BT, chunk):
-    """x [n, M, D], targets [n, M] and a validity mask [n, M] (False on the padding), M = B * chunk."""
-    valid_BT = jnp.ones(targets_BT.shape, jnp.bool_)
-    return _chunks(x_BTD, chunk), _chunks(targets_BT, chunk), _chunks(valid_BT, chunk)
+def _chunked_inputs(x_BTD, targets_BT, chunk, head: _Head):
+    """x [n, M, D], targets [n, M] and a validity mask [n, M] (False on the padding, and on the unscored targets
+    with `head.scored_only`), M = B * chunk; and the number of targets the mean is over (float32 [])."""
+    if head.scored_only:
+        valid_BT = targets_BT >= 0
+        targets_BT = jnp.maximum(targets_BT, 0)
+        count = jnp.maximum(valid_BT.sum(), 1).astype(jnp.float32)  # a batch of no scored targets: loss 0, not nan
+    else:
+        valid_BT = jnp.ones(targets_BT.shape, jnp.bool_)
+        count = targets_BT.size
+    return (_chunks(x_BTD, chunk), _chunks(targets_BT, chunk), _chunks(valid_BT, chunk)), count
 
 
 def _chunk_loss(x_MD, table_PD, targets_M, valid_M, V, head: _Head):
@@ -133,7 +146,9 @@ def _chunk_loss(x_MD, table_PD, targets_M, valid_M, V, head: _Head):
         loss_M = (1 - e) * loss_M + e * (log_total_M - mean_logit_M)
         dlogits_MP = exp_MP / total_M1 - ((1 - e) * is_target_MP + jnp.where(real_P, e / V, 0.0))
     # Padding rows need no mask in the gradient: their x is zero, so they add nothing to the table's
-    # gradient, and their rows of x's gradient are cut off.
+    # gradient, and their rows of x's gradient are cut off. Unscored targets' rows do.
+    if head.scored_only:
+        dlogits_MP = jnp.where(valid_M[:, None], dlogits_MP, 0.0)
     return jnp.where(valid_M, loss_M, 0.0).sum(), dlogits_MP
 
 
@@ -156,9 +171,9 @@ def _chunked_loss(x_BTD, table_VD, targets_BT, chunk, shards, head: _Head):
         x_MD, targets_M, valid_M = xs
         return total + _chunk_loss(x_MD, table_PD, targets_M, valid_M, V, head)[0], None
 
-    xs = _chunked_inputs(x_BTD, targets_BT, chunk)
+    xs, count = _chunked_inputs(x_BTD, targets_BT, chunk, head)
     total, _ = jax.lax.scan(add_chunk, jnp.zeros((), jnp.float32), xs)
-    return total / (B * T)
+    return total / count
 
 
 def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards, head: _Head):
@@ -184,13 +199,13 @@ def _chunked_loss_forward(x_BTD, table_VD, targets_BT, chunk, shards, head: _Hea
                                                  x_MD.reshape(shards, rows, D), preferred_element_type=jnp.float32)
         return (total + loss, constrain(dtable_SPD, ("batch", "vocab", None))), dx_MD
 
-    xs = _chunked_inputs(x_BTD, targets_BT, chunk)
+    xs, count = _chunked_inputs(x_BTD, targets_BT, chunk, head)
     partial_SPD = constrain(jnp.zeros((shards, P, D), jnp.float32), ("batch", "vocab", None))
     (total, dtable_SPD), dx_nMD = jax.lax.scan(add_chunk, (jnp.zeros((), jnp.float32), partial_SPD), xs)
     # The gradients of the mean, ready for the backward pass to scale by its cotangent (1 for a loss).
-    dx_BTD = (_unchunk(dx_nMD, B, T) / (B * T)).astype(out_dtypes[0])
-    dtable_VD = (dtable_SPD.sum(0)[:V] / (B * T)).astype(out_dtypes[1])
-    return total / (B * T), (dx_BTD, dtable_VD)
+    dx_BTD = (_unchunk(dx_nMD, B, T) / count).astype(out_dtypes[0])
+    dtable_VD = (dtable_SPD.sum(0)[:V] / count).astype(out_dtypes[1])
+    return total / count, (dx_BTD, dtable_VD)
 
 
 def _chunked_loss_backward(chunk, shards, head, residuals, cotangent):

@@ -9,6 +9,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+from gpt.chat_template import ChatTemplate
 from gpt.errors import ConfigError, MissingInput
 from gpt.model import gpt2, llama
 from gpt.model.config import GPTConfig
@@ -18,7 +19,7 @@ from gpt.model.transformer import GPT
 from gpt.tokenizer import TextTokenizer, get_tokenizer
 from gpt.tokenizer_json import TokenizerJson
 
-__all__ = ["located", "is_pretrained", "Checkpoint"]
+__all__ = ["located", "is_pretrained", "Checkpoint", "end_of_turn_in"]
 
 _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # owner/model, as the hub names a model
 
@@ -77,23 +78,15 @@ class Checkpoint:
         return self.reader.load(self.directory, dtype=dtype, param_dtype=param_dtype, hf_config=self.hf_config)
 
     def end_of_turn(self) -> tuple[int, ...]:
-        """The ids its generation_config.json ends a generation at (`eos_token_id`: one id, or a list: an instruct
-        model's end of turn beside its end of text); () where it has none."""
-        path = self.directory / "generation_config.json"
-        record = read_json_file(path) if path.exists() else {}
-        ids = record.get("eos_token_id") if isinstance(record, dict) else None
-        ids = [ids] if _is_id(ids) else ids if ids is not None else []
-        vocabulary = self.config().vocab_size
-        if not isinstance(ids, list) or not all(_is_id(i) and i < vocabulary for i in ids):
-            raise ConfigError(f"{path}'s eos_token_id must be a token id or a list of them, each in [0, {vocabulary}), "
-                              f"got {str(ids)[:80]}")
-        return tuple(ids)
+        """The ids its generation_config.json ends a generation at (`end_of_turn_in`)."""
+        return end_of_turn_in(self.directory, self.config().vocab_size)
 
     def tokenizer(self) -> TextTokenizer:
-        """The tokenizer that reads its text: GPT-2's for a GPT-2, else its own (its tokenizer.json); ConfigError
+        """The tokenizer that reads its text: GPT-2's for a GPT-2 (through tiktoken), else its own (its tokenizer.json:
+        a GPT-2's too where it carries a chat template, `gpt.chat_format`'s); ConfigError
         naming both sizes where it has more tokens than the model's vocabulary (their ids would index past the
         embedding)."""
-        if self.family.reader == "gpt2":
+        if self.family.reader == "gpt2" and not self._has_chat_format():
             tokenizer = get_tokenizer()
         elif not (self.directory / "tokenizer.json").exists():
             raise MissingInput(f"{self.directory} has no tokenizer.json: put the model's tokenizer files beside its "
@@ -105,6 +98,24 @@ class Checkpoint:
             raise ConfigError(f"the tokenizer of {self.directory} has {tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size of {vocab_size} (config.json)")
         return tokenizer
+
+    def _has_chat_format(self) -> bool:
+        """Whether its tokenizer.json carries a chat template (GPT-2's own, from the hub, does not)."""
+        return (self.directory / "tokenizer.json").exists() and ChatTemplate.of(TokenizerJson(self.directory)) is not None
+
+
+def end_of_turn_in(directory: Path, vocabulary: int) -> tuple[int, ...]:
+    """The ids `directory`'s generation_config.json ends a generation at (`eos_token_id`: one id, or a list: an
+    instruct model's end of turn beside its end of text), each checked to be below `vocabulary`; () where it has
+    none."""
+    path = directory / "generation_config.json"
+    record = read_json_file(path) if path.exists() else {}
+    ids = record.get("eos_token_id") if isinstance(record, dict) else None
+    ids = [ids] if _is_id(ids) else ids if ids is not None else []
+    if not isinstance(ids, list) or not all(_is_id(i) and i < vocabulary for i in ids):
+        raise ConfigError(f"{path}'s eos_token_id must be a token id or a list of them, each in [0, {vocabulary}), "
+                          f"got {str(ids)[:80]}")
+    return tuple(ids)
 
 
 def _is_id(value) -> bool:

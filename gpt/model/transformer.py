@@ -406,14 +406,15 @@ def _compiled_logits(config: GPTConfig, weights: Weights, tokens_BT: jax.Array, 
     return lm_head(weights, x_BTD), cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "label_smoothing"))
+@functools.partial(jax.jit, static_argnames=("config", "label_smoothing", "scored_only"))
 def _compiled_loss(config: GPTConfig, weights: Weights, tokens_BT: jax.Array, targets_BT: jax.Array,
-                   dropout_key: jax.Array | None, label_smoothing: float) -> jax.Array:
+                   dropout_key: jax.Array | None, label_smoothing: float, scored_only: bool = False) -> jax.Array:
     """`GPT.loss`'s program, one per shape. Eager, the chunked cross-entropy's `lax.scan` compiled again
     at every call (its step is a new closure each time): ~50 ms a call for a tiny model."""
     x_BTD = forward(config, weights, tokens_BT, dropout_key=dropout_key)[0]
     table_VD = weights.head.matrix_KD.astype(x_BTD.dtype)
-    return lm_head_cross_entropy(x_BTD, table_VD, targets_BT, label_smoothing=label_smoothing, fp8=config.fp8)
+    return lm_head_cross_entropy(x_BTD, table_VD, targets_BT, label_smoothing=label_smoothing, fp8=config.fp8,
+                                 scored_only=scored_only)
 
 
 def transform(
@@ -536,14 +537,16 @@ class GPT(nnx.Module):
         )
 
     def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array, *, dropout_key: jax.Array | None = None,
-             label_smoothing: float = 0.0) -> jax.Array:
+             label_smoothing: float = 0.0, scored_only: bool = False) -> jax.Array:
         """Mean next-token cross-entropy (float32 nats) of int32 targets [B, T] after tokens [B, T], against
-        targets smoothed by `label_smoothing` (0: the plain cross-entropy).
+        targets smoothed by `label_smoothing` (0: the plain cross-entropy); with `scored_only`, over the targets
+        >= 0 alone (a target below 0 is one the model reads but is not taught: a conversation's user turn).
 
         Equal to the cross-entropy of `self(tokens_BT)`, but the [B, T, V] logits are never held at once
         (`gpt.model.loss.lm_head_cross_entropy`): faster on CPU, and the memory they would take on a GPU.
         """
-        return _compiled_loss(self.config, self.weights(), tokens_BT, targets_BT, dropout_key, float(label_smoothing))
+        return _compiled_loss(self.config, self.weights(), tokens_BT, targets_BT, dropout_key, float(label_smoothing),
+                              scored_only)
 
     def __call__(
         self,

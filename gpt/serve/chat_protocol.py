@@ -12,15 +12,12 @@ template, such as Qwen3's `{"enable_thinking": false}`.
 
 from __future__ import annotations
 
-from gpt.chat_template import ChatTemplateError
+from gpt.chat_template import ROLES, ChatTemplateError, message_text
 from gpt.inference.request import Request
 from gpt.inference.sampling import TOP_LOGPROBS
 from gpt.serve.protocol import ApiError, Limits, Parsed, checked, describe, number, read_body, read_knobs
 
-__all__ = ["parse_chat", "ROLES"]
-
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-"""The roles a message may have, and the role the template sees for each."""
+__all__ = ["parse_chat"]
 
 # OpenAI's chat fields this server does not implement, with the values that ask for nothing.
 _UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
@@ -30,15 +27,12 @@ _UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none", "auto"), "fun
 
 
 def _content(message: dict, index: int) -> str:
-    """A message's content as text: a string, or a list of text parts joined by newlines."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
-                                         and isinstance(part.get("text"), str) for part in content):
-        return "\n".join(part["text"] for part in content)
-    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts "
-                        f"({{\"type\": \"text\", \"text\": ...}}), got {describe(content)}", "messages")
+    """A message's content as text (`message_text`), or a 400 naming it."""
+    text = message_text(message.get("content"))
+    if text is None:
+        raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts "
+                            f"({{\"type\": \"text\", \"text\": ...}}), got {describe(message.get('content'))}", "messages")
+    return text
 
 
 def _messages(body: dict, limits: Limits) -> list[dict]:

@@ -42,7 +42,7 @@ from gpt.model.transformer import GPT
 from gpt.train.fused_qkv import fused, unfused, written_fused
 from gpt.train.step import all_finite
 
-__all__ = ["CheckpointManager", "load_model", "checksums", "is_finite"]
+__all__ = ["CheckpointManager", "load_model", "newest_model_config", "checksums", "is_finite"]
 
 
 # ------------------------------------------------------------------------------------------ checksums
@@ -262,6 +262,18 @@ class CheckpointManager:
             multihost_utils.sync_global_devices(f"gpt: checkpoint {step} moved aside")
         self.manager.reload()
         return target
+
+
+def newest_model_config(out_dir: str | os.PathLike) -> GPTConfig:
+    """The GPTConfig its newest finished checkpoint records (no weights read); MissingInput where it has none."""
+    manager = CheckpointManager(out_dir, async_save=False)
+    try:
+        newest = manager.newest_metadata()
+    finally:
+        manager.close()
+    if newest is None:
+        raise MissingInput(f"no finished checkpoint in {manager.directory}")
+    return GPTConfig(**newest[1]["model_config"])
 
 
 def load_model(out_dir: str | os.PathLike, step: int | None = None, dtype: str | None = None) -> GPT:

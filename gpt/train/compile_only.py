@@ -25,7 +25,7 @@ def compile_train_step(config: TrainConfig, log=print) -> ProgramReport:
     too large for the chip's memory, or a missing libtpu.
     """
     devices = parse_topology(config.compile_only).devices()
-    config, model_config, mesh = mesh_and_model(config, devices, log, initial_checkpoint(config))
+    config, model_config, mesh = mesh_and_model(config, devices, log, initial_checkpoint(config.init_from))
     tokens = config.grad_accum * config.batch_size * config.block_size
     accumulated = f" x {config.grad_accum} accumulated" if config.grad_accum > 1 else ""
     log(compiling_line(f"--compile_only {config.compile_only}",

@@ -29,10 +29,13 @@ __all__ = ["loss_fn", "init_train_state", "abstract_train_state", "make_train_st
 
 
 def loss_fn(model: GPT, batch_BT1: jax.Array, dropout_key: jax.Array | None = None,
-            label_smoothing: float = 0.0) -> jax.Array:
+            label_smoothing: float = 0.0, scored_only: bool = False) -> jax.Array:
     """Mean next-token cross-entropy (nats, float32) of int32 windows [B, T + 1] (against smoothed targets
-    with `label_smoothing` > 0)."""
-    return model.loss(batch_BT1[:, :-1], batch_BT1[:, 1:], dropout_key=dropout_key, label_smoothing=label_smoothing)
+    with `label_smoothing` > 0). With `scored_only` (conversations: `gpt.data.conversations`), an entry e < 0 is
+    the token ~e, which the model reads but is not taught to predict; the mean is over the others."""
+    tokens_BT1 = jnp.where(batch_BT1 < 0, ~batch_BT1, batch_BT1) if scored_only else batch_BT1
+    return model.loss(tokens_BT1[:, :-1], batch_BT1[:, 1:], dropout_key=dropout_key, label_smoothing=label_smoothing,
+                      scored_only=scored_only)
 
 
 def init_train_state(model: GPT, optimizer: OptimizerConfig, mesh: jax.sharding.Mesh):
@@ -94,12 +97,12 @@ def all_finite(*trees) -> jax.Array:
 
 
 def make_train_step(graphdef, optimizer: OptimizerConfig, dropout: bool, mesh: jax.sharding.Mesh, shardings: tuple,
-                    label_smoothing: float = 0.0):
+                    label_smoothing: float = 0.0, scored_only: bool = False):
     """step(params, opt_state, batch [A, B, T+1], key) -> (params, opt_state, {loss, grad_norm, finite}),
     compiled for `mesh` (the activations' sharding constraints refer to it); the new params and optimizer
     state keep `shardings` (param_shardings, opt_shardings), so donation reuses their buffers step after
     step. `finite` (bool) is False when the loss, the gradient norm or any updated parameter is not.
-    The loss trained on (and reported) uses `label_smoothing`.
+    The loss trained on (and reported) uses `label_smoothing`, and `scored_only` (`loss_fn`).
 
     The step's learning rates come from a small program of their own (the schedule, at the optimizer
     state's step count), so that the step is compiled for `optimizer.without_schedule()`: it is made once
@@ -108,7 +111,7 @@ def make_train_step(graphdef, optimizer: OptimizerConfig, dropout: bool, mesh: j
     persistent compilation cache. The numbers come out as they would with the schedule inside the step."""
     leaves, treedef = jax.tree.flatten(shardings)
     jitted = _train_step(graphdef, optimizer.without_schedule(), dropout, mesh, tuple(leaves), treedef,
-                         label_smoothing)
+                         label_smoothing, scored_only)
     return TrainStep(jitted, _rates_at_step(optimizer), mesh)
 
 
@@ -159,7 +162,8 @@ def _rates_at_step(optimizer: OptimizerConfig):
 
 
 @functools.lru_cache(maxsize=16)
-def _train_step(graphdef, optimizer_without_schedule, dropout, mesh, sharding_leaves, sharding_tree, label_smoothing):
+def _train_step(graphdef, optimizer_without_schedule, dropout, mesh, sharding_leaves, sharding_tree, label_smoothing,
+                scored_only):
     shardings = jax.tree.unflatten(sharding_tree, sharding_leaves)
 
     def step(params, opt_state, batch_ABT1, key, rates):
@@ -169,7 +173,8 @@ def _train_step(graphdef, optimizer_without_schedule, dropout, mesh, sharding_le
         def micro(grad_sum, xs):
             batch, micro_key = xs
             loss_and_grad = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch,
-                                                                 micro_key if dropout else None, label_smoothing))
+                                                                 micro_key if dropout else None, label_smoothing,
+                                                                 scored_only))
             loss, grads = loss_and_grad(forward_params)
             with jax.named_scope("accumulate"):  # a gradient of a cast weight is in its compute dtype: summed in
                 return jax.tree.map(lambda total, g: total + g.astype(total.dtype), grad_sum, grads), loss  # float32
@@ -199,11 +204,12 @@ def _as_forward_reads(graphdef, params: dict) -> dict:
 
 
 @functools.lru_cache(maxsize=16)
-def make_eval_step(graphdef, mesh: jax.sharding.Mesh):
-    """eval(params, batch [B, T+1]) -> mean loss (float32 []); made once per process for equal arguments."""
+def make_eval_step(graphdef, mesh: jax.sharding.Mesh, scored_only: bool = False):
+    """eval(params, batch [B, T+1]) -> mean loss (float32 [], `loss_fn`'s); made once per process for equal
+    arguments."""
 
     def eval_loss(params, batch):
-        return loss_fn(nnx.merge(graphdef, params), batch)
+        return loss_fn(nnx.merge(graphdef, params), batch, scored_only=scored_only)
 
     return _on_mesh(jax.jit(eval_loss), mesh)
 

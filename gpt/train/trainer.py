@@ -37,16 +37,18 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from gpt.chat_format import for_conversations
 from gpt.compilation_cache import CompileCacheChoice
+from gpt.data.conversations import longest_record
+from gpt.data.corpus import holds_conversations
 from gpt.data.loader import Batches
 from gpt.data.prefetch import Prefetch
-from gpt.data.prepare import CorpusChoice, corpus_identity, default_corpus, prepare, sources
+from gpt.data.prepare import CorpusChoice, conversation_template, corpus_identity, corpus_inputs, prepare, sources
 from gpt.data.shards import verify_shards
 from gpt.errors import ConfigError, check_fits_in_memory
 from gpt.hardware import CompileOnlyChoice
 from gpt.model import pretrained
 from gpt.model.config import PRESETS, GPTConfig
-from gpt.model.hf_files import check_weight_files
 from gpt.model.sharding import (
     batch_sharding,
     bytes_per_device,
@@ -63,6 +65,7 @@ from gpt.run_tokenizer import keep_tokenizer
 from gpt.signals import StopSignals
 from gpt.tokenizer import TextTokenizer, get_tokenizer
 from gpt.train.checkpoint import CheckpointManager, config_to_json
+from gpt.train.init_from import RunCheckpoint, initial_checkpoint, with_vocabulary
 from gpt.train.metrics import MetricsWriter
 from gpt.train.optimizer import OptimizerConfig, make_schedule
 from gpt.train.peers import PeerWatch, agree_on_signal, wait_for_all
@@ -241,9 +244,12 @@ class Plan:
     corpus_sources: list[dict]
     identity: dict
     tokenizer: TextTokenizer
-    """What the corpus is tokenized with: GPT-2's, or the fine-tuned model's own."""
-    checkpoint: pretrained.Checkpoint | None
-    """The Hugging Face checkpoint it fine-tunes (`--init_from`), found once; None from scratch."""
+    """What the corpus is tokenized with: GPT-2's, or the fine-tuned model's own (GPT-2's in its chat format, on
+    conversations: `gpt.chat_format`)."""
+    checkpoint: pretrained.Checkpoint | RunCheckpoint | None
+    """The checkpoint it fine-tunes (`--init_from`), found once; None from scratch."""
+    conversations: bool = False
+    """The corpus is of conversations (`gpt.data.conversations`): the loss is on the assistant's tokens alone."""
 
     @property
     def out_dir(self) -> Path:
@@ -274,28 +280,28 @@ def plan(config: TrainConfig, log=print) -> Plan:
                               "the devices there are")
         devices = jax.devices()[: config.num_devices]
     log = _main_process_only(log)
-    checkpoint = initial_checkpoint(config)
+    checkpoint = initial_checkpoint(config.init_from)
     config, model_config, mesh = mesh_and_model(config, devices, log, checkpoint)
     tokenizer = _tokenizer(checkpoint)
     batch_bytes = config.grad_accum * config.batch_size * (config.block_size + 1) * 4 * (config.prefetch + 2)
     check_fits_in_memory(f"TrainConfig.batch_size={config.batch_size} x grad_accum={config.grad_accum}", batch_bytes,
                          f"the int32 token batches in flight ({config.prefetch} prefetched + 2 steps')",
                          "use a smaller --batch_size or --grad_accum")
-    inputs = list(config.data) or default_corpus()
+    inputs = corpus_inputs(config.data)
     corpus_sources = sources(inputs, exclude=[out_dir])  # the one read of the corpus; never the run's own files
+    paths = [Path(source["path"]) for source in corpus_sources]
+    conversations = holds_conversations(paths, config.text_field)
+    if conversations:
+        tokenizer, vocab_size = for_conversations(tokenizer, model_config.vocab_size)
+        if vocab_size != model_config.vocab_size:
+            log(f"the chat format's tokens (gpt/chat_format.py) grow the vocabulary from {model_config.vocab_size:,} "
+                f"to {vocab_size:,} rows")
+            model_config = model_config.replace(vocab_size=vocab_size)
+        conversation_template(paths, config.text_field, tokenizer)  # none: one line, before any compile
     run_identity = identity(config_to_json(model_config), _training_identity(config),
                             corpus_identity(corpus_sources, config.val_fraction, config.text_field))
-    return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity, tokenizer, checkpoint)
-
-
-def initial_checkpoint(config: TrainConfig) -> pretrained.Checkpoint | None:
-    """The Hugging Face checkpoint `--init_from` names, found once (its config.json read, its weight files' headers
-    checked: before the corpus is prepared, not after); None from scratch."""
-    if config.init_from == "scratch":
-        return None
-    checkpoint = pretrained.Checkpoint.at(pretrained.located(config.init_from))
-    check_weight_files(checkpoint.directory)
-    return checkpoint
+    return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity, tokenizer, checkpoint,
+                conversations)
 
 
 def mesh_and_model(config: TrainConfig, devices: list | None, log=print,
@@ -464,7 +470,8 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     graphdef, abstract_params, abstract_opt_state, shardings = abstract_train_state(model_config, optimizer, mesh)
     train_step = _compiled_within_memory(make_train_step(graphdef, optimizer, dropout=model_config.dropout > 0,
                                                          mesh=mesh, shardings=shardings,
-                                                         label_smoothing=config.label_smoothing),
+                                                         label_smoothing=config.label_smoothing,
+                                                         scored_only=checked.conversations),
                                          abstract_params, abstract_opt_state, config, mesh)
 
     def prepare_corpus() -> dict:  # under the data directory's lock, which the run holds
@@ -489,6 +496,8 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     rows = config.batch_size * config.grad_accum
     train_batches = Batches.of_split(data_dir, "train", config.block_size, rows, config.seed, pid, nproc)
     val_batches = Batches.of_split(data_dir, "val", config.block_size, config.batch_size, config.seed + 1, pid, nproc)
+    if checked.conversations:
+        _report_cut_conversations(train_batches, meta, config.block_size, log)
 
     # From here on, work is compiled.
     _, params, opt_state, _ = init_train_state(_build_model(config, model_config, checked.checkpoint), optimizer,
@@ -508,7 +517,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
         log(f"nothing to train: {checked.out_dir} is at step {start} and this run ends at step {end} (raise "
             f"--max_steps, with --resume_anyway, to train further)")
     return Run(config, model_config, mesh, checked.identity, data_identity, graphdef, params, opt_state, train_step,
-               make_eval_step(graphdef, mesh), make_schedule(optimizer, optimizer.lr), train_batches, val_batches,
+               make_eval_step(graphdef, mesh, checked.conversations), make_schedule(optimizer, optimizer.lr), train_batches, val_batches,
                checkpoints, MetricsWriter(checked.out_dir, resume_step=start, enabled=pid == 0), start, end)
 
 
@@ -526,12 +535,22 @@ def _compiled_within_memory(step: TrainStep, params, opt_state, config: TrainCon
     return step.with_program(program)
 
 
-def _build_model(config: TrainConfig, model_config: GPTConfig, checkpoint: pretrained.Checkpoint | None) -> GPT:
+def _build_model(config: TrainConfig, model_config: GPTConfig,
+                 checkpoint: pretrained.Checkpoint | RunCheckpoint | None) -> GPT:
     if checkpoint is None:
         return GPT(model_config, rngs=nnx.Rngs(config.seed))
-    model = checkpoint.load(model_config.dtype, model_config.param_dtype)
+    model = with_vocabulary(checkpoint.load(model_config.dtype, model_config.param_dtype), model_config.vocab_size)
     model.config = model_config
     return model
+
+
+def _report_cut_conversations(batches, meta: dict, block_size: int, log) -> None:
+    """Say how many training conversations are longer than a row, and so cut (`gpt.data.conversations`)."""
+    cut = int((batches.lengths > block_size + 1).sum())
+    if cut:
+        log(f"warning: {cut:,} of {batches.lengths.size:,} training conversations are longer than block_size + 1 = "
+            f"{block_size + 1:,} tokens and are cut there, their later turns untaught (the longest: "
+            f"{longest_record(meta)}); raise --block_size to keep them whole")
 
 
 # ------------------------------------------------------------------------------------------ the loop
