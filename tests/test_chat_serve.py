@@ -110,3 +110,23 @@ def test_a_chat_reply_with_a_draft_equals_one_without(server, chat_model):
         assert drafted.engine.draft_policy.tokens_drafted > 0  # the draft guessed, and was verified
     finally:
         drafted.stop()
+
+
+@pytest.mark.slow
+def test_a_conversations_next_turn_reuses_its_history_from_the_prefix_cache(server, chat_model):
+    _, directory, _, reply, _ = chat_model
+    cached = Server(load(str(directory)), tokenizer=tokenizer_of(str(directory)),
+                    end_of_turn=end_of_turn_of(str(directory)), slots=2, max_queue=8, cache_length=128,
+                    prefix_cache_tokens=1024)
+    try:
+        messages = list(CONVERSATION)
+        for turn in range(2):
+            answers = [s.client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                                        max_tokens=STEPS) for s in (server, cached)]
+            assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+            messages += [{"role": "assistant", "content": answers[0].choices[0].message.content},
+                         {"role": "user", "content": "And a tuple?"}]
+        assert cached.engine.prompt_tokens_reused > 0 and server.engine.prompt_tokens_reused == 0
+        assert "gpt_prompt_tokens_reused" in httpx.get(cached.url + "/metrics").text
+    finally:
+        cached.stop()

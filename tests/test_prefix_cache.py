@@ -1,5 +1,5 @@
-"""The prefix cache: its host index (no JAX), and scored prompts that share a beginning giving what they give
-alone while running only the rest."""
+"""The prefix cache: its host index (no JAX), and scored prompts (or a conversation's turns) that share a beginning
+giving what they give alone while running only the rest."""
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +106,34 @@ def test_scored_prompts_that_share_a_beginning_give_what_they_give_without_the_c
         assert b.tokens == a.tokens
         want = jax.nn.log_softmax(model(jnp.asarray([prompt]))[0], -1)
         np.testing.assert_allclose(b.prompt_logprobs[1:], want[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_conversations_turns_reuse_its_history_and_give_what_they_give_without_the_cache(model):
+    """Each turn sends the whole conversation again (`Request.reuse_prefix`, as the chat endpoint asks): with the
+    cache, a turn loads the blocks of the turn before and generates the tokens it generates without the cache,
+    and a scored prompt with the same tokens does not take the unscored blocks (which have no scores)."""
+    results = {}
+    for tokens in (0, 1024):
+        rng = np.random.default_rng(1)  # the same conversation each time
+        history = rng.integers(0, 256, 30).tolist()
+        engine = Engine(model, slots=2, max_queue=8, cache_length=128, prefill_chunk=16, prefix_cache_tokens=tokens)
+        engine.warmup(log=lambda line: None)
+        compiled, turns, prompt = engine.compiled_shapes(), [], history
+        for turn in range(3):
+            reply = engine.submit(Request(prompt, 6, GREEDY, reuse_prefix=True))
+            engine.run([reply])
+            turns.append(reply.tokens)
+            prompt = prompt + reply.tokens + rng.integers(0, 256, 9).tolist()  # the reply, then the user's next turn
+        reused = engine.prompt_tokens_reused
+        scored = engine.submit(Request(prompt[:40], 1, GREEDY, prompt_logprobs=True))
+        engine.run([scored])
+        assert engine.compiled_shapes() == compiled
+        results[tokens] = turns, reused, engine.prompt_tokens_reused - reused, scored
+    (alone, none, _, _), (cached, reused, scored_reused, scored) = results[0], results[1024]
+    assert cached == alone and none == 0
+    assert reused == 15 + 31  # turns 2 and 3 load the 1 and 2 whole blocks the turn before kept, less a token each
+    assert scored_reused == 0 and len(scored.prompt_logprobs) == 40  # scored afresh: its own blocks, its scores
 
 
 def test_a_bad_cache_size_is_refused(model):

@@ -1,9 +1,11 @@
 """Scored prompts' keys and values kept for later prompts that begin the same: the device's
 `PrefixCacheBlocks` (its programs here) and the host's `PrefixCacheIndex` of it, kept in step.
 
-A scored prompt (`Request.prompt_logprobs`) leaves its whole blocks in the cache after its prefill
-(`keep`); a later one loads what the cache holds of its beginning, with those tokens' scores, and runs only
-the rest (`load`). The choices of a multiple-choice item pay for their shared context once.
+A scored prompt (`Request.prompt_logprobs`), or one that asks (`Request.reuse_prefix`: a conversation's turns),
+leaves its whole blocks in the cache after its prefill (`keep`); a later one loads what the cache holds of its
+beginning, with those tokens' scores where it is scored, and runs only the rest (`load`). The choices of a
+multiple-choice item pay for their shared context once, and so does a conversation's history at each turn.
+Scored and unscored prompts keep their blocks apart (an unscored prompt's blocks have no scores to give).
 """
 
 from __future__ import annotations
@@ -89,6 +91,14 @@ compiled_load_prefix = jax.jit(load_prefix, static_argnames="config")
 COMPILED = (compiled_save_blocks, compiled_load_prefix)  # the ones a request runs
 
 
+_UNSCORED = 0xFFFF  # the index's variant of unscored prompts' blocks (a scored one's is its number of alternatives)
+
+
+def _variant(request) -> int:
+    """What separates the cache's blocks of prompts with the same tokens (`PrefixCacheIndex`'s variant)."""
+    return request.logprobs if request.prompt_logprobs else _UNSCORED
+
+
 def _blocks(length: int) -> int:
     """How many cache blocks cover `length` positions (a load or a save of a prefix that long)."""
     return -(-length // PREFIX_BLOCK)
@@ -114,12 +124,13 @@ class PrefixCache:
         held or the prompt's last (that one runs again: what follows it needs its output); those tokens'
         scores go to the completion. (A fresh prefix and 0 when the cache holds none of it.)"""
         request = completion.request
-        held, count = self.index.match(request.prompt, request.logprobs)
+        held, count = self.index.match(request.prompt, _variant(request))
         done = min(count - 1, len(request.prompt) - 1) if held else 0
         if done <= 0:
             return self.device.fresh_prefix(length), 0
         self.tokens_reused += done
-        completion.add_prompt_scores([score for _, scores in held for score in scores][1: done + 1])
+        if request.prompt_logprobs:
+            completion.add_prompt_scores([score for _, scores in held for score in scores][1: done + 1])
         ids = np.zeros((_blocks(length),), np.int32)
         ids[: len(held)] = [block for block, _ in held]
         tokens = np.zeros((length,), np.int32)
@@ -128,10 +139,14 @@ class PrefixCache:
             return compiled_load_prefix(self.device.config, self.cached, ids, tokens, np.int32(done)), done
 
     def keep(self, completion: Completion, prefix: Prefix) -> None:
-        """Put a scored prompt's whole blocks (row 0 of `prefix`, run to its end) in the cache."""
+        """Put a prompt's whole blocks (row 0 of `prefix`, run to its end) in the cache, with its scores where it
+        is scored."""
         request = completion.request
-        scores = list(zip(completion.prompt_logprobs, completion.prompt_top_logprobs))
-        added = self.index.add(request.prompt, request.logprobs, scores)
+        if request.prompt_logprobs:
+            scores = list(zip(completion.prompt_logprobs, completion.prompt_top_logprobs))
+        else:
+            scores = [(None, None)] * len(request.prompt)
+        added = self.index.add(request.prompt, _variant(request), scores)
         if not added:
             return
         blocks = _blocks(prefix.cache.length)

@@ -1,7 +1,8 @@
 """Which prompt prefixes the prefix cache holds (`gpt.inference.prefix_cache.PrefixCacheBlocks`): the host's index
 of its blocks, with no JAX in it.
 
-A scored prompt (`Request.prompt_logprobs`) leaves its whole blocks of PREFIX_BLOCK tokens in the cache,
+A scored prompt (`Request.prompt_logprobs`), or one that asks (`Request.reuse_prefix`), leaves its whole blocks of
+PREFIX_BLOCK tokens in the cache,
 each keyed by every token from the prompt's start to the block's end (so a block is found only after
 the very same tokens), with the scores of its tokens. A later scored prompt that begins with the same
 blocks loads their keys and values and runs only the rest: the choices of a multiple-choice item, sent by

@@ -35,6 +35,9 @@ class Request:
     prompt_logprobs: score the prompt too: each of its tokens' log-probability given those before it
       (and its `logprobs` alternatives), computed in the prefill that runs it. With it, max_tokens may
       be 0: the prompt is scored and nothing generated.
+    reuse_prefix: run the prompt through the engine's prefix cache (where it has one: `prefix_cache_tokens`)
+      though it is not scored, loading what the cache holds of its beginning and leaving its blocks there for
+      the next: a conversation's turns, which its next turn sends again (a scored prompt always does).
     """
 
     prompt: Sequence[int]
@@ -46,6 +49,7 @@ class Request:
     stop_strings: Sequence[str] | str = ()
     logprobs: int = 0
     prompt_logprobs: bool = False
+    reuse_prefix: bool = False
 
 
 def is_int(value) -> bool:
@@ -104,8 +108,9 @@ def check_request(request: Request, vocab_size: int, cache_length: int, max_stop
     that fit `cache_length` positions, at most `max_stop_tokens` stop tokens); else return its stop
     tokens as `check_stop_tokens` does."""
     ids = check_prompt(request.prompt, vocab_size)
-    if not isinstance(request.prompt_logprobs, (bool, np.bool_)):
-        raise ConfigError(f"prompt_logprobs must be true or false, got {request.prompt_logprobs!r}")
+    for flag in ("prompt_logprobs", "reuse_prefix"):
+        if not isinstance(getattr(request, flag), (bool, np.bool_)):
+            raise ConfigError(f"{flag} must be true or false, got {getattr(request, flag)!r}")
     if not is_int(request.max_tokens) or request.max_tokens < 1 - request.prompt_logprobs:
         only = "; 0 only when the prompt is scored (prompt_logprobs)" if not request.prompt_logprobs else ""
         raise ConfigError(f"max_tokens must be an integer >= {1 - request.prompt_logprobs}, "

@@ -145,7 +145,8 @@ class Scheduler:
         groups = []
         for i in range(0, len(entries), self.rows_per_prefill):
             group = entries[i: i + self.rows_per_prefill]
-            if self.prefix_cached and group[0][1].request.prompt_logprobs:  # one row: no mesh
+            request = group[0][1].request
+            if self.prefix_cached and (request.prompt_logprobs or request.reuse_prefix):  # one row: no mesh
                 groups.append(("prefix_cached", group))
             elif max(len(c.request.prompt) for _, c in group) > self.prefill_chunk:
                 groups.append(("chunked", group))  # its slots wait, owned, until its last chunk

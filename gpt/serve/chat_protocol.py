@@ -112,6 +112,7 @@ def parse_chat(raw: bytes, limits: Limits) -> Parsed:
     if max_tokens is None:  # the rest of the context (at least one token, so that a conversation too long says so)
         max_tokens = max(limits.cache_length - len(prompt), 1)
     requests = [Request(prompt, max_tokens, knobs.sampling, seed=knobs.seed, stream=j, stop_strings=knobs.stop,
-                        stop_tokens=limits.end_of_turn, logprobs=logprobs or 0) for j in range(knobs.n)]
+                        stop_tokens=limits.end_of_turn, logprobs=logprobs or 0, reuse_prefix=True)
+                for j in range(knobs.n)]  # the next turn sends this conversation again: its blocks are kept
     return Parsed(checked(requests, limits), [""] * knobs.n, knobs.stream, logprobs, False, len(prompt),
                   knobs.include_usage, limits.tokenizer, chat=True)
