@@ -184,7 +184,7 @@ class ChatTemplate:
             raise
         except jinja2.exceptions.TemplateError as e:  # raise_exception's message, or a sandbox refusal
             raise ChatTemplateError(f"{self.where}: {first_line(e)}") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, RecursionError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError, RecursionError) as e:
             raise ChatTemplateError(f"{self.where} failed on this conversation: {type(e).__name__}: "
                                     f"{first_line(e)}") from None
         finally:

@@ -21,6 +21,8 @@ from gpt.inference.sampling import Sampling
 from gpt.inference.speculation import check_draft
 from gpt.loading import ModelChoice, end_of_turn_of, load, load_draft, tokenizer_of
 from gpt.model.sharding import make_mesh, parse_mesh
+from gpt.model.transformer import GPT
+from gpt.tokenizer import TextTokenizer
 
 __all__ = ["SampleConfig", "sample", "talk"]
 
@@ -66,28 +68,38 @@ def _prompt(start: str) -> str:
         raise ConfigError(f"--start {start!r} is not UTF-8 text: {e}") from None
 
 
+def _check_knobs(config: SampleConfig, counts: tuple[str, ...]) -> None:
+    """ConfigError naming the first setting out of its bound (the sampling knobs, the draft, the `counts`, each at
+    least 1 where set): before the model is loaded or anything compiled."""
+    config.sampling.check()  # raises ConfigError naming the knob and its bound
+    check_draft(config.draft, config.draft_tokens, names_a_model=True)
+    for name in counts:
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise ConfigError(f"SampleConfig.{name} must be >= 1, got {getattr(config, name)}")
+
+
+def _loaded(config: SampleConfig, tokenizer: TextTokenizer) -> tuple[GPT, Decoder, GPT | None]:
+    """`config`'s model, its Decoder (laid out, quantized and placed on `--mesh` once) and its draft model."""
+    mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
+    draft, model = load_draft(config.draft, config.dtype, tokenizer), load(config.init_from, config.dtype)
+    return model, Decoder.of(model, config.quantize, mesh), draft
+
+
 def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
     """Print (and return) `config.num_samples` completions. Every setting is checked before the model is
     loaded or anything compiled."""
-    config.sampling.check()  # raises ConfigError naming the knob and its bound
-    check_draft(config.draft, config.draft_tokens, names_a_model=True)
-    for name in ("num_samples", "max_new_tokens"):
-        if getattr(config, name) is not None and getattr(config, name) < 1:
-            raise ConfigError(f"SampleConfig.{name} must be >= 1, got {getattr(config, name)}")
+    _check_knobs(config, ("num_samples", "max_new_tokens"))
     start = _prompt(config.start)
     held = len(start) + (config.max_new_tokens or _DEFAULT_NEW_TOKENS)  # about a token a character, at most
     check_fits_in_memory(f"SampleConfig.num_samples={config.num_samples}", config.num_samples * held * _BYTES_A_TOKEN,
                          "the samples' prompts and tokens", "ask for fewer --num_samples")
-    mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
-    # Laid out for decoding (and quantized) once, for every sample.
     tokenizer = tokenizer_of(config.init_from)  # the model's own where it has one (Llama's, Qwen's), else GPT-2's
-    draft, model = load_draft(config.draft, config.dtype, tokenizer), load(config.init_from, config.dtype)
+    model, decoder, draft = _loaded(config, tokenizer)  # laid out for decoding (and quantized) once, for every sample
     max_new_tokens = config.max_new_tokens
     prompt = tokenizer.encode(start)
     if max_new_tokens is None:
         max_new_tokens = new_tokens_that_fit(model.config, start, _DEFAULT_NEW_TOKENS, tokenizer)
     check_prompts([prompt], max_new_tokens, model.config.vocab_size, model.config.block_size)  # room for them
-    decoder = Decoder.of(model, config.quantize, mesh)
     # Made once, for every sample, over the positions the rows hold, as generate's engine makes it.
     draft = make_drafter(draft, decoder, cache_length_for(model.config, len(prompt), max_new_tokens))
     texts = []
@@ -111,10 +123,7 @@ def sample(config: SampleConfig, out=sys.stdout) -> list[str]:
 def talk(config: SampleConfig, read=input, out=sys.stdout) -> list[dict]:
     """`sample.py --chat`: a conversation with `config`'s model in the terminal (`gpt.chat.converse`), its lines read
     with `read`; ConfigError, before the model is loaded, where it has no chat template."""
-    config.sampling.check()
-    check_draft(config.draft, config.draft_tokens, names_a_model=True)
-    if config.max_new_tokens is not None and config.max_new_tokens < 1:
-        raise ConfigError(f"SampleConfig.max_new_tokens must be >= 1, got {config.max_new_tokens}")
+    _check_knobs(config, ("max_new_tokens",))
     tokenizer = tokenizer_of(config.init_from)
     template = ChatTemplate.of(tokenizer)
     if template is None:
@@ -123,9 +132,7 @@ def talk(config: SampleConfig, read=input, out=sys.stdout) -> list[dict]:
                           f"continues a text instead")
     end_of_turn = tuple(dict.fromkeys([*([] if tokenizer.eot_id is None else [tokenizer.eot_id]),
                                        *end_of_turn_of(config.init_from)]))
-    mesh = make_mesh(**parse_mesh(config.mesh)) if config.mesh else None
-    draft, model = load_draft(config.draft, config.dtype, tokenizer), load(config.init_from, config.dtype)
-    decoder = Decoder.of(model, config.quantize, mesh)
+    model, decoder, draft = _loaded(config, tokenizer)
     draft = make_drafter(draft, decoder, model.config.block_size)
     opening = [{"role": "system", "content": config.system}] if config.system else []
     return converse(Conversation(decoder, tokenizer, template, end_of_turn, config.sampling, config.seed,

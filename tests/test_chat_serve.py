@@ -130,3 +130,36 @@ def test_a_conversations_next_turn_reuses_its_history_from_the_prefix_cache(serv
         assert "gpt_prompt_tokens_reused" in httpx.get(cached.url + "/metrics").text
     finally:
         cached.stop()
+
+
+@pytest.mark.slow
+def test_a_slow_chat_template_never_holds_up_the_other_clients(chat_model, tmp_path):
+    """A template renders on a worker thread whatever the body's size: one that takes a second and more (under the
+    deadline) leaves /health answering at once."""
+    import json
+    import shutil
+    import threading
+    import time
+
+    _, directory, _, _, _ = chat_model
+    slow = shutil.copytree(directory, tmp_path / "slow")
+    config = json.loads((slow / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for i in range(3000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}" + \
+        config["chat_template"]
+    (slow / "tokenizer_config.json").write_text(json.dumps(config))
+    server = Server(load(str(slow)), tokenizer=tokenizer_of(str(slow)), end_of_turn=end_of_turn_of(str(slow)),
+                    slots=1, max_queue=2, cache_length=128)
+    try:
+        started = time.monotonic()
+        chat = threading.Thread(target=lambda: server.client.chat.completions.create(
+            model="tiny", messages=CONVERSATION, max_tokens=1))
+        chat.start()
+        time.sleep(0.3)  # the template is rendering
+        asked = time.monotonic()
+        assert httpx.get(server.url + "/health").status_code == 200
+        answered = time.monotonic()
+        chat.join()
+        assert time.monotonic() - started > 1.5 and answered - asked < 0.5, (time.monotonic() - started,
+                                                                             answered - asked)
+    finally:
+        server.stop()

@@ -27,6 +27,8 @@
   preparation killed half way checks those shards on disk, re-reads its inputs up to there (reading is
   cheap) and tokenizes only the rest; the shards equal an uninterrupted run's byte for byte. Inputs whose hashes and settings match `meta.json` are not
   prepared again at all.
+- **Conversations** (records with `messages`): each is one section, rendered with the tokenizer's chat template
+  (GPT-2's in `gpt.chat_format`'s) to uint32 ids flagged with what the loss is taught (`gpt.data.conversations`).
 - **Bad records** (a line that is not JSON, a missing or non-string text field) are skipped, counted in
   `meta.json` and reported with the first file:line of each kind. Preparation stops with an error only
   when no document is left. Binary text files (a NUL byte in the first 8 KiB) are refused.

@@ -123,10 +123,10 @@ async def _read_body(http: HTTPRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _off_the_loop(parse: Callable, raw: bytes, limits: Limits):
-    """parse(raw, limits), on a worker thread when the body is large (a long prompt takes a while to
-    tokenize: on the event loop it would hold up every stream and /health)."""
-    if len(raw) <= _INLINE_BODY_BYTES:
+async def _off_the_loop(parse: Callable, raw: bytes, limits: Limits, inline_bytes: int = _INLINE_BODY_BYTES):
+    """parse(raw, limits), on a worker thread when the body is larger than `inline_bytes` (a long prompt takes a
+    while to tokenize: on the event loop it would hold up every stream and /health)."""
+    if len(raw) <= inline_bytes:
         return parse(raw, limits)
     return await asyncio.to_thread(parse, raw, limits)
 
@@ -305,7 +305,8 @@ async def _complete(http: HTTPRequest, served: _Served, parse) -> Response:
     """A /v1/completions or /v1/chat/completions request, read by `parse`: submitted, then streamed or answered
     whole; raises what `error_reply` answers."""
     arrived = time.monotonic()
-    parsed = await _off_the_loop(parse, await _read_body(http, served.max_request_bytes), served.limits)
+    inline = 0 if parse is parse_chat else _INLINE_BODY_BYTES  # a chat template may run up to RENDER_SECONDS
+    parsed = await _off_the_loop(parse, await _read_body(http, served.max_request_bytes), served.limits, inline)
     choices = [Choice(i, r.prompt, text) for i, (r, text) in enumerate(zip(parsed.requests, parsed.prompt_texts))]
     updates: asyncio.Queue = asyncio.Queue()
     hook = _updates_hook(served.metrics, arrived, updates, asyncio.get_running_loop())
