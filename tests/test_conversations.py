@@ -269,3 +269,17 @@ def test_a_run_fine_tuned_from_a_gpt2_sized_run_grows_its_table_and_says_what_it
     cut = [line for line in lines if "longer than block_size + 1 = 33 tokens" in line]
     assert not in_validation(json.dumps(long, ensure_ascii=False), 0.25)  # a training conversation
     assert cut and f"{chats}:{len(REPLIES) + 1}" in cut[0], lines
+
+
+def test_parquet_conversations_prepare_as_jsonls_do(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"messages": conversation(q)} for q in REPLIES]
+    chats = write_chats(tmp_path / "chats.jsonl", records)
+    table = pa.Table.from_pylist(records)
+    pq.write_table(table, tmp_path / "chats.parquet")
+    from_jsonl = prepare([chats], tmp_path / "a", val_fraction=0.25, progress="none")
+    from_parquet = prepare([str(tmp_path / "chats.parquet")], tmp_path / "b", val_fraction=0.25, progress="none")
+    assert from_parquet["conversations"] and from_parquet["documents"] == len(REPLIES)
+    assert [s["sha256"] for s in from_parquet["shards"]["train"]] == [s["sha256"] for s in from_jsonl["shards"]["train"]]
