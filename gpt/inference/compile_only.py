@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from gpt.hardware import chip_of
 from gpt.inference.decoder import check_int8_draft, decoding_weights
-from gpt.inference.device_slots import FIT_ADVICE, compiled_init_slots, lower_largest
+from gpt.inference.device_slots import FIT_ADVICE, compiled_init_slots, lower_largest, slots_over
 from gpt.inference.drafters import Drafter, DraftModel, PromptLookup, SelfDraft, check_draft_model
 from gpt.inference.engine_settings import EngineSettings
 from gpt.model.config import GPTConfig
@@ -78,7 +78,7 @@ def compile_engine(config: GPTConfig, settings: EngineSettings, quantize: str, m
         drafter = drafter if settings.draft_tokens else None
         weights = _abstract_weights(config, quantize, mesh)
         rows = data_parallel_size(mesh)
-        slots_count = -(-settings.slots // rows) * rows
+        slots_count = slots_over(settings.slots, rows)  # the engine's own rounding
         slots = _abstract_outputs(compiled_init_slots, config, slots_count, settings.cache_length,
                                   settings.max_stop_tokens, drafter is not None and drafter.keeps_history,
                                   None if drafter is None else drafter.cache_config)
@@ -94,7 +94,10 @@ def compile_engine(config: GPTConfig, settings: EngineSettings, quantize: str, m
     # A decode step verifies K guesses and the last token: K + 1 positions a row, up to K + 1 tokens.
     decoded = slots_count * settings.steps_per_call * (settings.draft_tokens + 1)
     verifying = f", {settings.draft_tokens} guesses of {type(drafter).__name__} a step" if drafter else ""
+    # What no call avoids moving: the weights read once (a prefill), and a decode's every step reading them and
+    # the cache its FLOPs attend over (its slots', at their full length).
     return [ProgramReport.of(f"prefill of {rows} x {piece} tokens", prefill, devices, {"weights": held["weights"]},
-                             rows * piece, forward(piece) * rows * piece, chip),
+                             rows * piece, forward(piece) * rows * piece, chip, floor_bytes=held["weights"]),
             ProgramReport.of(f"decode of {slots_count} slots x {settings.steps_per_call} step(s){verifying}", decode,
-                             devices, held, decoded, forward(settings.cache_length) * decoded, chip)]
+                             devices, held, decoded, forward(settings.cache_length) * decoded, chip,
+                             floor_bytes=settings.steps_per_call * sum(held.values()))]

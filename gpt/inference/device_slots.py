@@ -41,7 +41,7 @@ from gpt.model.sharding import data_parallel_size, devices_of
 from gpt.program_report import check_compiled_fits, sharded_bytes
 
 __all__ = ["DeviceSlots", "FIT_ADVICE", "COMPILED", "compiled_decode", "compiled_init_slots", "compiled_prefill",
-           "lower_largest"]
+           "lower_largest", "slots_over"]
 
 # One compiled program per shape; the config is static, the weights, slots and knobs are traced. The slots and a
 # prefix that runs on are donated: their caches are updated in place.
@@ -79,6 +79,12 @@ FIT_ADVICE = ("use fewer --slots, a shorter --cache_length or --prefill_chunk, o
               "over more devices (--mesh tensor=N)")
 
 
+def slots_over(slots: int, rows: int) -> int:
+    """The slots an engine keeps for `slots` asked over `rows` data-parallel rows: rounded up to a multiple of them,
+    so that every row holds as many (here, and by `serve.py --compile_only`)."""
+    return -(-slots // rows) * rows
+
+
 class DeviceSlots:
     """`num_slots` slots of `cache_length` positions over `decoder`'s weights (and mesh, if any), decoded
 `max_steps` steps a call at most (one compiled decode loop); with a `drafter` (`gpt.inference.drafters`:
@@ -96,7 +102,7 @@ the slots keep what it needs) a decode may verify up to `max_draft_tokens` of it
         self.fit_advice = fit_advice  # what the ConfigError of a setting over the devices' memory says to change
         self.decoder, self.config, self.weights, self.mesh = decoder, decoder.config, decoder.weights, decoder.mesh
         self.rows_per_prefill = data_parallel_size(self.mesh) if self.mesh is not None else 1
-        self.num_slots = -(-num_slots // self.rows_per_prefill) * self.rows_per_prefill
+        self.num_slots = slots_over(num_slots, self.rows_per_prefill)
         self.max_stop_tokens, self.max_steps = max_stop_tokens, max_steps
         self.drafter, self.max_draft_tokens = drafter, max_draft_tokens if drafter is not None else 0
         self.cache_length, self.keeps_history = cache_length, drafter is not None and drafter.keeps_history

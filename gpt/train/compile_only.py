@@ -6,14 +6,13 @@ compiled from shapes alone for a TPU topology on any machine, and what the compi
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from gpt.hardware import chip_of, parse_topology
 from gpt.model.sharding import replicated
 from gpt.model.transformer import model_summary
 from gpt.program_report import ProgramReport, compile_within_memory, compiling_line, sharded_bytes
 from gpt.train.step import abstract_train_state, flops_per_token, make_train_step
-from gpt.train.trainer import FIT_ADVICE, TrainConfig, initial_checkpoint, mesh_and_model, rows_sharding
+from gpt.train.trainer import FIT_ADVICE, TrainConfig, batch_shape, initial_checkpoint, mesh_and_model
 
 __all__ = ["compile_train_step", "FIT_ADVICE"]
 
@@ -35,13 +34,14 @@ def compile_train_step(config: TrainConfig, log=print) -> ProgramReport:
     graphdef, params, opt_state, shardings = abstract_train_state(model_config, config.optim, mesh)
     step = make_train_step(graphdef, config.optim, dropout=model_config.dropout > 0, mesh=mesh, shardings=shardings,
                            label_smoothing=config.label_smoothing)
-    batch = jax.ShapeDtypeStruct((config.grad_accum, config.batch_size, config.block_size + 1), jnp.int32,
-                                 sharding=rows_sharding(mesh))
+    batch = batch_shape(config, mesh)  # the run's own
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated(mesh))
     compiled = compile_within_memory(step.lower(params, opt_state, batch, key), "train step",
                                      devices[0].device_kind, f"--compile_only {config.compile_only}",
                                      f"try {FIT_ADVICE}")
-    return ProgramReport.of("train step", compiled, devices,
-                            {"parameters": sharded_bytes(params), "optimizer state": sharded_bytes(opt_state)},
-                            tokens, flops_per_token(model_config, config.block_size) * tokens,
-                            chip_of(devices[0].device_kind))
+    held = {"parameters": sharded_bytes(params), "optimizer state": sharded_bytes(opt_state)}
+    # What no step avoids moving: each parameter and optimizer moment read and written once (a gradient need not
+    # leave the chip where the update is fused into the backward pass).
+    return ProgramReport.of("train step", compiled, devices, held, tokens,
+                            flops_per_token(model_config, config.block_size) * tokens, chip_of(devices[0].device_kind),
+                            floor_bytes=2 * sum(held.values()))

@@ -80,7 +80,7 @@ from gpt.train.step import (
 )
 
 __all__ = ["TrainConfig", "train", "TrainResult", "NonFiniteStep", "plan", "setup", "loop", "Plan", "Run",
-           "mesh_and_model", "initial_checkpoint", "rows_sharding", "FIT_ADVICE"]
+           "mesh_and_model", "initial_checkpoint", "rows_sharding", "batch_shape", "FIT_ADVICE"]
 
 
 # What to change when a train step does not fit the device's memory.
@@ -322,6 +322,13 @@ def rows_sharding(mesh: Mesh) -> jax.sharding.NamedSharding:
     return batch_sharding(mesh, (None, "batch", None))
 
 
+def batch_shape(config: TrainConfig, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """A step's global batch as the step is compiled for it (here, and by `--compile_only`): int32 [grad_accum,
+    batch_size, block_size + 1], its rows over the data axes."""
+    return jax.ShapeDtypeStruct((config.grad_accum, config.batch_size, config.block_size + 1), jnp.int32,
+                                sharding=rows_sharding(mesh))
+
+
 def _default_identity() -> dict:
     """The identity record of the default settings, which stand in for fields an older record lacks."""
     default = TrainConfig()
@@ -525,8 +532,7 @@ def _compiled_within_memory(step: TrainStep, params, opt_state, config: TrainCon
     """`step` compiled before its first call, for the run's batch, and checked against the devices' memory: a
     step that cannot fit is one line naming the GiB it needs and the device's (exit 2), not an allocator's
     traceback after the first step began."""
-    batch = jax.ShapeDtypeStruct((config.grad_accum, config.batch_size, config.block_size + 1), jnp.int32,
-                                 sharding=rows_sharding(mesh))
+    batch = batch_shape(config, mesh)
     setting = f"TrainConfig.batch_size={config.batch_size} x grad_accum={config.grad_accum}"
     devices = list(mesh.devices.flat)
     program = compile_within_memory(step.lower(params, opt_state, batch, jax.random.key(0)), "train step",
