@@ -38,6 +38,13 @@ class Family:
         (Mistral's `sliding_window`, on every layer or none), "layer types" (transformers' `layer_types`, or
         Qwen's `max_window_layers`, or Gemma's pattern of five local layers to one global).
       renamed: block weights whose Hugging Face names are not Llama's (`gpt.model.llama`), by our name.
+      tied_by_default: a config.json without `tie_word_embeddings` ties the head to the embedding.
+      rope_bases: the rotary bases a config.json that names none has: the global layers', and the local layers'
+        where they have one of their own (Gemma's; None: the local layers share the global base).
+      rope_types: the rotary scalings its format may name (`rope_type`).
+      window_pattern: where `layer_types` is absent, one global layer after every `window_pattern - 1` local
+        ones (Gemma's `sliding_window_pattern`, this its default); None: Qwen's `max_window_layers` rule.
+      activation_field: the config.json field naming the activation (Gemma's `hidden_activation`).
     """
 
     model_type: str
@@ -47,6 +54,11 @@ class Family:
     holds: Holds
     windows: Literal["none", "every layer", "layer types"] = "none"
     renamed: dict[str, str] = dataclasses.field(default_factory=dict)
+    tied_by_default: bool = False
+    rope_bases: tuple[float, float | None] = (10_000.0, None)
+    rope_types: tuple[str, ...] = ("default", "llama3")
+    window_pattern: int | None = None
+    activation_field: str = "hidden_act"
 
     def refusals(self, config: GPTConfig) -> list[str]:
         """What of `config` this family's format cannot hold, a phrase a field ([] where it holds all)."""
@@ -101,7 +113,9 @@ FAMILIES = (  # in the order an export tries them
         windows="layer types",
         renamed={"ln2_scale": "model.layers.{}.pre_feedforward_layernorm.weight",
                  "attn_out_norm_scale": "model.layers.{}.post_attention_layernorm.weight",
-                 "mlp_out_norm_scale": "model.layers.{}.post_feedforward_layernorm.weight"}),
+                 "mlp_out_norm_scale": "model.layers.{}.post_feedforward_layernorm.weight"},
+        tied_by_default=True, rope_bases=(1_000_000.0, 10_000.0), rope_types=("default",), window_pattern=6,
+        activation_field="hidden_activation"),
 )
 _BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 

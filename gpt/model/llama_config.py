@@ -18,7 +18,6 @@ __all__ = ["config_from_hf", "config_to_hf"]
 
 _LAYER_TYPES = {"full_attention": "g", "sliding_attention": "l"}  # transformers' `layer_types`, as `layer_kinds`
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu"}  # transformers' names, as `GPTConfig.activation`
-_GEMMA_THETAS = (1_000_000.0, 10_000.0)  # Gemma 3's default global and local rotary bases
 
 
 def config_from_hf(hf: dict, **overrides) -> GPTConfig:
@@ -36,7 +35,7 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
         vocab_size=integer(hf, "vocab_size"), block_size=integer(hf, "max_position_embeddings", 2048, MAX_CONTEXT),
         n_layer=integer(hf, "num_hidden_layers"), n_head=heads, n_kv_head=integer(hf, "num_key_value_heads", heads),
         n_embd=width, mlp_width=integer(hf, "intermediate_size"), layer_norm_epsilon=number(hf, "rms_norm_eps", 1e-6),
-        tied_head=flag(hf, "tie_word_embeddings", family.model_type == "gemma3_text"),
+        tied_head=flag(hf, "tie_word_embeddings", family.tied_by_default),
         head_size=None if head_dim * heads == width else head_dim,
     )
     if "query_scale" not in fixed:  # Gemma's scores are q . k / sqrt(query_pre_attn_scalar)
@@ -71,16 +70,16 @@ def _rope(family: Family, hf: dict) -> dict:
     local layers (rope_parameters by layer type, or rope_theta and rope_local_base_freq)."""
     parameters = mapping(hf, "rope_parameters")
     by_layer_type = "full_attention" in parameters
-    default_theta, local_theta = _GEMMA_THETAS if family.model_type == "gemma3_text" else (10_000.0, None)
+    default_theta, local_theta = family.rope_bases
     rope = {**(mapping(parameters, "full_attention") if by_layer_type else parameters),
             **mapping(hf, "rope_scaling")}  # a scaling wins
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    supported = ("default", "llama3") if family.model_type != "gemma3_text" else ("default",)
+    supported = family.rope_types
     if rope_type not in supported:
         raise ConfigError(f"config.json: rope_type={rope_type!r} (a rotary frequency scaling other than Llama 3's) "
                           f"is not supported; this loader reads rope_type={' or '.join(map(repr, supported))}")
     fields = dict(rope_theta=number(rope, "rope_theta", number(hf, "rope_theta", default_theta)))
-    if family.model_type == "gemma3_text":
+    if local_theta is not None:  # the local layers' base, of their own
         local = mapping(parameters, "sliding_attention") if by_layer_type else {}
         if local.get("rope_type", "default") != "default":
             raise ConfigError(f"config.json: the local layers' rope_type={local['rope_type']!r} is not supported")
@@ -108,8 +107,8 @@ def _windows(family: Family, hf: dict) -> dict:
         kinds = "l" if window is not None else ""
     elif family.windows == "layer types":
         types = hf.get("layer_types")
-        if not types and family.model_type == "gemma3_text":
-            pattern = integer(hf, "sliding_window_pattern", 6)
+        if not types and family.window_pattern is not None:
+            pattern = integer(hf, "sliding_window_pattern", family.window_pattern)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         elif not types:
             first = integer(hf, "max_window_layers", 28, low=0)
@@ -140,18 +139,19 @@ def config_to_hf(config: GPTConfig) -> dict:
         "tie_word_embeddings": config.tied_head, "attention_bias": False, "torch_dtype": "float32",
         **_rope_to_hf(family, config), **_windows_to_hf(family, config),
     }
-    if family.model_type == "gemma3_text":
+    hf[family.activation_field] = next(name for name, ours in _ACTIVATIONS.items() if ours == config.activation)
+    if "query_scale" in family.holds:
+        hf.update(mlp_bias=False)
+    else:  # Gemma's scores are q . k / sqrt(query_pre_attn_scalar)
         scalar = config.head_dim if config.query_scale is None else config.query_scale ** -2
-        hf.update(hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
+        hf.update(final_logit_softcapping=None, attn_logit_softcapping=None,
                   query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar)
-    else:
-        hf.update(hidden_act="silu", mlp_bias=False)
     return hf
 
 
 def _rope_to_hf(family: Family, config: GPTConfig) -> dict:
     """`_rope` undone."""
-    if family.model_type == "gemma3_text":
+    if family.rope_bases[1] is not None:  # a base for the local layers of their own
         local = config.rope_local_theta or config.rope_theta
         return {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": config.rope_theta},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": local}},
@@ -171,7 +171,7 @@ def _windows_to_hf(family: Family, config: GPTConfig) -> dict:
     kinds = [config.layer_kind(layer) for layer in range(config.n_layer)]
     types = {letter: name for name, letter in _LAYER_TYPES.items()}
     fields = {"sliding_window": config.sliding_window, "layer_types": [types[kind] for kind in kinds]}
-    if family.model_type != "gemma3_text":
+    if family.window_pattern is None:  # Qwen's rule, beside layer_types
         fields.update(use_sliding_window="l" in kinds,
                       max_window_layers=kinds.index("l") if "l" in kinds else config.n_layer)
     return fields
