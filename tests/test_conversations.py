@@ -271,15 +271,17 @@ def test_a_run_fine_tuned_from_a_gpt2_sized_run_grows_its_table_and_says_what_it
     assert cut and f"{chats}:{len(REPLIES) + 1}" in cut[0], lines
 
 
-def test_parquet_conversations_prepare_as_jsonls_do(tmp_path):
+def test_parquet_and_saved_dataset_conversations_prepare_as_jsonls_do(tmp_path):
+    import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     records = [{"messages": conversation(q)} for q in REPLIES]
     chats = write_chats(tmp_path / "chats.jsonl", records)
-    table = pa.Table.from_pylist(records)
-    pq.write_table(table, tmp_path / "chats.parquet")
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "chats.parquet")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
     from_jsonl = prepare([chats], tmp_path / "a", val_fraction=0.25, progress="none")
-    from_parquet = prepare([str(tmp_path / "chats.parquet")], tmp_path / "b", val_fraction=0.25, progress="none")
-    assert from_parquet["conversations"] and from_parquet["documents"] == len(REPLIES)
-    assert [s["sha256"] for s in from_parquet["shards"]["train"]] == [s["sha256"] for s in from_jsonl["shards"]["train"]]
+    for name in ("chats.parquet", "saved"):
+        meta = prepare([str(tmp_path / name)], tmp_path / f"from-{name}", val_fraction=0.25, progress="none")
+        assert meta["conversations"] and meta["documents"] == len(REPLIES), name
+        assert [s["sha256"] for s in meta["shards"]["train"]] == [s["sha256"] for s in from_jsonl["shards"]["train"]]
