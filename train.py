@@ -6,6 +6,7 @@ from gpt.process_start import start_command_line
 
 start_command_line()  # before the imports: a Ctrl-C during them is one line, and JAX's platforms are chosen
 
+from gpt.chat_template import ChatTemplate  # noqa: E402
 from gpt.cli import parse_train_config  # noqa: E402
 from gpt.compilation_cache import enable_compilation_cache  # noqa: E402
 from gpt.errors import cli_main  # noqa: E402
@@ -28,8 +29,11 @@ def main(argv: list[str]) -> int:
     result = train(config)
     if result.signal is not None:
         return 128 + result.signal  # stopped, not finished: the shell's convention for a signal
-    if config.sample_tokens and result.val_loss is not None:
-        prompt, model, tokenizer = "def ", result.model, run_tokenizer(config.out_dir)  # a fine-tuned model's own
+    tokenizer = run_tokenizer(config.out_dir)  # a fine-tuned model's own
+    if config.sample_tokens and result.val_loss is not None and ChatTemplate.of(tokenizer) is not None:
+        print(f"\nval loss {result.val_loss:.3f}; talk to it: python sample.py --init_from {config.out_dir} --chat")
+    elif config.sample_tokens and result.val_loss is not None:
+        prompt, model = "def ", result.model
         tokens = new_tokens_that_fit(model.config, prompt, config.sample_tokens, tokenizer)  # a small context: fewer
         text = generate_text(model, [prompt], tokens, sampling=Sampling(temperature=0.8, top_k=200),
                              tokenizer=tokenizer)[0]

@@ -285,3 +285,22 @@ def test_parquet_and_saved_dataset_conversations_prepare_as_jsonls_do(tmp_path):
         meta = prepare([str(tmp_path / name)], tmp_path / f"from-{name}", val_fraction=0.25, progress="none")
         assert meta["conversations"] and meta["documents"] == len(REPLIES), name
         assert [s["sha256"] for s in meta["shards"]["train"]] == [s["sha256"] for s in from_jsonl["shards"]["train"]]
+
+
+@pytest.mark.slow
+def test_train_py_on_conversations_ends_by_saying_how_to_talk_to_the_run(tmp_path):
+    import subprocess
+    import sys
+
+    from bounds import bound
+    from training import ROOT, cli_flags
+
+    chats = write_chats(tmp_path / "chats.jsonl", [{"messages": conversation(q)} for q in REPLIES])
+    out = tmp_path / "chat"
+    flags = cli_flags(data=(chats,), out_dir=str(out), max_steps=2, warmup_steps=1, val_fraction=0.25,
+                      sample_tokens=20, eval_interval=2, checkpoint_interval=2)
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], capture_output=True, text=True,
+                          timeout=bound(300), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.rstrip().endswith(f"talk to it: python sample.py --init_from {out} --chat"), done.stdout[-500:]
+    assert ChatTemplate.of(tokenizer_of(str(out))) is not None
