@@ -266,3 +266,16 @@ def _fail_on_the_new_export_moving_in(rename):
             raise OSError(5, "Input/output error")
         return rename(self, target)
     return fail
+
+
+def test_an_export_with_a_tokenizer_json_and_some_of_its_files_is_replaced_too(tmp_path):
+    """A previous export holds config.json and the weights, and any of the tokenizer files an export writes: a
+    tokenizer.json with only its tokenizer_config.json (no chat template beside) had been refused as foreign."""
+    from gpt import chat_format
+
+    files = chat_format.tokenizer_files()
+    for kept in (("tokenizer.json",), ("tokenizer.json", "tokenizer_config.json"), tuple(files)):
+        destination = tmp_path / "-".join(kept)
+        gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(0)), destination, {name: files[name] for name in kept})
+        gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(1)), destination, {name: files[name] for name in kept})
+        assert sorted(p.name for p in destination.iterdir()) == sorted({"config.json", "model.safetensors", *kept})
