@@ -30,7 +30,7 @@ import json
 from gpt.chat_template import ChatTemplate
 from gpt.tokenizer import EOT, TextTokenizer, get_tokenizer, hf_tokenizer_files
 
-__all__ = ["ROLES", "MARKERS", "END_OF_TURN", "TEMPLATE", "FIRST_ID", "VOCAB_SIZE", "tokenizer_files",
+__all__ = ["ROLES", "MARKERS", "END_OF_TURN", "END_OF_TURN_ID", "TEMPLATE", "FIRST_ID", "VOCAB_SIZE", "tokenizer_files",
            "grown_vocab_size", "for_conversations"]
 
 ROLES = ("system", "user", "assistant")
@@ -42,6 +42,7 @@ FIRST_ID = 50257
 _ADDED = (*MARKERS.values(), END_OF_TURN)
 VOCAB_SIZE = FIRST_ID + len(_ADDED)
 """The rows a model needs to read and write the format."""
+END_OF_TURN_ID = FIRST_ID + _ADDED.index(END_OF_TURN)
 _ROW_MULTIPLE = 64  # the padded vocabulary's multiple (50,257 -> 50,304), as the presets pad it
 
 TEMPLATE = (
@@ -65,9 +66,9 @@ def grown_vocab_size(vocab_size: int) -> int:
 
 def tokenizer_files() -> dict[str, str]:
     """The format as the files a tokenizer directory holds, by name: tokenizer.json (GPT-2's byte-pair encoding,
-    built with `tokenizers` from the vendored ranks, and the four tokens), tokenizer_config.json (the template; no
-    model_max_length, which a model's context sets, so that every run's files are the same) and
-    generation_config.json (a reply's end)."""
+    built with `tokenizers` from the vendored ranks, and the four tokens) and tokenizer_config.json (the template;
+    no model_max_length, which a model's context sets, so that every run's files are the same). A reply ends at
+    END_OF_TURN_ID (a run keeps it beside its tokenizer: `gpt.run_tokenizer.keep_tokenizer`)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     gpt2 = hf_tokenizer_files(model_max_length=0)
@@ -79,20 +80,17 @@ def tokenizer_files() -> dict[str, str]:
     tokenizer.add_special_tokens([AddedToken(token, special=True) for token in (EOT, *_ADDED)])
     config = {**json.loads(gpt2["tokenizer_config.json"]), "chat_template": TEMPLATE}
     del config["model_max_length"]
-    end_of_turn = FIRST_ID + _ADDED.index(END_OF_TURN)
-    generation = {"bos_token_id": FIRST_ID - 1, "eos_token_id": [FIRST_ID - 1, end_of_turn]}
-    return {"tokenizer.json": tokenizer.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
-            "generation_config.json": json.dumps(generation, indent=2) + "\n"}
+    return {"tokenizer.json": tokenizer.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
 
-def for_conversations(tokenizer: TextTokenizer, vocab_size: int) -> tuple[TextTokenizer, int]:
-    """The tokenizer and vocabulary a model trains on conversations with: its own where it has a chat template (an
-    instruct model's), GPT-2's with this format where it is GPT-2's (the rows grown where they are too few); as they
-    are otherwise (`gpt.data.prepare` then says that the tokenizer has no template). Building GPT-2's with the
-    format takes about 2 s."""
+def for_conversations(tokenizer: TextTokenizer, vocab_size: int) -> tuple[TextTokenizer, int, tuple[int, ...]]:
+    """The tokenizer, vocabulary and end of turn a model trains on conversations with: GPT-2's with this format
+    where it is GPT-2's (the rows grown where they are too few; a reply ends at END_OF_TURN_ID); as they are
+    otherwise, with no end of turn of the format's (an instruct model has its own; one without a template is
+    refused by `gpt.data.prepare`). Building GPT-2's with the format takes about 2 s."""
     if ChatTemplate.of(tokenizer) is not None or tokenizer.name != get_tokenizer().name:
-        return tokenizer, vocab_size
+        return tokenizer, vocab_size, ()
     from gpt.tokenizer_json import TokenizerJson
 
-    return TokenizerJson(tokenizer_files()), grown_vocab_size(vocab_size)
+    return TokenizerJson(tokenizer_files()), grown_vocab_size(vocab_size), (END_OF_TURN_ID,)
 

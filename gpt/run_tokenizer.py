@@ -12,7 +12,7 @@ from pathlib import Path
 from gpt.tokenizer import TextTokenizer, get_tokenizer, hf_tokenizer_files
 from gpt.tokenizer_json import TokenizerJson
 
-__all__ = ["DIRECTORY", "run_tokenizer", "keep_tokenizer", "hf_files"]
+__all__ = ["DIRECTORY", "END_OF_TURN", "run_tokenizer", "keep_tokenizer", "hf_files"]
 
 DIRECTORY = "tokenizer"  # in a run's out_dir
 
@@ -23,19 +23,29 @@ def run_tokenizer(out_dir: str | os.PathLike) -> TextTokenizer:
     return TokenizerJson(kept) if (kept / "tokenizer.json").is_file() else get_tokenizer()
 
 
-def keep_tokenizer(out_dir: str | os.PathLike, tokenizer: TextTokenizer) -> None:
-    """Keep `tokenizer`'s files in `out_dir/tokenizer` (GPT-2's needs none), appearing whole or not at all; the
-    same files already there are left as they are. The caller holds the run's lock."""
+END_OF_TURN = "generation_config.json"
+"""The file beside a run's kept tokenizer that names the ids ending a reply (`eos_token_id`, as a Hugging Face
+directory's does): an instruct model's end of turn, or `gpt.chat_format`'s."""
+
+
+def keep_tokenizer(out_dir: str | os.PathLike, tokenizer: TextTokenizer, end_of_turn: tuple[int, ...] = ()) -> None:
+    """Keep `tokenizer`'s files in `out_dir/tokenizer` (GPT-2's needs none), with `end_of_turn` (the ids beside its
+    end of text that end a reply) in END_OF_TURN where there are any, appearing whole or not at all; the same files
+    already there are left as they are. The caller holds the run's lock."""
     if not isinstance(tokenizer, TokenizerJson):
         return
     kept = Path(out_dir) / DIRECTORY
-    if (kept / "tokenizer.json").is_file() and TokenizerJson(kept).files == tokenizer.files:
+    files = dict(tokenizer.files)
+    if end_of_turn:
+        ids = [*([] if tokenizer.eot_id is None else [tokenizer.eot_id]), *end_of_turn]
+        files[END_OF_TURN] = json.dumps({"eos_token_id": list(dict.fromkeys(ids))}, indent=2) + "\n"
+    if {path.name: path.read_text(encoding="utf-8") for path in kept.glob("*") if path.is_file()} == files:
         return
     staging = Path(out_dir) / f".{DIRECTORY}.partial"  # the run's lock is held: no other writer
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        for name, text in tokenizer.files.items():
+        for name, text in files.items():
             (staging / name).write_text(text, encoding="utf-8")
         if kept.exists():
             shutil.rmtree(kept)
@@ -46,20 +56,13 @@ def keep_tokenizer(out_dir: str | os.PathLike, tokenizer: TextTokenizer) -> None
 
 def hf_files(out_dir: str | os.PathLike, model_max_length: int) -> dict[str, str]:
     """The run's tokenizer as the files transformers' `AutoTokenizer` reads, by name (an export writes them):
-    its own tokenizer.json's, or GPT-2's (`gpt.tokenizer.hf_tokenizer_files`). A generation_config.json among them
-    (an instruct model's end of turn) gets the tokenizer's BOS and EOS ids where it names none: transformers reads
-    that file instead of config.json's ids."""
+    its own tokenizer.json's, or GPT-2's (`gpt.tokenizer.hf_tokenizer_files`); and the run's end of turn
+    (END_OF_TURN, with the tokenizer's BOS id: transformers' `generate` then stops where a reply here does)."""
     tokenizer = run_tokenizer(out_dir)
     if not isinstance(tokenizer, TokenizerJson):
         return hf_tokenizer_files(model_max_length)
     files = dict(tokenizer.files)
-    if "generation_config.json" in files:
-        try:
-            record = json.loads(files["generation_config.json"])
-        except ValueError:
-            record = None
-        if isinstance(record, dict):
-            files["generation_config.json"] = json.dumps({**tokenizer.config_ids, **record}, indent=2) + "\n"
-        else:  # not a record: the model's config.json's ids serve
-            del files["generation_config.json"]
+    kept = Path(out_dir) / DIRECTORY / END_OF_TURN
+    if kept.is_file():
+        files[END_OF_TURN] = json.dumps({**tokenizer.config_ids, **json.loads(kept.read_text())}, indent=2) + "\n"
     return files

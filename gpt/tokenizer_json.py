@@ -28,9 +28,9 @@ from gpt.tokenizer import UNKNOWN_ID_BYTES, byte_to_unicode
 
 __all__ = ["TokenizerJson", "FILES"]
 
-FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
-"""What it reads of a directory (all but the first where there is one): its chat template (`gpt.chat_template`) and
-the ids that end a reply (generation_config.json's) travel with it."""
+FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+"""What it reads of a directory (all but the first where there is one): its chat template (`gpt.chat_template`)
+travels with it."""
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token's spelling
 

@@ -273,7 +273,7 @@ def test_an_export_with_a_tokenizer_json_and_some_of_its_files_is_replaced_too(t
     tokenizer.json with only its tokenizer_config.json (no chat template beside) had been refused as foreign."""
     from gpt import chat_format
 
-    files = chat_format.tokenizer_files()
+    files = {**chat_format.tokenizer_files(), "generation_config.json": '{"eos_token_id": [50256, 50260]}'}
     for kept in (("tokenizer.json",), ("tokenizer.json", "tokenizer_config.json"), tuple(files)):
         destination = tmp_path / "-".join(kept)
         gpt2.save(GPT(CONFIG, rngs=nnx.Rngs(0)), destination, {name: files[name] for name in kept})

@@ -339,27 +339,31 @@ def read_sections(path: Path, text_field: str, bad: BadRecords, conversations: b
 
 def holds_conversations(paths: Sequence[Path], text_field: str) -> bool:
     """Whether a corpus is one of conversations: its first structured input's first record (a JSONL line, a
-    Parquet or saved-dataset row) holds a `messages` list and no `text_field`. Text files are documents."""
+    Parquet or saved-dataset row) holds a `messages` list and no `text_field`. Text files are documents; an input
+    that cannot be read is no conversation (reading it for the corpus then says why in one line)."""
+    for path in paths:
+        if input_format(path) != "text":
+            try:
+                return _first_record_is_a_conversation(path, text_field)
+            except (*_READ_ERRORS, ConfigError):
+                return False
+    return False
+
+
+def _first_record_is_a_conversation(path: Path, text_field: str) -> bool:
     from gpt.data.conversations import FIELD
 
-    for path in paths:
-        kind = input_format(path)
-        if kind == "jsonl":
-            with _open_jsonl(path) as raw:
-                for line in io.BufferedReader(raw, buffer_size=_PIECE_BYTES):
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        continue
-                    return isinstance(record, dict) and isinstance(record.get(FIELD), list) and text_field not in record
-            return False
-        if kind in ("parquet", "hf_dataset"):
-            try:
-                first = next(_RECORD_READERS[kind](path, FIELD, BadRecords()), (None, None))[1]
-            except ConfigError:  # no messages column
-                return False
-            return isinstance(first, list)
-    return False
+    if input_format(path) == "jsonl":
+        with _open_jsonl(path) as raw:
+            for line in io.BufferedReader(raw, buffer_size=_PIECE_BYTES):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                return isinstance(record, dict) and isinstance(record.get(FIELD), list) and text_field not in record
+        return False
+    first = next(_RECORD_READERS[input_format(path)](path, FIELD, BadRecords()), (None, None))[1]
+    return isinstance(first, list)  # (a text corpus has no messages column: ConfigError)
 
 
 def _reason(error: BaseException) -> str:

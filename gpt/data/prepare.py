@@ -487,7 +487,7 @@ def conversation_template(paths: list[Path], text_field: str, tokenizer: TextTok
     corpus is of conversations and the tokenizer has no template."""
     if not holds_conversations(paths, text_field):
         return tokenizer, None
-    tokenizer, _ = for_conversations(tokenizer, tokenizer.vocab_size)
+    tokenizer, _, _ = for_conversations(tokenizer, tokenizer.vocab_size)
     template = ChatTemplate.of(tokenizer)
     if template is None:
         raise ConfigError(f"the corpus {[str(p) for p in paths][:3]} holds conversations ('messages'), and the "

@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from gpt.errors import ConfigError, MissingInput, first_line, write_failed
+from gpt.run_tokenizer import END_OF_TURN
 from gpt.tokenizer_json import FILES as TOKENIZER_JSON_FILES
 
 __all__ = ["hub_snapshot", "read_config_json", "read_json_file", "read_safetensors", "check_weight_files",
@@ -28,8 +29,9 @@ _MAX_JSON_BYTES = 16 << 20  # a config.json or a shard index is kilobytes; a lar
 # What an export of ours holds: config.json and the weights, and the tokenizer's files where it has them.
 _EXPORT_FILES = {"config.json", _WEIGHTS}
 # The tokenizer files an export may hold beside its weights: GPT-2's (`gpt.tokenizer.hf_tokenizer_files`), or a
-# model's own tokenizer.json, with its tokenizer_config.json where it has one (`gpt.tokenizer_json.FILES`).
-_TOKENIZER_FILES = ({"vocab.json", "merges.txt", "tokenizer_config.json"}, set(TOKENIZER_JSON_FILES))
+# model's own tokenizer.json, with its tokenizer_config.json where it has one (`gpt.tokenizer_json.FILES`), and the
+# end of turn a run keeps (`gpt.run_tokenizer.END_OF_TURN`).
+_TOKENIZER_FILES = ({"vocab.json", "merges.txt", "tokenizer_config.json"}, {*TOKENIZER_JSON_FILES, END_OF_TURN})
 
 
 def _hub_cache_dirs() -> list[Path]:

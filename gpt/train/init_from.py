@@ -12,6 +12,7 @@ from gpt.model.config import GPTConfig
 from gpt.model.hf_files import check_weight_files
 from gpt.model.transformer import GPT
 from gpt.run_dir import has_checkpoint
+from gpt.run_tokenizer import DIRECTORY as TOKENIZER_DIRECTORY
 from gpt.run_tokenizer import run_tokenizer
 from gpt.tokenizer import TextTokenizer
 
@@ -49,6 +50,10 @@ class RunCheckpoint:
     def tokenizer(self) -> TextTokenizer:
         """The tokenizer the run was trained with (`gpt.run_tokenizer`)."""
         return run_tokenizer(self.directory)
+
+    def end_of_turn(self) -> tuple[int, ...]:
+        """The ids beside its tokenizer's end of text that end a reply, as the run keeps them (() for none)."""
+        return pretrained.end_of_turn_in(self.directory / TOKENIZER_DIRECTORY, self.config().vocab_size)
 
 
 def initial_checkpoint(init_from: str) -> pretrained.Checkpoint | RunCheckpoint | None:

@@ -250,6 +250,9 @@ class Plan:
     """The checkpoint it fine-tunes (`--init_from`), found once; None from scratch."""
     conversations: bool = False
     """The corpus is of conversations (`gpt.data.conversations`): the loss is on the assistant's tokens alone."""
+    end_of_turn: tuple[int, ...] = ()
+    """The ids beside the tokenizer's end of text that end a reply: the fine-tuned model's, or the chat format's;
+    kept with the tokenizer."""
 
     @property
     def out_dir(self) -> Path:
@@ -291,8 +294,10 @@ def plan(config: TrainConfig, log=print) -> Plan:
     corpus_sources = sources(inputs, exclude=[out_dir])  # the one read of the corpus; never the run's own files
     paths = [Path(source["path"]) for source in corpus_sources]
     conversations = holds_conversations(paths, config.text_field)
+    end_of_turn = () if checkpoint is None else checkpoint.end_of_turn()
     if conversations:
-        tokenizer, vocab_size = for_conversations(tokenizer, model_config.vocab_size)
+        tokenizer, vocab_size, format_end = for_conversations(tokenizer, model_config.vocab_size)
+        end_of_turn = format_end or end_of_turn
         if vocab_size != model_config.vocab_size:
             log(f"the chat format's tokens (gpt/chat_format.py) grow the vocabulary from {model_config.vocab_size:,} "
                 f"to {vocab_size:,} rows")
@@ -301,7 +306,7 @@ def plan(config: TrainConfig, log=print) -> Plan:
     run_identity = identity(config_to_json(model_config), _training_identity(config),
                             corpus_identity(corpus_sources, config.val_fraction, config.text_field))
     return Plan(config, model_config, mesh, inputs, corpus_sources, run_identity, tokenizer, checkpoint,
-                conversations)
+                conversations, end_of_turn)
 
 
 def mesh_and_model(config: TrainConfig, devices: list | None, log=print,
@@ -489,7 +494,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     if nproc > 1:  # the others' wait for the corpus then times process 0's preparation, not a slower compile
         multihost_utils.sync_global_devices("gpt: train step compiled")
     if pid == 0:
-        keep_tokenizer(checked.out_dir, checked.tokenizer)  # before a checkpoint exists to be read without it
+        keep_tokenizer(checked.out_dir, checked.tokenizer, checked.end_of_turn)  # before a checkpoint exists
         meta = prepare_corpus()
     if nproc > 1:  # the others wait for process 0, then find the shards up to date
         wait_for_all("gpt: corpus prepared", config.prepare_timeout_s,
