@@ -273,6 +273,7 @@ def test_a_run_fine_tuned_from_a_gpt2_sized_run_grows_its_table_and_says_what_it
     assert cut and f"{chats}:{len(REPLIES) + 1}" in cut[0], lines
 
 
+@pytest.mark.slow
 def test_parquet_and_saved_dataset_conversations_prepare_as_jsonls_do(tmp_path):
     import datasets
     import pyarrow as pa

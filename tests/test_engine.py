@@ -33,6 +33,7 @@ def run_until(engine, completion, rounds=1000):
     raise AssertionError("the completion never ended")
 
 
+@pytest.mark.slow  # the scheduler's order is checked without JAX in the quick tier (tests/test_scheduler.py)
 def test_a_short_request_overtakes_a_long_one(model):
     engine = Engine(model, slots=2, cache_length=128)
     long = engine.submit(Request([1, 2, 3], 60, GREEDY))

@@ -49,7 +49,8 @@ def documents(tmp_path, corpus_text: str) -> tuple[list[str], str]:
     return texts, str(path)
 
 
-@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=pytest.mark.slow), "llama-untied"])
+@pytest.mark.slow  # the quick tier keeps the loss on conversations (tests/test_conversations.py)
+@pytest.mark.parametrize("family", ["gpt2", "llama-untied"])
 def test_fine_tuning_starts_from_the_checkpoints_loss_on_its_tokenizers_ids_and_exports_with_it(
         tmp_path, corpus_text, family):
     from gpt.data.prepare import in_validation

@@ -48,10 +48,11 @@ def test_a_mesh_prefills_rows_together_and_scored_prompts_go_through_the_prefix_
         scheduler.submit(completion(n))
     assert [(way, [len(c.request.prompt) for _, c in group]) for way, group in scheduler.admit()] == [
         ("whole", [2, 4]), ("chunked", [6, 20])]
-    prefix_cached = Scheduler(num_slots=2, max_queue=8, prefix_cached=True)
+    prefix_cached = Scheduler(num_slots=3, max_queue=8, prefix_cached=True)
     prefix_cached.submit(completion(4, prompt_logprobs=True))
     prefix_cached.submit(completion(3))
-    assert [way for way, _ in prefix_cached.admit()] == ["whole", "prefix_cached"]
+    prefix_cached.submit(completion(5, reuse_prefix=True))  # a conversation's turn: unscored, and reused
+    assert [way for way, _ in prefix_cached.admit()] == ["whole", "prefix_cached", "prefix_cached"]
 
 
 def test_the_queue_is_bounded_a_stopping_scheduler_admits_nothing_and_a_cancelled_wait_ends_there():

@@ -170,6 +170,7 @@ def decisive_model():
     return model
 
 
+@pytest.mark.slow  # the quick tier keeps the train step's check on the same mesh
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "data{}-fsdp{}-tensor{}".format(*s))
 def test_greedy_generate_matches_one_device(shape, decisive_model):
     prompts = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46], [200]]

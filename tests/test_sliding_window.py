@@ -73,6 +73,7 @@ def test_a_prompt_in_chunks_past_the_window_gives_one_prefills_logprobs(tmp_path
                                                  enumerate(results[0].tokens)], abs=1e-4)
 
 
+@pytest.mark.slow  # the quick tier keeps each family's greedy generation past its window
 def test_each_layer_kind_is_its_own_mask_in_training_and_in_the_cache():
     """One model of global, local and position-less layers: the plain forward, the forward scanned over its layers
     (each layer's window and frequencies traced), a prefill and decode steps through the cache all give the same
