@@ -163,7 +163,6 @@ def _head_operands(x_BTD, table_VD, head: _Head):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _chunked_loss(x_BTD, table_VD, targets_BT, chunk, shards, head: _Head):
-    B, T, _ = x_BTD.shape
     V = table_VD.shape[0]
     x_BTD, table_PD = _head_operands(x_BTD, table_VD, head)
 
