@@ -21,7 +21,7 @@ def _cpu_kernels() -> list[Extension]:
     if platform.machine().lower() not in ("x86_64", "amd64") or jaxlib is None:
         return []
     include = Path(jaxlib.submodule_search_locations[0]) / "include"
-    sources = [str(KERNELS / name) for name in ("runtime.cc", "few_rows.cc", "decode_attention.cc")]
+    sources = [str(KERNELS / name) for name in ("runtime.cc", "few_rows.cc", "few_rows_int4.cc", "decode_attention.cc")]
     headers = [str(KERNELS / name) for name in ("runtime.h", "float_lanes.h", "attend_rows.inc")]
     return [Extension("gpt.model._cpu_kernels", sources, depends=headers, include_dirs=[str(include), str(KERNELS)],
                       language="c++", extra_compile_args=["-O3", "-std=c++17"], optional=True)]

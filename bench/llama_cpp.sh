@@ -5,7 +5,7 @@
 # (or $XDG_CACHE_HOME's), outside the repository:
 #
 #   bash bench/llama_cpp.sh     # prints two lines: the build (bin/llama-batched-bench, bin/llama-server,
-#                               # bin/llama-lookup, bin/llama-speculative)
+#                               # bin/llama-lookup, bin/llama-speculative, bin/llama-quantize)
 #                               # and the source (convert_hf_to_gguf.py, gguf-py)
 #
 # The benches convert their own HF directory to GGUF with the vendored converter (gpt2 architecture: it
@@ -22,7 +22,7 @@ if [ ! -d "$SOURCE" ]; then
   python3 -m pip download -q --no-deps --no-binary :all: -d "$ROOT" "llama-cpp-python==$VERSION" >&2
   tar -xzf "$ROOT/llama_cpp_python-$VERSION.tar.gz" -C "$ROOT"
 fi
-TARGETS="llama-batched-bench llama-server llama-lookup llama-speculative"
+TARGETS="llama-batched-bench llama-server llama-lookup llama-speculative llama-quantize"
 if ! (for target in $TARGETS; do [ -x "$BUILD/bin/$target" ] || exit 1; done); then
   cmake -S "$SOURCE" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DBUILD_SHARED_LIBS=OFF >&2

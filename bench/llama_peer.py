@@ -25,20 +25,29 @@ def build() -> tuple[Path, Path]:
     return Path(lines[0]), Path(lines[1])
 
 
+# What llama-quantize makes from the f32 GGUF (the converter writes f32 and q8_0 itself).
+QUANTIZED_TYPES = ("Q4_K_M", "Q4_0")
+
+
 def convert(hf_directory: Path, outtype: str) -> Path:
-    """The GGUF (`outtype` f32 or q8_0) of a GPT-2 or Llama HF directory that holds GPT-2's tokenizer
-    (`sample_bench.write_gpt2_vocab`), by llama.cpp's own converter."""
-    _, source = build()
+    """The GGUF (`outtype` f32, q8_0, or one of QUANTIZED_TYPES) of a GPT-2 or Llama HF directory that holds
+    GPT-2's tokenizer (`sample_bench.write_gpt2_vocab`), by llama.cpp's own converter (and its llama-quantize)."""
+    build_dir, source = build()
+    out = Path(hf_directory) / f"model-{outtype}.gguf"
+    if out.exists():
+        return out
+    if outtype in QUANTIZED_TYPES:
+        subprocess.run([str(build_dir / "bin" / "llama-quantize"), str(convert(hf_directory, "f32")), str(out),
+                        outtype], check=True, capture_output=True)
+        return out
     config_path = Path(hf_directory) / "config.json"
     config = json.loads(config_path.read_text())
     if "n_positions" in config:
         config.setdefault("n_ctx", config["n_positions"])  # the converter's gpt2 reads n_ctx
     config_path.write_text(json.dumps(config))
-    out = Path(hf_directory) / f"model-{outtype}.gguf"
-    if not out.exists():
-        env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
-        subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(hf_directory), "--outfile",
-                        str(out), "--outtype", outtype], check=True, env=env, capture_output=True)
+    env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
+    subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(hf_directory), "--outfile",
+                    str(out), "--outtype", outtype], check=True, env=env, capture_output=True)
     return out
 
 

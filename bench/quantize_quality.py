@@ -1,10 +1,11 @@
-"""What int8 and bf16 weights cost in quality: logits, KL divergence, greedy agreement, validation loss.
+"""What int8, int4 and bf16 weights cost in quality: logits, KL divergence, greedy agreement, validation loss.
 
     python bench/quantize_quality.py --out_dir out        # the default run's trained model (after python train.py)
-    python bench/quantize_quality.py                      # GPT-2 124M shapes, random weights only
+    python bench/quantize_quality.py                      # GPT-2 124M's and SmolLM2-135M's shapes, random weights
 
-For each model and each of int8 and bf16 (weights laid out by `gpt.inference.decoder.decoding_weights`), against
-float32: the largest absolute logit difference and the mean KL(float32 || quantized) over the positions
+For each model and each of int8, int4 and bf16 (weights laid out by `gpt.inference.decoder.decoding_weights`), and
+llama.cpp's Q4_0 of the same block matrices (gguf-py's round trip, float activations, the embedding and head int8
+as int4's: the bound int4 is held to), against float32: the largest absolute logit difference and the mean KL(float32 || quantized) over the positions
 of --batches validation windows (or random tokens for the random model), the share of 256 greedy tokens
 that agree position by position (4 prompts), and the validation loss of each (trained model only).
 """
@@ -21,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt.generate import generate
-from gpt.inference.decoder import decoding_weights
+from gpt.inference.decoder import Decoder, decoding_weights
 from gpt.inference.sampling import GREEDY
+from gpt.model.layouts import OutputMajor
 from gpt.model.transformer import forward, lm_head
 
 from machine import cpu_name
@@ -36,24 +38,61 @@ def _stats(logits_ref, logits, targets):
     return jnp.abs(logits - logits_ref).max(), kl, nll(log_p), nll(log_q)
 
 
+def q4_0_reference(model) -> Decoder:
+    """The model's float32 decoding weights with every block matrix replaced by its round trip through llama.cpp's
+    Q4_0 (gguf-py), and the embedding and head int8 as `decoding_weights(model, "int4")` keeps them."""
+    import dataclasses
+
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    q4_0 = GGMLQuantizationType.Q4_0
+    round_trip = lambda m: OutputMajor(jnp.asarray(dequantize(quantize(np.asarray(m.matrix_KD), q4_0), q4_0)))  # noqa: E731
+    floats, int8 = decoding_weights(model), decoding_weights(model, "int8")
+    layers = tuple({name: round_trip(a) if isinstance(a, OutputMajor) else a for name, a in layer.items()}
+                   for layer in floats.layers)
+    weights = dataclasses.replace(floats, layers=layers, embedding=int8.embedding, head=int8.head)
+    return Decoder(model.config, weights, "none", None)
+
+
 def measure(model, batches: list[np.ndarray], prompts, name: str, has_loss: bool) -> list[str]:
     config = model.config
     run = jax.jit(lambda w, t: lm_head(w, forward(config, w, t, jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape))[0]))
     steps = min(256, config.block_size - max(map(len, prompts)))  # the default run's context is 256
     greedy = generate(model, prompts, steps, sampling=GREEDY)
+    weights = decoding_weights(model)
     rows = []
-    for quantize in ("int8", "bf16"):
-        weights, quantized = decoding_weights(model), decoding_weights(model, quantize)
+    decoders = [(quantize, Decoder.of(model, quantize)) for quantize in ("int8", "int4", "bf16")]
+    for layout, decoder in [*decoders, ("Q4_0 (llama.cpp's)", q4_0_reference(model))]:
         stats = np.array([[float(s) for s in _stats(run(weights, jnp.asarray(b[:, :-1])),
-                                                    run(quantized, jnp.asarray(b[:, :-1])), jnp.asarray(b[:, 1:]))]
+                                                    run(decoder.weights, jnp.asarray(b[:, :-1])), jnp.asarray(b[:, 1:]))]
                           for b in batches])
         diff, (kl, loss_ref, loss) = stats[:, 0].max(), stats[:, 1:].mean(0)
-        got = generate(model, prompts, steps, sampling=GREEDY, quantize=quantize)
+        got = generate(decoder, prompts, steps, sampling=GREEDY)
         agree = np.mean([a == b for want, have in zip(greedy, got) for a, b in zip(want, have)])
         first = min(next((i for i, (a, b) in enumerate(zip(w, h)) if a != b), steps) for w, h in zip(greedy, got))
-        loss_text = f"{loss_ref:.5f} -> {loss:.5f} ({loss - loss_ref:+.5f})" if has_loss else "-"
-        rows.append(f"| {name} | {quantize} | {diff:.3f} | {kl:.2e} | {agree:.1%} of {steps} x 4 (first difference at step {first}) | {loss_text} |")
+        loss_text = (f"{loss_ref:.5f} -> {loss:.5f} ({loss - loss_ref:+.5f}, {(loss - loss_ref) / loss_ref:+.2%})"
+                     if has_loss else "-")
+        rows.append(f"| {name} | {layout} | {diff:.3f} | {kl:.2e} | {agree:.1%} of {steps} x 4 (first difference at step {first}) | {loss_text} |")
     return rows
+
+
+def random_models():
+    """(name, GPT) of GPT-2 124M's and SmolLM2-135M's shapes with random weights, made by transformers."""
+    import torch
+    import transformers
+
+    from gpt.loading import load
+
+    torch.manual_seed(0)
+    for name, model in [("GPT-2 shapes, random weights", transformers.GPT2LMHeadModel(transformers.GPT2Config())),
+                        ("SmolLM2-135M shapes, random weights", transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                            tie_word_embeddings=True)))]:
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            yield name, load(tmp)
 
 
 def main():
@@ -79,19 +118,11 @@ def main():
         for row in measure(model, windows, prompts, f"default run ({args.out_dir})", True):
             print(row, flush=True)
 
-    import torch
-    import transformers
-
-    from gpt.model import gpt2
-
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(tmp)
-        model = gpt2.load(tmp)
-    windows = [rng.integers(0, 50256, (2, 257))]
-    prompts = rng.integers(0, 50256, (4, 16)).tolist()
-    for row in measure(model, windows, prompts, "GPT-2 shapes, random weights", False):
-        print(row, flush=True)
+    for name, model in random_models():
+        windows = [rng.integers(0, 49152, (2, 257))]
+        prompts = rng.integers(0, 49152, (4, 16)).tolist()
+        for row in measure(model, windows, prompts, name, False):
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """Sampling speed: gpt.generate against transformers' `generate` on the same weights, and
 (with --ctranslate2) CTranslate2's Generator in float32 and int8, (with --llama-cpp) llama.cpp in f32 and
-q8_0 (bench/llama_peer.py: its own GGUF of the same weights, llama-batched-bench's timing, greedy tokens
+q8_0, or the types --llama-cpp-types names (Q4_K_M and Q4_0 by its llama-quantize) (bench/llama_peer.py: its own
+GGUF of the same weights, llama-batched-bench's timing, greedy tokens
 from llama-server; its first-token column is its prefill, there being nothing to compile).
 
     python bench/sample_bench.py                     # GPT-2 124M shapes, float32, CPU
     python bench/sample_bench.py --shape smollm2-135m --quantize none int8 --llama-cpp   # a Llama shape
     python bench/sample_bench.py --shape gemma3-270m --quantize none int8 --llama-cpp    # Gemma 3's, local layers
+    python bench/sample_bench.py --shape llama-1b --quantize none int8 int4 --skip-torch --llama-cpp \
+        --llama-cpp-types q8_0 Q4_K_M Q4_0                                               # 4-bit at 1B
     python bench/sample_bench.py --quantize none int8 --ctranslate2 --llama-cpp     # the CPU peers
     python bench/sample_bench.py --dtype bfloat16 --batches 1 8 64   # on a GPU (the torch peer too)
     python bench/sample_bench.py --dtype bfloat16 --variants baseline chunk16 command_buffers all   # decode levers
@@ -13,7 +16,8 @@ from llama-server; its first-token column is its prefill, there being nothing to
 
 Random weights at the real gpt2 shapes (or SmolLM2-135M's, `--shape`: grouped-query attention, RMSNorm, a gated
 MLP, with GPT-2's vocabulary and tokenizer so that every peer reads the same ids; or Gemma 3 270M's, five local
-layers of a 512-position window to one global, its 262,144-row table tied, GPT-2's tokenizer padded to it), a 64-token prompt, 128 new tokens, greedy. For each batch size:
+layers of a 512-position window to one global, its 262,144-row table tied, GPT-2's tokenizer padded to it; or
+Llama 3.2 1B's, 1.08 B parameters with GPT-2's vocabulary), a 64-token prompt, 128 new tokens, greedy. For each batch size:
 time to the first token in a fresh process state (compile and our weight layout included, measured
 through streaming), and decode throughput after warm-up (best of --repeats, llama-batched-bench's runs too),
 and for ours the bytes a decode step reads (every weight once, and the KV cache at the decode's mean length) and
@@ -119,6 +123,7 @@ def mbu(row: dict, batch: int) -> float | None:
 
 # The pairs compared round by round with --rounds: each of ours against its peer of the same weights' type.
 PAIRS = [("gpt (jax, float32, weights none)", "llama.cpp (f32)"), ("gpt (jax, float32, weights int8)", "llama.cpp (q8_0)"),
+         ("gpt (jax, float32, weights int4)", "llama.cpp (Q4_K_M)"), ("gpt (jax, float32, weights int4)", "llama.cpp (Q4_0)"),
          ("gpt (jax, float32, weights int8)", "CTranslate2 (int8)"), ("gpt (jax, float32, weights none)", "CTranslate2 (float32)")]
 
 
@@ -227,6 +232,12 @@ SHAPES = {
                           eos_token_id=50256),
                      dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2)),
+    "llama-1b": ("LlamaConfig", "LlamaForCausalLM",  # meta-llama/Llama-3.2-1B's, GPT-2's vocabulary
+                 dict(vocab_size=50257, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=50256, eos_token_id=50256),
+                 dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)),
     "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM",  # google/gemma-3-270m's, its vocabulary's size
                     dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                          num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
@@ -253,11 +264,13 @@ def main():
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--torch-compile", action="store_true",
                         help="also transformers with a static cache and torch.compile(mode='reduce-overhead')")
-    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "bf16"])
+    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4", "bf16"])
     parser.add_argument("--variants", nargs="+", default=["baseline"],
                         help=f"ours with these levers (joined by +; all): {', '.join(decode_levers().known)}")
     parser.add_argument("--ctranslate2", action="store_true", help="also CTranslate2 float32 and int8")
-    parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp f32 and q8_0 (built on first use)")
+    parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp (built on first use)")
+    parser.add_argument("--llama-cpp-types", nargs="+", default=["f32", "q8_0"],
+                        help="llama.cpp's weight types with --llama-cpp (f32, q8_0, Q4_K_M, Q4_0)")
     parser.add_argument("--rounds", type=int, default=1, help="run each batch's comparison this many times in turn")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model, short prompts: the code path")
     parser.add_argument("--shape", default="gpt2", choices=sorted(SHAPES), help="the model's architecture and size")
@@ -304,7 +317,7 @@ def main():
                                  *bench_ctranslate2(tmp, prompts, args.new_tokens, args.repeats, compute_type),
                                  None, None))
             if args.llama_cpp:
-                for outtype in ("f32", "q8_0"):
+                for outtype in args.llama_cpp_types:
                     import llama_peer
 
                     repacked = llama_peer.repacks(llama_peer.convert(Path(tmp), outtype))

@@ -212,7 +212,7 @@ def main():
     parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[256],
                         help="our engine's prefill chunk (1024: every prompt in one prefill)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "bf16"],
+    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4", "bf16"],
                         help="our server's weights (the peers stay float32)")
     parser.add_argument("--draft", nargs="+", default=["none"], choices=["none", *DRAFTS],
                         help="ours without a draft and/or with one (serve.py --draft)")

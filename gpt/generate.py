@@ -84,7 +84,7 @@ def generate(
       seed: the PRNG seed (an integer, taken modulo 2**32); the same seed, prompts and settings give the
         same tokens.
       on_token: called as on_token(row, token) on the host for each new token while the loop runs.
-      quantize: decode with the weights stored as "int8" or "bf16" (`gpt.inference.decoder.decoding_weights`);
+      quantize: decode with the weights stored as "int8", "int4" or "bf16" (`gpt.inference.decoder.decoding_weights`);
         "none" (the default) keeps float32. A Decoder's own.
       mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`): rows over data and fsdp, heads and MLP
         over tensor, the cache like the attention. The batch is padded to a multiple of data x fsdp. A

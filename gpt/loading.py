@@ -33,9 +33,9 @@ class ModelChoice:
     in the local Hugging Face cache (gpt2, gpt2-medium, gpt2-large, gpt2-xl; HuggingFaceTB/SmolLM2-135M, ...)."""
     dtype: DType = "float32"
     """Compute dtype (bfloat16 on GPUs)."""
-    quantize: Literal["none", "int8", "bf16"] = "none"
-    """Store the weights for decoding as int8 (a float scale per output channel) or bfloat16 (gpt.eval: what
-    that costs in perplexity)."""
+    quantize: Literal["none", "int8", "int4", "bf16"] = "none"
+    """Store the weights for decoding as int8 (a float scale per output channel), int4 (a float scale per group
+    of 32 inputs; the embedding and head int8) or bfloat16 (gpt.eval: what that costs in perplexity)."""
     mesh: str = ""
     """Run sharded over a device mesh, e.g. 'tensor=4' (heads and MLP split over 4 devices) or
     'data=2,tensor=4'; empty runs on one device."""

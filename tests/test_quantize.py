@@ -68,17 +68,19 @@ def test_logits_stay_close_to_float32(quantize, bound, tied_head):
 
 
 @pytest.mark.slow
-def test_no_float_copy_of_a_quantized_matrix_in_the_decode_loop():
+@pytest.mark.parametrize("quantize, stored", [("int8", "s8[144,48]"), ("int4", "u8[144,32]")])
+def test_no_float_copy_of_a_quantized_matrix_in_the_decode_loop(quantize, stored):
     # Distinctive sizes: D = 48, qkv 144, MLP 192, vocabulary 300. A float32 array of any quantized
-    # matrix's shape (either orientation) in the compiled decode program would be a dequantized copy.
+    # matrix's shape (either orientation) in the compiled decode program would be a dequantized copy (int4's
+    # inputs padded to whole pairs of blocks, 64: [144, 64] as levels, two a byte).
     config = GPTConfig.preset("tiny", n_embd=48, n_head=4, vocab_size=300)
     model = GPT(config, rngs=nnx.Rngs(0))
-    engine = Engine(model, slots=2, cache_length=32, quantize="int8")
-    shapes = [(144, 48), (192, 48), (48, 192), (300, 48)]
+    engine = Engine(model, slots=2, cache_length=32, quantize=quantize)
+    shapes = [(144, 48), (192, 48), (48, 192), (300, 48), (144, 64), (192, 64), (48, 192)]
     device = engine.device
     text = compiled_decode.lower(config, device.weights, device.slots, np.int32(1), np.bool_(False),
                                  max_steps=1).compile().as_text()
-    assert "s8[144,48]" in text  # the int8 matrices are there...
+    assert stored in text  # the quantized matrices are there...
     for k, d in shapes:
         for shape in (f"f32[{k},{d}]", f"f32[{d},{k}]", f"bf16[{k},{d}]", f"bf16[{d},{k}]"):
             assert not re.search(re.escape(shape) + r"[{ ]", text), shape  # ...and no float copy of them
@@ -135,8 +137,8 @@ def test_engine_guarantees_hold_with_int8():
 
 def test_an_unknown_quantization_is_refused():
     model = GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))
-    with pytest.raises(ConfigError, match="quantize must be one of none, int8, bf16; got 'int4'"):
-        generate(model, [[1, 2]], 4, quantize="int4")
+    with pytest.raises(ConfigError, match="quantize must be one of none, int8, int4, bf16; got 'int3'"):
+        generate(model, [[1, 2]], 4, quantize="int3")
 
 
 @pytest.mark.slow  # a further case of a check the quick tier makes

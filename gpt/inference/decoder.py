@@ -36,7 +36,7 @@ class Decoder:
     Attributes:
       config: the model's shape.
       weights: `decoding_weights(model, quantize)`, sharded over `mesh` when there is one.
-      quantize: "none", "int8" or "bf16".
+      quantize: "none", "int8", "int4" or "bf16".
       mesh: the device mesh the weights live on, or None for one device.
     """
 
@@ -80,8 +80,10 @@ def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
 
     quantize: "none" keeps float32 (`OutputMajor`); "int8" stores every matrix, the embedding and LM head
     included, as int8 with a float32 scale per output (`gpt.model.layouts.Int8Matrix`; the embedding
-    lookup rescales the rows it reads, and a tied table is stored once for both uses); "bf16" stores them in
-    bfloat16 (`Bf16Matrix`). Biases, LayerNorms, learned positions and the KV cache stay in the compute
+    lookup rescales the rows it reads, and a tied table is stored once for both uses); "int4" stores the blocks'
+    matrices as int4 with a float32 scale per group of inputs (`Int4Matrix`) and the embedding and LM head as
+    int8 (as llama.cpp's Q4_K_M keeps its output matrix at 6 bits: the logits' error is the head's); "bf16"
+    stores them in bfloat16 (`Bf16Matrix`). Biases, LayerNorms, learned positions and the KV cache stay in the compute
     dtype, and so do all activations.
     """
     if quantize not in ("none", *QUANTIZED_LAYOUTS):
@@ -99,9 +101,14 @@ def decoding_weights(model: GPT, quantize: str = "none") -> Weights:
         layers.append({**laid_out, "qkv_kernel": _kernel_layout(fused, layer, quantize, 1)})
     if quantize == "none":
         return dataclasses.replace(weights, layers=tuple(layers))
-    table = _matrix_layout(weights.embedding, quantize)  # [V, D] is already output-major for the head
-    head = table if model.config.tied_head else _matrix_layout(weights.head.matrix_KD, quantize)
+    table_layout = _TABLE_LAYOUT.get(quantize, quantize)
+    table = _matrix_layout(weights.embedding, table_layout)  # [V, D] is already output-major for the head
+    head = table if model.config.tied_head else _matrix_layout(weights.head.matrix_KD, table_layout)
     return dataclasses.replace(weights, layers=tuple(layers), embedding=table, head=head)
+
+
+# The embedding's and head's layout where it is not the blocks'.
+_TABLE_LAYOUT = {"int4": "int8"}
 
 
 def _store(matrix_KD: jax.Array, quantize: str):
@@ -126,9 +133,10 @@ _matrix_layout = jax.jit(_store, static_argnames="quantize")
 
 
 def check_int8_draft(quantize: str | None) -> None:
-    """ConfigError when a target whose weights are laid out as `quantize` cannot draft for itself in int8."""
-    if quantize == "int8":
-        raise ConfigError("draft int8 needs the target's weights in float (quantize none or bf16), not int8")
+    """ConfigError when a target whose weights are laid out as `quantize` cannot draft for itself in int8 (an
+    int8 or int4 target reads as few bytes a token as its draft would, or fewer)."""
+    if quantize in ("int8", "int4"):
+        raise ConfigError(f"draft int8 needs the target's weights in float (quantize none or bf16), not {quantize}")
 
 
 def int8_draft_weights(decoder: Decoder) -> Weights:

@@ -81,7 +81,7 @@ class Engine:
         for many engines.
       settings: its slots, queue, shapes and draft (`EngineSettings`: a `ServeConfig` holds one); `changes`,
         keywords of the same names, change some (`Engine(model, slots=2)`).
-      quantize: how the weights are stored for decoding: "none" (float32, the default), "int8" or "bf16"
+      quantize: how the weights are stored for decoding: "none" (float32, the default), "int8", "int4" or "bf16"
         (`gpt.inference.decoder.decoding_weights`); a Decoder's own.
       mesh: run sharded over this mesh (`gpt.model.sharding.make_mesh`); a Decoder's own.
       tokenizer: what decodes the completions' text and its stop strings: GPT-2's (`gpt.tokenizer`, the

@@ -1,8 +1,8 @@
 """The compiled CPU decoding kernels (gpt/model/kernels/): loaded, registered with XLA, and which instruction set
 they run.
 
-XLA FFI custom calls for a decode step: the matmuls of its few rows, int8 and float32 (`gpt.model.few_rows`),
-and its attention over the paged KV cache (`gpt.model.attention.attend_paged`). They are built by the
+XLA FFI custom calls for a decode step: the matmuls of its few rows, int8, int4 and float32 (`gpt.model.few_rows`),
+int4, and its attention over the paged KV cache (`gpt.model.attention.attend_paged`). They are built by the
 package's install as an optional extension (setup.py): a machine without a C++ compiler installs without
 them, and every op is XLA's. They run when they were built, the CPU has AVX2 and FMA, JAX's backend is the
 CPU (the backend table's `cpu_kernels`), no mesh of several devices is active where the program is traced
@@ -25,7 +25,7 @@ from gpt.model.backend import choices
 __all__ = ["isa", "limit_isa", "call", "TARGETS"]
 
 # The library's handler symbol of each FFI target.
-TARGETS = {"gpt_few_rows_int8": "FewRowsInt8", "gpt_few_rows_float32": "FewRowsFloat32",
+TARGETS = {"gpt_few_rows_int8": "FewRowsInt8", "gpt_few_rows_int4": "FewRowsInt4", "gpt_few_rows_float32": "FewRowsFloat32",
            "gpt_decode_attention": "DecodeAttention"}
 _ISA_NAMES = {0: None, 1: "avx2", 2: "avx512_vnni"}
 _ISA_LEVELS = {"avx2": 1, "avx512_vnni": 2}

@@ -6,9 +6,9 @@ memory's speed, and its float32 GEMM for 2-16 rows is far from it. `kernels/few_
 custom calls that read each output's weights once for all rows with AVX-512 (VNNI for int8) or AVX2, picked
 at run time, over XLA's own CPU threads (where they run: `gpt.model.cpu_kernels`): float32, and int8 with
 scales (x's rows quantized, the exact int8 x int8 -> int32 product, rescaled: the whole of
-`Int8Matrix.matmul` in one call, where XLA runs it as several small programs). Elsewhere every product is
-XLA's: for 2-16 float32 rows on a CPU a multiply and a sum (`xla_few_rows`), otherwise a dot; int8 as
-`xla_int8_product`. Figures: bench/RESULTS.md, "CPU decoding".
+`Int8Matrix.matmul` in one call, where XLA runs it as several small programs); `kernels/few_rows_int4.cc` the
+int4 product (`Int4Matrix.matmul`) in AVX2. Elsewhere every product is XLA's: for 2-16 float32 rows on a CPU a
+multiply and a sum (`xla_few_rows`), otherwise a dot; int8 as `xla_int8_product`, int4 as `xla_int4_product`. Figures: bench/RESULTS.md, "CPU decoding".
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gpt.model import cpu_kernels
+from gpt.model import cpu_kernels, int4
 from gpt.model.backend import choices
 
 __all__ = ["MAX_KERNEL_ROWS", "product", "kernel_product", "xla_product", "xla_few_rows", "at_least_two_rows",
-           "int8_product", "kernel_int8_product", "xla_int8_product", "quantize_rows"]
+           "int8_product", "kernel_int8_product", "xla_int8_product", "quantize_rows", "int4_product",
+           "kernel_int4_product", "xla_int4_product"]
 
 MAX_KERNEL_ROWS = 16  # more rows (a prefill) make a GEMM, which XLA's dot runs well
 
@@ -64,6 +65,42 @@ def int8_product(x_MD: jax.Array, values_KD: jax.Array, scale_K: jax.Array) -> j
     if _kernel_runs(x_MD):
         return kernel_int8_product(x_MD, values_KD, scale_K)
     return xla_int8_product(x_MD, values_KD, scale_K)
+
+
+def kernel_int4_product(x_MD: jax.Array, packed_KH: jax.Array, block_scale_KB: jax.Array, output_scale_K: jax.Array,
+                        sums_K: jax.Array) -> jax.Array:
+    """`xla_int4_product` in the compiled kernel, the integer sums exact: float32 [M, K]. 1 <= M <= 16; only where
+    `cpu_kernels.isa()` is not None. sums_K: `Int4Matrix.sums_K` (the kernel's shifted x takes it back)."""
+    result = jax.ShapeDtypeStruct((x_MD.shape[0], packed_KH.shape[0]), jnp.float32)
+    return cpu_kernels.call("gpt_few_rows_int4", result)(x_MD, packed_KH, block_scale_KB, output_scale_K, sums_K)
+
+
+def xla_int4_product(x_MD: jax.Array, packed_KH: jax.Array, block_scale_KB: jax.Array,
+                     output_scale_K: jax.Array) -> jax.Array:
+    """float32 x [M, D] times the int4 matrix (`gpt.model.int4`: packed [K, D / 2], block scales [K, D / 32],
+    output scales [K]), contracting D: x's rows quantized to int8 (`quantize_rows`, as the int8 product's) times
+    each weight's level and block scale, then scaled by the output's scale and x's row's: float32 [M, K]. The
+    sums in float32 (exact where they stay under 2^24; the kernel's in int32 always are). On a GPU or a TPU XLA
+    fuses the unpacking into the dot's operand."""
+    x_int8_MD, x_scale_M = quantize_rows(x_MD)
+    weights_KD = int4.integer_weights(packed_KH, block_scale_KB).astype(jnp.float32)
+    return xla_product(x_int8_MD.astype(jnp.float32), weights_KD) * output_scale_K[None, :] * x_scale_M[:, None]
+
+
+def int4_product(x_MD: jax.Array, packed_KH: jax.Array, block_scale_KB: jax.Array, output_scale_K: jax.Array,
+                 sums_K: jax.Array) -> jax.Array:
+    """`xla_int4_product`, by the kernel where it runs: float32 [M, K]. More than 16 rows (a prefill) go through it
+    16 at a time, each row's products the same as alone: on a CPU, XLA's alternative makes a float copy of every
+    matrix, several times slower than the kernel's passes (bench/RESULTS.md, "int4 decoding")."""
+    operands = (packed_KH, block_scale_KB, output_scale_K, sums_K)
+    M, D = x_MD.shape
+    if not _kernel_runs(x_MD[:MAX_KERNEL_ROWS]):
+        return xla_int4_product(x_MD, *operands[:3])
+    if M <= MAX_KERNEL_ROWS:
+        return kernel_int4_product(x_MD, *operands)
+    chunks = -(-M // MAX_KERNEL_ROWS)
+    padded = jnp.pad(x_MD, ((0, chunks * MAX_KERNEL_ROWS - M), (0, 0))).reshape(chunks, MAX_KERNEL_ROWS, D)
+    return jax.lax.map(lambda x: kernel_int4_product(x, *operands), padded).reshape(-1, packed_KH.shape[0])[:M]
 
 
 def xla_few_rows(x_MD: jax.Array, matrix_KD: jax.Array) -> jax.Array:

@@ -2,7 +2,7 @@
 
 The model's parameters are plain arrays whose leading axes are a map's inputs ([D, ...]); training uses
 them as they are. A decoder may store the same weights differently (`gpt.inference.decoding`): output-major in
-float32, int8 with a scale per output, or bfloat16; the forward runs any of them unchanged because every
+float32, int8 with a scale per output, int4 with a scale per group of inputs, or bfloat16; the forward runs any of them unchanged because every
 matmul is `dense(x, kernel)`.
 """
 
@@ -13,10 +13,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gpt.model.few_rows import at_least_two_rows, int8_product, product, quantize_rows
+from gpt.model import int4
+from gpt.model.few_rows import at_least_two_rows, int4_product, int8_product, product, quantize_rows
 from gpt.model.fp8 import fp8_matmul
 
-__all__ = ["OutputMajor", "Int8Matrix", "Bf16Matrix", "Fp8Kernel", "QUANTIZED_LAYOUTS", "dense"]
+__all__ = ["OutputMajor", "Int8Matrix", "Int4Matrix", "Bf16Matrix", "Fp8Kernel", "QUANTIZED_LAYOUTS", "dense"]
 
 
 @jax.tree_util.register_dataclass
@@ -99,6 +100,52 @@ class Int8Matrix:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Int4Matrix:
+    """An output-major matrix [K, D] stored as int4 levels, each block of 32 inputs with an int8 scale of its own
+    times its output's float32 scale (`gpt.model.int4`): 4.25 bits a weight, what a decode step streams.
+
+    `matmul` quantizes x's rows to int8 as `Int8Matrix`'s does and multiplies them by the int4 weights
+    (`gpt.model.few_rows.int4_product`: one compiled kernel for a decode step's few rows on a CPU, exact in
+    integers; XLA's ops otherwise); the kernel never makes the float matrix. Its `astype` keeps it int4.
+
+    Attributes:
+      packed_KH: uint8 [K, D' / 2], two levels a byte (`gpt.model.int4.pack`); D' is D padded to whole pairs of
+        blocks (64 inputs).
+      block_scale_KB: int8 [K, D' / 32].
+      output_scale_K: float32 [K].
+      sums_K: int32 [K], each output's levels times their block scales, summed (the kernel's shifted x needs it).
+      inputs: D, the matrix's own input count (static).
+    """
+
+    packed_KH: jax.Array
+    block_scale_KB: jax.Array
+    output_scale_K: jax.Array
+    sums_K: jax.Array
+    inputs: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def quantize(cls, matrix_KD: jax.Array) -> Int4Matrix:
+        K, D = matrix_KD.shape
+        padded = jnp.pad(matrix_KD.astype(jnp.float32), ((0, 0), (0, -D % int4.PAIR)))
+        levels, block_scale, output_scale = int4.quantize(padded)
+        packed = int4.pack(levels)
+        return cls(packed, block_scale, output_scale, int4.integer_weights(packed, block_scale).sum(axis=1), D)
+
+    def dequantize(self) -> jax.Array:
+        """The float32 matrix [K, D] this one stands for."""
+        return int4.dequantize(self.packed_KH, self.block_scale_KB, self.output_scale_K)[:, :self.inputs]
+
+    def astype(self, dtype) -> Int4Matrix:
+        return self
+
+    def matmul(self, x_MD: jax.Array) -> jax.Array:
+        padded = jnp.pad(x_MD.astype(jnp.float32), ((0, 0), (0, 2 * self.packed_KH.shape[1] - self.inputs)))
+        return int4_product(padded, self.packed_KH, self.block_scale_KB, self.output_scale_K,
+                            self.sums_K).astype(x_MD.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Bf16Matrix:
     """An output-major matrix [K, D] stored in bfloat16: half of float32's bytes. `matmul` runs a bfloat16
     dot accumulating in float32; `astype` keeps it bfloat16."""
@@ -126,4 +173,4 @@ class Bf16Matrix:
 
 
 # --quantize: how a decoder stores its matrices (`gpt.inference.decoder.decoding_weights`).
-QUANTIZED_LAYOUTS = {"int8": Int8Matrix, "bf16": Bf16Matrix}
+QUANTIZED_LAYOUTS = {"int8": Int8Matrix, "int4": Int4Matrix, "bf16": Bf16Matrix}

@@ -292,34 +292,6 @@ void RunOnPool(ffi::ThreadPool& pool, Kernel kernel, const void* x, const void* 
   ParallelFor(pool, K, 64, [=](int64_t begin, int64_t end) { kernel(x, w, scales, D, K, begin, end, y); });
 }
 
-// x's rows [M, D] to int8 as `Int8Matrix.matmul` quantizes them in XLA: each row's scale max |x| / 127 (1 for a
-// row of zeros), each value x / scale rounded half to even; plus `offset` (128 for VNNI's unsigned operand).
-// A few thousand values a call, in loops the compiler vectorizes for each instruction set (the clone for the CPU
-// picked when the library loads).
-__attribute__((noinline, target_clones("avx512f", "avx2", "default"))) void QuantizeRows(
-    const float* __restrict x, int64_t M, int64_t D, int offset, float* __restrict scale, uint8_t* __restrict q) {
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding and taking it away rounds to an integer
-  for (int64_t m = 0; m < M; ++m, x += D, q += D) {
-    uint32_t largest = 0;  // of |x|'s bits, whose order as integers is that of the floats
-    for (int64_t d = 0; d < D; ++d) {
-      uint32_t bits;
-      std::memcpy(&bits, x + d, sizeof bits);
-      bits &= 0x7fffffffu;
-      largest = bits > largest ? bits : largest;
-    }
-    float row_max;
-    std::memcpy(&row_max, &largest, sizeof row_max);
-    const float row_scale = row_max / 127.0f > 0.0f ? row_max / 127.0f : 1.0f;
-    scale[m] = row_scale;
-    for (int64_t d = 0; d < D; ++d) {
-      float rounded = (x[d] / row_scale + kRound) - kRound;
-      rounded = rounded > -127.0f ? rounded : -127.0f;  // a no-op but for NaN, which becomes -127
-      rounded = rounded < 127.0f ? rounded : 127.0f;
-      q[d] = static_cast<uint8_t>(static_cast<int32_t>(rounded) + offset);
-    }
-  }
-}
-
 // [M, D] and [K, D] with 1 <= M <= 16 on a CPU the kernels run on, or the error to return.
 std::optional<ffi::Error> CheckShapes(ffi::AnyBuffer::Dimensions x, ffi::AnyBuffer::Dimensions w) {
   if (x.size() != 2 || w.size() != 2 || x[1] != w[1])

@@ -1,4 +1,5 @@
-// What the CPU kernels share: the instruction set they may use, and XLA's CPU threads to split work over.
+// What the CPU kernels share: the instruction set they may use, XLA's CPU threads to split work over, and x's rows
+// quantized to int8.
 
 #pragma once
 
@@ -18,5 +19,11 @@ int Isa();
 // returns when every block is done.
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t min_block,
                  std::function<void(int64_t, int64_t)> body);
+
+// x's rows [M, D] to int8 as `gpt.model.few_rows.quantize_rows` quantizes them in XLA: each row's scale max |x| /
+// 127 (1 for a row of zeros), each value x / scale rounded half to even; plus `offset` (128 where the product
+// wants an unsigned operand: VNNI's int8, the int4 kernel's). scale [M], q [M, D].
+void QuantizeRows(const float* __restrict x, int64_t M, int64_t D, int offset, float* __restrict scale,
+                  uint8_t* __restrict q);
 
 }  // namespace gpt_kernels
