@@ -162,7 +162,7 @@ def test_a_newer_step_whose_record_is_no_object_leaves_the_intact_one_to_score(t
 
 
 @pytest.mark.slow  # a further case of a check the quick tier makes
-def test_a_mesh_scores_as_one_device_and_int8_costs_little(tmp_path, corpus_text):
+def test_a_mesh_scores_as_one_device_and_int8_and_int4_cost_little(tmp_path, corpus_text):
     _, directory = random_hf_gpt2(tmp_path, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4, weight_scale=4.0)
     path = tmp_path / "t.txt"
     path.write_text(corpus_text[:4000])
@@ -174,8 +174,13 @@ def test_a_mesh_scores_as_one_device_and_int8_costs_little(tmp_path, corpus_text
     assert sharded["nats_per_token"] == pytest.approx(one["nats_per_token"], rel=1e-5)
     assert int8["nats_per_token"] == pytest.approx(one["nats_per_token"], rel=2e-2)
     assert int8["nats_per_token"] != one["nats_per_token"], "int8 weights are not the float32 ones"
+    # int4: the CPU kernel on one device, XLA's product over the mesh, the same numbers to float32's rounding.
+    int4 = evaluate(EvalConfig(**base, quantize="int4"))["overall"]
+    int4_sharded = evaluate(EvalConfig(**base, quantize="int4", mesh="data=2,tensor=4"))["overall"]
+    assert int4_sharded["nats_per_token"] == pytest.approx(int4["nats_per_token"], rel=1e-5)
+    assert int4["nats_per_token"] == pytest.approx(one["nats_per_token"], rel=5e-2)
     with pytest.raises(ConfigError, match="quantize must be one of none"):
-        evaluate(EvalConfig(**base, quantize="int4"))
+        evaluate(EvalConfig(**base, quantize="int3"))
 
 
 def test_scoring_never_holds_every_positions_logits_at_once():
@@ -212,6 +217,8 @@ def test_the_scripts_share_one_model_choice_with_its_choices():
     assert shared == {"init_from", "dtype", "quantize", "mesh"}
     for config in (SampleConfig, ServeConfig, EvalConfig):
         assert issubclass(config, ModelChoice) and not shared & set(vars(config).get("__annotations__", {}))
-    assert typing.get_args(typing.get_type_hints(EvalConfig)["quantize"]) == ("none", "int8", "bf16")
+    from gpt.model.layouts import QUANTIZED_LAYOUTS
+
+    assert typing.get_args(typing.get_type_hints(EvalConfig)["quantize"]) == ("none", *QUANTIZED_LAYOUTS)
     with pytest.raises(SystemExit):
-        tyro.cli(EvalConfig, args=["--quantize", "int4"])
+        tyro.cli(EvalConfig, args=["--quantize", "int3"])

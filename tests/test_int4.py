@@ -44,7 +44,7 @@ def _q4_0_error(matrix: np.ndarray) -> float:
     return float(np.linalg.norm(restored - matrix) / np.linalg.norm(matrix))
 
 
-@pytest.mark.parametrize("weights", ["normal", "heavy-tailed"])
+@pytest.mark.parametrize("weights", some_quick(["normal", "heavy-tailed"], quick=["normal"]))
 def test_the_error_is_at_most_llama_cpps_q4_0_on_the_same_weights(weights):
     # Q4_0 (llama.cpp's gguf-py: blocks of 32, the extreme at level -8, an fp16 scale) is the bound; each block's
     # scale here is the best of a few near it (after rounding to its int8 multiple), so the error is no larger. Heavy tails: Student's t with 3 degrees
@@ -70,7 +70,7 @@ def _float32_rounding_bound(x: np.ndarray, matrix: Int4Matrix) -> np.ndarray:
 
 
 SHAPES = [(37, 100), (130, 64), (64, 33), (2304, 768), (768, 3072), (256, 20000)]
-QUICK_SHAPES = [(37, 100), (2304, 768)]
+QUICK_SHAPES = [(37, 100)]  # the quick tier's: inputs padded to a pair of blocks, outputs no tile divides
 
 
 @pytest.mark.parametrize("K, D", some_quick(SHAPES, quick=QUICK_SHAPES))
@@ -93,6 +93,7 @@ def test_the_kernel_is_xlas_product_to_float32_rounding(kernel_isa, K, D):
         assert (difference <= _float32_rounding_bound(x[:M], matrix)).all(), (kernel_isa, M, difference.max())
 
 
+@pytest.mark.slow  # a further case of the kernel's check, at a real matrix's size
 def test_products_stay_within_the_quantization_bound_of_the_float64_product(kernel_isa):
     # int4 weights (~8.5% of sigma a weight) and int8 rows (~1%): the product's relative error near 9%.
     rng = np.random.default_rng(1)
@@ -115,7 +116,7 @@ def _logits(config, weights):
     return lm_head(weights, forward(config, weights, tokens, jnp.arange(59)[None])[0])
 
 
-@pytest.mark.parametrize("tied_head", [True, False])
+@pytest.mark.parametrize("tied_head", some_quick([True, False], quick=[True]))
 def test_logits_stay_close_to_float32(tied_head):
     # A random tiny model: the logits' max abs difference relative to their spread. int4 blocks (the head int8):
     # about twice int8's error (tests/test_quantize.py's bound 0.05, for int8 everywhere).

@@ -91,7 +91,7 @@ def int4_product(x_MD: jax.Array, packed_KH: jax.Array, block_scale_KB: jax.Arra
                  sums_K: jax.Array) -> jax.Array:
     """`xla_int4_product`, by the kernel where it runs: float32 [M, K]. More than 16 rows (a prefill) go through it
     16 at a time, each row's products the same as alone: on a CPU, XLA's alternative makes a float copy of every
-    matrix, several times slower than the kernel's passes (bench/RESULTS.md, "int4 decoding")."""
+    matrix, several times slower than the kernel's passes (bench/RESULTS.md, "int4 decoding at 1B")."""
     operands = (packed_KH, block_scale_KB, output_scale_K, sums_K)
     M, D = x_MD.shape
     if not _kernel_runs(x_MD[:MAX_KERNEL_ROWS]):

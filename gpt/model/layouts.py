@@ -2,8 +2,8 @@
 
 The model's parameters are plain arrays whose leading axes are a map's inputs ([D, ...]); training uses
 them as they are. A decoder may store the same weights differently (`gpt.inference.decoding`): output-major in
-float32, int8 with a scale per output, int4 with a scale per group of inputs, or bfloat16; the forward runs any of them unchanged because every
-matmul is `dense(x, kernel)`.
+float32, int8 with a scale per output, int4 with a scale per block of 32 inputs, or bfloat16; the forward runs any
+of them unchanged because every matmul is `dense(x, kernel)`.
 """
 
 from __future__ import annotations
