@@ -791,3 +791,30 @@ def test_every_field_of_a_checkpoints_record_changed_loads_the_same_model_or_is_
             assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), (path, how)
             outcomes["loaded"] += 1
     assert outcomes["refused"] > 40 and outcomes["loaded"] > 10, outcomes
+
+
+@pytest.mark.slow
+def test_a_record_of_a_billion_layers_is_refused_with_nothing_reported_behind_it(trained_run, tmp_path, caplog):
+    """A record whose shapes the stored arrays cannot have is refused before orbax starts a read: a read it
+    refuses midway leaves tasks whose errors asyncio logs as "never retrieved" once they are collected, and
+    callbacks that find its event loop closed (an "Exception ignored" block): the refusal is all that is said."""
+    from gpt.errors import UserError
+
+    newest = max(int(p.name) for p in (trained_run / "checkpoints").iterdir() if p.name.isdigit())
+    step_dir = tmp_path / "run" / "checkpoints" / str(newest)
+    shutil.copytree(trained_run / "checkpoints" / str(newest), step_dir)
+    record_path = step_dir / "metadata" / "metadata"
+    record = json.loads(record_path.read_text())
+    record["model_config"]["n_layer"] = 10**9
+    record_path.write_text(json.dumps(record))
+    unraisable, hook = [], sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        with pytest.raises(UserError, match=rf"no intact checkpoint .*step {newest}: ValueError: .*\(1000000000, "):
+            load_model(tmp_path / "run")
+        time.sleep(0.5)  # for reads still running on orbax's threads
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert [f"{u.exc_type.__name__}: {u.exc_value}" for u in unraisable] == []
+    assert [record.getMessage() for record in caplog.records if record.name == "asyncio"] == []

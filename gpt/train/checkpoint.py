@@ -11,6 +11,8 @@ What a checkpoint under `out_dir/checkpoints/<step>` guarantees:
   restore. The checksum is two 32-bit weighted sums of the array's bits, computed on the devices where the
   array lives: integer sums are exact in any order, so the value is the same on any mesh, and a
   checkpoint written on 8 devices verifies on 1.
+- **Shapes before bytes.** A step's recorded shapes are compared with its stored arrays' before Orbax reads
+  any: a read Orbax refuses midway leaves tasks behind that asyncio reports later, as tracebacks.
 - **Fallback, never silent deletion.** A step that cannot be read, or whose checksums or finiteness do not
   hold, is reported in one line and moved aside to `out_dir/corrupt_checkpoints/`; the next newest step
   is tried.
@@ -113,6 +115,23 @@ def _first_mismatch(want: dict, got: dict) -> str | None:
 
 # ------------------------------------------------------------------------------------------ the manager
 
+def _names(path) -> tuple[str, ...]:
+    """A tree path's keys as text (a named tuple's field, as orbax stores it, is a dict key)."""
+    return tuple(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path)
+
+
+def _check_stored_shapes(item_dir: Path, target) -> None:
+    """Raise ValueError naming the first array of `target` (abstract) whose shape differs from the one stored
+    under `item_dir`, from orbax's metadata alone (no array is read)."""
+    stored = ocp.StandardCheckpointHandler().metadata(item_dir).tree
+    shapes = {_names(path): leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+        have = shapes.get(_names(path))
+        if have is not None and tuple(have) != tuple(leaf.shape):
+            raise ValueError(f"{item_dir.name}/{'/'.join(_names(path))} is recorded as {tuple(leaf.shape)}, "
+                             f"stored as {tuple(have)}")
+
+
 def _os_error(error: BaseException) -> BaseException:
     """The OSError behind `error` (`causes`), or `error` itself."""
     return next((cause for cause in causes(error) if isinstance(cause, OSError)), error)
@@ -211,9 +230,12 @@ class CheckpointManager:
         run that kept one `qkv_kernel` is restored as it was written, verified, then split (`fused_qkv`)."""
         older = written_fused(self.metadata(step))
         targets = {name: abstract(tree, shardings[name]) for name, tree in trees.items()}
+        targets = {name: fused(target) if older else target for name, target in targets.items()}
+        for name, target in targets.items():
+            _check_stored_shapes(self.directory / str(step) / name, target)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             metadata=ocp.args.JsonRestore(),
-            **{name: ocp.args.StandardRestore(fused(target) if older else target) for name, target in targets.items()},
+            **{name: ocp.args.StandardRestore(target) for name, target in targets.items()},
         ))
         metadata = restored["metadata"]
         saved = metadata.get("checksums") if isinstance(metadata, dict) else None
