@@ -94,7 +94,7 @@ def int4_product(x_MD: jax.Array, packed_KH: jax.Array, block_scale_KB: jax.Arra
     matrix, several times slower than the kernel's passes (bench/RESULTS.md, "int4 decoding at 1B")."""
     operands = (packed_KH, block_scale_KB, output_scale_K, sums_K)
     M, D = x_MD.shape
-    if not _kernel_runs(x_MD[:MAX_KERNEL_ROWS]):
+    if cpu_kernels.isa() is None:
         return xla_int4_product(x_MD, *operands[:3])
     if M <= MAX_KERNEL_ROWS:
         return kernel_int4_product(x_MD, *operands)
