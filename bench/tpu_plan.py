@@ -1,6 +1,6 @@
-"""What fits on a TPU slice, and how fast at best: GPT-2's four sizes and one 7B-shaped model, each compiled on
-this CPU for v5e-8, v6e-8 and a 16-host v5p-128 (libtpu's compiler, `train.py --compile_only`'s path), with the
-first mesh that fits, a table row each.
+"""What fits on a TPU slice, how fast at best and how fast to expect: GPT-2's four sizes and one 7B-shaped model,
+each compiled on this CPU for v5e-8, v6e-8, a 16-host v5p-128 and an Ironwood tpu7x-8 (libtpu's compiler,
+`train.py --compile_only`'s path), with the first mesh that fits, a table row each.
 
     pip install -e ".[tpu]"
     python bench/tpu_plan.py --out bench/tpu_plan.jsonl     # a row a line, as each compile ends; then the table
@@ -10,8 +10,9 @@ Each model trains in bfloat16 (float32 parameters and Adam state), 1024 tokens a
 loop's body once, so a scanned step's bytes would be counted for one layer; gpt2-xl's step takes ~6 minutes to
 compile on 2 cores), the 7B's scanned (its memory bound is then one layer's: marked). The meshes tried, in order: every
 chip on data (parameters and optimizer state whole on each), every chip on fsdp (split along the width), fsdp with
-remat; the first whose compiled program fits the chip's memory is the row. The tokens/s is the roofline bound
-(`gpt.program_report`), not a measurement: no TPU has run this code.
+remat; the first whose compiled program fits the chip's memory is the row. Its floor is the fastest any step could
+run (`gpt.program_report`); its expected range, the MFU public runs reached on that chip with models of that size
+(`gpt.measured_mfu`) at this step's FLOPs a token. Neither is a measurement: no TPU has run this code.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ MODELS = {**{name: PRESETS[name] for name in ("gpt2", "gpt2-medium", "gpt2-large
 @dataclasses.dataclass
 class Plan:
     models: tuple[str, ...] = tuple(MODELS)
-    topologies: tuple[str, ...] = ("v5e-8", "v6e-8", "v5p-128")
+    topologies: tuple[str, ...] = ("v5e-8", "v6e-8", "v5p-128", "tpu7x-8")
     sequences_per_chip: int = 8
     block_size: int = 1024
     out: str = ""
@@ -73,7 +74,8 @@ def plan_row(model: str, topology: str, plan: Plan) -> dict:
                "params": num_params(MODELS[model]), "devices": report.devices,
                "gib_per_device": report.total_bytes / 2**30, "chip_gib": report.chip.memory_bytes / 2**30,
                "fits": report.fits(), "bound": max(seconds, key=seconds.get),
-               "tokens_per_s": report.tokens / max(seconds.values()), "compile_s": time.perf_counter() - start,
+               "tokens_per_s": report.tokens / max(seconds.values()), "expected": report.expected_tokens_per_s(),
+               "compile_s": time.perf_counter() - start,
                "report": report.lines()}
         print("\n".join(report.lines()), flush=True)
         if report.fits():
@@ -82,15 +84,21 @@ def plan_row(model: str, topology: str, plan: Plan) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | params | topology | mesh | GiB per chip (of) | roofline tokens/s (bound) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    """The rows as docs/sharding.md shows them; a floor below its row's expected range would mean the floor counts
+    what a step can avoid, and is marked."""
+    lines = ["| model | params | topology | mesh | GiB per device (of) | floor tokens/s (set by) | expected tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if not r["fits"]:
-            lines.append(f"| {r['model']} | {r['params'] / 1e6:,.0f} M | {r['topology']} | does not fit | - | - |")
+            lines.append(f"| {r['model']} | {r['params'] / 1e6:,.0f} M | {r['topology']} | does not fit | - | - | - |")
             continue
-        scanned = " (scanned: memory bound low)" * MODELS[r["model"]].scan_layers
+        scanned = " (scanned)" * MODELS[r["model"]].scan_layers
+        expected = r.get("expected")
+        below = " **below a public run**" * bool(expected and r["tokens_per_s"] < expected[1])
+        expected = f"{expected[0]:,.0f} - {expected[1]:,.0f}" if expected else "no public run"
         lines.append(f"| {r['model']} | {r['params'] / 1e6:,.0f} M | {r['topology']} | {r['mesh']} | "
-                     f"{r['gib_per_device']:.2f} ({r['chip_gib']:.0f}) | {r['tokens_per_s']:,.0f} ({r['bound']}){scanned} |")
+                     f"{r['gib_per_device']:.2f} ({r['chip_gib']:.0f}) | {r['tokens_per_s']:,.0f} ({r['bound']})"
+                     f"{scanned}{below} | {expected} |")
     return "\n".join(lines)
 
 

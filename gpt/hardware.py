@@ -2,8 +2,9 @@
 compiled for on any machine (libtpu's compiler, no TPU needed).
 
 A chip's figures are its maker's ratings (NVIDIA's data sheets for the SXM parts; Google Cloud's TPU pages),
-per device as JAX sees it: one GPU, or one TPU chip (v5p's two TensorCores are one device). They bound what a
-program can do (`gpt.program_report`); they are not measurements.
+per device as JAX sees it: one GPU, or one TPU chip (v4's and v5p's two TensorCores are one device), or half a
+TPU7x chip (its two TensorCores are two devices, each with half the chip's memory, FLOP/s and HBM bandwidth).
+They bound what a program can do (`gpt.program_report`); they are not measurements.
 """
 
 from __future__ import annotations
@@ -52,12 +53,17 @@ CHIPS: dict[str, Chip] = {chip.device_kind: chip for chip in (
     Chip("NVIDIA H200", 141 * _GB, 989e12, 4.8e12, 450e9),
     Chip("NVIDIA A100", 80 * _GB, 312e12, 2.039e12, 300e9),
     Chip("NVIDIA L4", 24 * _GB, 121e12, 300e9, 32e9),
-    Chip("TPU v4", 32 * 2**30, 275e12, 1.2e12, 150e9),
-    # The TPUs' program limits are libtpu's (0.0.42.1) own, from its refusals: "exceeds available HBM (15.75G)".
+    # The TPUs' program limits are libtpu's (0.0.42.1) own, from its refusals: "exceeds available HBM (15.75G)"
+    # (v4's as one device a chip, its "megacore": 30.75G, as MaxText's logs show).
     # A v5p has 96 GiB (Cloud TPU's v5p page lists 95, the HBM its system and runtime leave to programs).
+    Chip("TPU v4", 32 * 2**30, 275e12, 1.2e12, 150e9, 31_488 * 2**20),
     Chip("TPU v5 lite", 16 * 2**30, 197e12, 819e9, 200e9, 16_128 * 2**20),
     Chip("TPU v5", 96 * 2**30, 459e12, 2.765e12, 600e9, 98_037 * 2**20),
     Chip("TPU v6 lite", 32 * 2**30, 918e12, 1.638e12, 400e9, 32_000 * 2**20),
+    # TPU7x (Ironwood), a device: half of Cloud TPU's 192 GiB and 2,307 bf16 TFLOP/s a chip and of Google's 7.37 TB/s
+    # (2025-04-09). Its links, 1.2 TB/s both ways a chip, are given whole to each device: the chip's two devices
+    # share them, but also talk across the chip without them, and a floor must not be raised by a guess.
+    Chip("TPU7x", 96 * 2**30, 2307e12 / 2, 7.37e12 / 2, 600e9, 97_024 * 2**20),
 )}
 
 
@@ -75,26 +81,29 @@ class _Family:
     prefix: str
     """The name's prefix, as Cloud TPU's accelerator types spell it (`v5e` in `v5e-8`)."""
     cores_per_chip_in_name: int
-    """v5p's names count TensorCores (`v5p-128` is 64 chips); v5e's and v6e's count chips."""
+    """v5p's and TPU7x's names count TensorCores (`v5p-128` is 64 chips); v5e's and v6e's count chips."""
     shapes: dict[int, tuple[int, ...]]
     """Chips -> the slice's shape, as `topology_name` takes it."""
     chips_per_host: dict[int, tuple[int, int, int]]
     """Chips in the slice -> the chips one host holds (the largest key at most the slice's size applies)."""
 
 
+_CUBES = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8), 256: (4, 8, 8),
+          512: (8, 8, 8)}  # a 3D torus's slices, by chips
 TOPOLOGY_FAMILIES = {family.prefix: family for family in (
     _Family("v5e", 1, {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
                        256: (16, 16)}, {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1), 16: (2, 2, 1)}),
     _Family("v6e", 1, {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
                        256: (16, 16)}, {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1), 16: (2, 2, 1)}),
-    _Family("v5p", 2, {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
-                       256: (4, 8, 8), 512: (8, 8, 8)}, {4: (2, 2, 1)}),
+    _Family("v5p", 2, _CUBES, {4: (2, 2, 1)}),
+    _Family("tpu7x", 2, _CUBES, {4: (2, 2, 1)}),
 )}
 
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """A TPU slice (or several) named as Cloud TPU names it: `v5e-8`, `v5p-128`, `v5e-256x2` (two slices)."""
+    """A TPU slice (or several) named as Cloud TPU names it: `v5e-8`, `v5p-128`, `tpu7x-8`, `v5e-256x2` (two
+    slices)."""
 
     name: str
     family: str
@@ -116,7 +125,8 @@ class Topology:
         # environment what slice and hosts it runs on, and prints warnings where nothing says: it is told.
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", self.name.split("x")[0].replace("v5e-", "v5litepod-"))
+        one_slice = re.sub(r"x\d+$", "", self.name)
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", one_slice.replace("v5e-", "v5litepod-"))
         try:
             from jax.experimental import topologies
 
@@ -152,9 +162,9 @@ MAX_CHIPS = 1 << 16  # chips in all the slices of a topology `parse_topology` ta
 
 
 def parse_topology(name: str) -> Topology:
-    """`v5e-8` -> Topology(family v5e, 8 chips); `v5p-128` -> 64 chips (v5p's names count TensorCores);
-    `v5e-256x2` -> two slices. ConfigError naming the known sizes for anything else."""
-    match = re.fullmatch(r"(v\d+[a-z]+)-(\d+)(?:x(\d+))?", name.strip())
+    """`v5e-8` -> Topology(family v5e, 8 chips); `v5p-128` -> 64 chips, `tpu7x-8` -> 4 (their names count
+    TensorCores); `v5e-256x2` -> two slices. ConfigError naming the known sizes for anything else."""
+    match = re.fullmatch(r"(v\d+[a-z]+|tpu\d+x)-(\d+)(?:x(\d+))?", name.strip())
     family = TOPOLOGY_FAMILIES.get(match.group(1)) if match else None
     if family is None:
         raise ConfigError(f"unknown TPU topology {name!r}: expected {topology_help()}")
@@ -174,9 +184,9 @@ class CompileOnlyChoice:
 
     compile_only: str = ""
     """A TPU topology to compile the run's programs for, on any machine, then print what each device needs
-    (memory, FLOPs, collectives) and the fastest they could run there, and exit: nothing read but a config, nothing
-    written. v5e-N and v6e-N count chips (1, 4, 8, 16, ... 256), v5p-N TensorCores (8 ... 1024); v5e-256x2 is two
-    slices. Needs TPU's compiler: pip install -e '.[tpu]'."""
+    (memory, FLOPs, collectives), the fastest they could run there and what public runs on that chip reached, and
+    exit: nothing read but a config, nothing written. v5e-N and v6e-N count chips (1, 4, 8, 16, ... 256), v5p-N and tpu7x-N TensorCores (8 ... 1024);
+    v5e-256x2 is two slices. Needs TPU's compiler: pip install -e '.[tpu]'."""
     verbose: bool = False
     """With --compile_only: also each program's memory by part, XLA's counts of its FLOPs and bytes, and what
     the bounds leave out."""

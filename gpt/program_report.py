@@ -10,7 +10,8 @@ its interconnect bandwidth (a ring: an all-reduce moves each byte out and back, 
 receives (n-1)/n of its result; a reduce-scatter sends n-1 results' worth). A real call is slower; none can be
 faster. XLA's count of bytes accessed is no floor: it sums every fused operation's operands and results, where a
 fused program reuses what sits in the chip's vector memory (openxla/xla#11934); it is shown as an upper estimate of
-the traffic.
+the traffic. Beside the floor, a train step's report gives the range public runs reached on that chip
+(`gpt.measured_mfu`): what to expect, where the floor says what cannot be beaten.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from gpt.errors import ConfigError, first_line
 from gpt.hardware import Chip, chip_of, device_memory_bytes
+from gpt.measured_mfu import SMALL_MODEL, expected_mfu
 
 __all__ = ["ProgramReport", "collective_bytes", "sharded_bytes", "compile_within_memory", "check_compiled_fits",
-           "peak_bytes", "compiling_line"]
+           "check_held_fits", "memory_limit", "MemoryLimit", "peak_bytes", "compiling_line"]
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
@@ -94,19 +97,46 @@ def check_compiled_fits(compiled: jax.stages.Compiled, devices: list, what: str,
     """ConfigError naming `setting`, the GiB `compiled` holds at its peak per device (memory_analysis's
     arguments, outputs not written in place and temporaries, with `held_already` bytes a device keeps beside
     them) and the device's memory, when it is over: before the first call, where running it would fail with
-    an allocator's traceback (or, on the CPU, the kernel's OOM killer). CPU devices share the host's memory:
-    there the bytes count once per device of this process."""
-    device = devices[0]
-    limit = device_memory_bytes(device)
+    an allocator's traceback (or, on the CPU, the kernel's OOM killer)."""
     memory = compiled.memory_analysis()
-    if limit is None or memory is None:
-        return
-    held = peak_bytes(memory) + held_already
-    sharing = sum(d.process_index == device.process_index for d in devices) if device.platform == "cpu" else 1
-    if held * sharing > limit:
-        on = f"{sharing} CPU devices on the host's" if sharing > 1 else f"the {device.device_kind}'s"
+    if memory is not None:
+        check_held_fits(peak_bytes(memory) + held_already, devices, what, setting, advice)
+
+
+def check_held_fits(held: int, devices: list, what: str, setting: str, advice: str) -> None:
+    """The one answer to "does this program fit this device", for a run's programs and compile-only's alike:
+    ConfigError naming `setting`, the `held` bytes a device holds at the program's peak and the memory its programs
+    may hold (`memory_limit`), when over."""
+    limit = memory_limit(devices)
+    if limit is not None and not limit.holds(held):
         raise ConfigError(f"{setting}: the {what} needs {held / 2**30:,.2f} GiB per device (the compiled program: "
-                          f"arguments, outputs and temporaries), over {on} {limit / 2**30:,.2f} GiB: {advice}")
+                          f"arguments, outputs and temporaries), over {limit.whose} {limit.bytes / 2**30:,.2f} GiB: "
+                          f"{advice}")
+
+
+class MemoryLimit(NamedTuple):
+    """The memory a program on some devices may hold."""
+
+    bytes: int
+    sharing: int
+    """Devices whose programs share those bytes: a process's CPU devices share the host's memory."""
+    whose: str
+    """Whose memory it is, in words ("the TPU v5 lite's", "8 CPU devices on the host's")."""
+
+    def holds(self, per_device: int) -> bool:
+        return per_device * self.sharing <= self.bytes
+
+
+def memory_limit(devices: list) -> MemoryLimit | None:
+    """The memory a program on `devices` may hold (`device_memory_bytes`: the allocator's limit, a TPU compiler's
+    program limit, or the host's memory); None where unknown (or no devices are named)."""
+    device = devices[0] if devices else None
+    limit = None if device is None else device_memory_bytes(device)
+    if limit is None:
+        return None
+    sharing = sum(d.process_index == device.process_index for d in devices) if device.platform == "cpu" else 1
+    return MemoryLimit(limit, sharing,
+                       f"{sharing} CPU devices on the host's" if sharing > 1 else f"the {device.device_kind}'s")
 
 
 def _group_size(line: str) -> int:
@@ -182,17 +212,23 @@ class ProgramReport:
     floor_bytes: float
     """Bytes one device must move between its memory and the chip in a call, whatever the implementation (the
     caller's count: the module docstring)."""
+    trained_params: int | None = None
+    """The parameters a train step trains, for the public runs it is compared with; None for other programs."""
+    device_list: tuple = ()
+    """The devices it was compiled for, whose memory it is checked against (`check_held_fits`)."""
 
     @classmethod
     def of(cls, name: str, compiled: jax.stages.Compiled, devices: list, held: dict[str, int], tokens: int,
-           model_flops: float, chip: Chip | None, floor_bytes: float) -> ProgramReport:
+           model_flops: float, chip: Chip | None, floor_bytes: float,
+           trained_params: int | None = None) -> ProgramReport:
         memory, cost, text = compiled.memory_analysis(), compiled.cost_analysis() or {}, compiled.as_text()
         if isinstance(cost, list):  # older JAX: one dict per program
             cost = cost[0] if cost else {}
         return cls(name, len(devices), devices[0].device_kind, chip, held, memory.argument_size_in_bytes,
                    memory.output_size_in_bytes, memory.alias_size_in_bytes, memory.temp_size_in_bytes,
                    peak_bytes(memory), float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
-                   collective_bytes(text), tokens, model_flops, len(re.findall(r"\swhile\(", text)), floor_bytes)
+                   collective_bytes(text), tokens, model_flops, len(re.findall(r"\swhile\(", text)), floor_bytes,
+                   trained_params, tuple(devices))
 
     def bound_seconds(self) -> dict[str, float] | None:
         """{compute, memory, interconnect: the least seconds a call can take by each alone} at the chip's ratings
@@ -203,8 +239,34 @@ class ProgramReport:
                 "memory": self.floor_bytes / self.chip.memory_bandwidth,
                 "interconnect": sum(self.collectives.values()) / self.chip.interconnect_bandwidth}
 
+    def expected_tokens_per_s(self) -> tuple[float, float] | None:
+        """(low, high) tokens/s a call would run at the lowest and highest MFU public runs reached on this chip
+        with models of its size (`gpt.measured_mfu`); None for a program that trains nothing, or no such runs."""
+        expected = None if self.trained_params is None else expected_mfu(self.device_kind, self.trained_params)
+        if expected is None or self.chip is None:
+            return None
+        per_mfu = self.devices * self.chip.bf16_flops * self.tokens / self.model_flops
+        return expected[0] * per_mfu, expected[1] * per_mfu
+
+    def _expectation_line(self) -> list[str]:
+        """The expected range in a sentence, or what is missing for one; none for a program that trains nothing."""
+        if self.trained_params is None or self.chip is None:
+            return []
+        bound = f"{SMALL_MODEL / 1e9:g}B parameters"
+        size = f"under {bound}" if self.trained_params < SMALL_MODEL else f"of {bound} or more"
+        expected = expected_mfu(self.device_kind, self.trained_params)
+        if expected is None:
+            return [f"  expected: no public run on a {self.chip.device_kind} of a model {size} is known here"]
+        low, high = self.expected_tokens_per_s()
+        rate, mfu, runs = ((f"about {low:,.0f}", f"{expected[0]:.0%}", "a public run") if low == high else
+                           (f"{low:,.0f} to {high:,.0f}", f"{expected[0]:.0%} to {expected[1]:.0%}", "public runs"))
+        return [f"  expected: {rate} tokens/s, at the {mfu} MFU {runs} on a {self.chip.device_kind} reached with "
+                f"models {size} (docs/sharding.md cites them); a range, not a promise"]
+
     def fits(self) -> bool | None:
-        return None if self.chip is None else self.total_bytes <= self.chip.usable_bytes
+        """Whether it fits the memory its devices' programs may hold (`check_fits`'s rule); None where unknown."""
+        memory = memory_limit(list(self.device_list))
+        return None if memory is None else memory.holds(self.total_bytes)
 
     def lines(self, verbose: bool = False) -> list[str]:
         """The report in sentences: the memory a device holds at the program's peak and whether it fits, the
@@ -213,8 +275,9 @@ class ProgramReport:
         gib = lambda n: f"{n / 2**30:,.2f} GiB"  # noqa: E731
         parts = [*(f"{name} {n / 2**30:,.2f}" for name, n in self.held.items()),
                  f"the rest {(self.total_bytes - sum(self.held.values())) / 2**30:,.2f}"]
-        of_chip = f" of the {gib(self.chip.usable_bytes)} a program may hold" if self.chip else ""
-        verdict = f": {'fits' if self.fits() else 'does NOT fit'}" if self.chip else ""
+        memory = memory_limit(list(self.device_list))
+        of_chip = f" of the {gib(memory.bytes)} a program may hold" if memory else ""
+        verdict = f": {'fits' if self.fits() else 'does NOT fit'}" if memory else ""
         out = [f"{self.name}: {gib(self.total_bytes)} per device at its peak{of_chip} ({', '.join(parts)} GiB){verdict}"]
         bounds = self.bound_seconds()
         if bounds is not None:
@@ -226,6 +289,7 @@ class ProgramReport:
             out.append(f"  no call takes less than {seconds * 1e3:,.2f} ms, set by {_BOUND_NAMES[limit]}: at most "
                        f"{self.tokens / seconds:,.0f} tokens/s (MFU {mfu:.1%}, MBU {mbu:.1%} there); XLA's bytes "
                        f"accessed, an upper estimate of the traffic, would take {estimate * 1e3:,.2f} ms")
+        out += self._expectation_line()
         moved = sum(self.collectives.values())
         out.append(f"  between devices, a call: {gib(moved)} (" + ", ".join(
             f"{kind} {gib(n)}" for kind, n in sorted(self.collectives.items())) + ")" if moved else
@@ -253,7 +317,6 @@ class ProgramReport:
         return out
 
     def check_fits(self, setting: str, advice: str) -> None:
-        """ConfigError naming `setting`, the bytes it needs and the chip's, when it does not fit."""
-        if self.fits() is False:
-            raise ConfigError(f"{setting}: the {self.name} needs {self.total_bytes / 2**30:,.2f} GiB per device, over "
-                              f"the {self.device_kind}'s {self.chip.usable_bytes / 2**30:,.2f} GiB for a program: {advice}")
+        """ConfigError naming `setting`, the bytes it needs and the device's, when it does not fit (`check_held_fits`,
+        the rule a run's programs are checked by)."""
+        check_held_fits(self.total_bytes, list(self.device_list), self.name, setting, advice)

@@ -30,7 +30,9 @@ def test_topology_names_count_chips_as_cloud_tpu_does():
     assert parse_topology("v5p-128").chips == 64 and parse_topology("v5p-128").shape == (4, 4, 4)  # TensorCores
     assert parse_topology("v5p-128").hosts == 16 and parse_topology("v6e-8").hosts == 1
     assert parse_topology("v5e-256x2").slices == 2
-    for bad in ("v5e-7", "v5p-6", "v9-8", "tpu", "v5e-8x0"):
+    assert (parse_topology("tpu7x-8").chips, parse_topology("tpu7x-8").shape) == (4, (2, 2, 1))  # TensorCores
+    assert parse_topology("tpu7x-16x2").slices == 2 and parse_topology("tpu7x-128").hosts == 16
+    for bad in ("v5e-7", "v5p-6", "v9-8", "tpu", "v5e-8x0", "tpu7x-4", "tpu7x-9", "tpu8x-8"):
         with pytest.raises(ConfigError, match="unknown TPU topology .*v5e-N"):
             parse_topology(bad)
 
@@ -40,6 +42,17 @@ def test_a_chip_is_found_by_the_longest_start_of_its_device_kind():
     assert chip_of("TPU v5") is CHIPS["TPU v5"]
     assert chip_of("NVIDIA H100 80GB HBM3") is CHIPS["NVIDIA H100"] and chip_of("H200") is CHIPS["NVIDIA H200"]
     assert chip_of("cpu") is None
+    assert chip_of("TPU7x") is CHIPS["TPU7x"]
+
+
+def test_a_tpu7x_device_is_half_a_chip():
+    """Ironwood's two TensorCores are two devices to JAX: each holds half the chip's rated memory, FLOP/s and
+    HBM bandwidth (Cloud TPU's 192 GiB and 2,307 TFLOP/s, Google's 7.37 TB/s), and the compiler lets a program
+    hold 94.75 GiB of its 96 (libtpu's own refusal)."""
+    ironwood = CHIPS["TPU7x"]
+    assert (ironwood.memory_bytes * 2, ironwood.bf16_flops * 2, ironwood.memory_bandwidth * 2) == (
+        192 * 2**30, 2307e12, 7.37e12)
+    assert ironwood.usable_bytes == 94.75 * 2**30 and CHIPS["TPU v4"].usable_bytes == 30.75 * 2**30
 
 
 def test_collectives_are_counted_as_a_ring_moves_them():
@@ -52,6 +65,35 @@ def test_collectives_are_counted_as_a_ring_moves_them():
         "%f = f32[4]{0} add(%u, %u)"])
     assert collective_bytes(hlo) == {"all-reduce": 2 * 1 / 2 * 2048 + 2 * 3 / 4 * 2048,
                                      "all-gather": 7 / 8 * 4096, "reduce-scatter": 3 * 64}
+
+
+def _report(device_kind: str, trained_params: int | None, devices: int = 8, tokens: int = 65_536,
+            model_flops: float = 7e12):
+    from gpt.program_report import ProgramReport
+
+    return ProgramReport("train step", devices, device_kind, chip_of(device_kind), {"parameters": 2**30}, 2**31, 0,
+                         0, 2**31, 2**32, model_flops, 1e10, {"all-reduce": 1e9}, tokens, model_flops, 0, 4e9,
+                         trained_params)
+
+
+def test_the_expected_range_is_the_public_runs_mfu_on_that_chip_at_that_size():
+    from gpt.measured_mfu import MEASUREMENTS, expected_mfu
+
+    assert expected_mfu("TPU v6 lite", 124_000_000)[:2] == (0.23, 0.465)  # two small models' runs on a v6e
+    assert expected_mfu("TPU v5 lite", 7e9)[:2] == (0.5606, 0.6686)  # MaxText's 16B-128B on v5e, not the 164M run
+    assert expected_mfu("TPU v5", 124_000_000) is None and expected_mfu("TPU7x", 7e9) is None
+    assert expected_mfu("cpu", 1e8) is None
+    assert all(chip_of(m.device_kind) is not None and 0 < m.mfu < 1 and m.source for m in MEASUREMENTS)
+    # The range in tokens/s, at this program's FLOPs a token: MFU x peak x devices / (FLOPs / tokens).
+    low, high = _report("TPU v6 lite", 124_000_000).expected_tokens_per_s()
+    per_mfu = 8 * CHIPS["TPU v6 lite"].bf16_flops * 65_536 / 7e12
+    assert (low, high) == (pytest.approx(0.23 * per_mfu), pytest.approx(0.465 * per_mfu))
+    line = next(line for line in _report("TPU v6 lite", 124_000_000).lines() if line.startswith("  expected: "))
+    assert f"{low:,.0f} to {high:,.0f} tokens/s, at the 23% to 46% MFU" in line and "not a promise" in line
+    assert "no public run on a TPU v5 of a model under 1B" in "\n".join(_report("TPU v5", 124_000_000).lines())
+    one = "\n".join(_report("TPU v5 lite", 124_000_000).lines())  # one run: one rate
+    assert "expected: about " in one and "at the 74% MFU a public run on a TPU v5 lite" in one
+    assert not any("expected" in line for line in _report("TPU v6 lite", None).lines())  # a program that trains none
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +204,10 @@ def test_train_py_compile_only_prints_the_report_and_refuses_what_cannot_fit(tmp
     assert report[0].startswith("train step: ") and report[0].endswith(": fits"), report
     assert "tokens/s" in done.stdout and "temporaries" not in done.stdout  # the parts: with --verbose
     assert not (tmp_path / "out").exists() and not any((tmp_path / "cache").rglob("*"))  # nothing written
-    verbose = run("--compile_only", "v5e-8", "--batch_size", "8", "--verbose")
+    verbose = run("--compile_only", "tpu7x-8", "--batch_size", "8", "--verbose")  # Ironwood: two devices a chip
     assert verbose.returncode == 0 and "temporaries" in verbose.stdout, verbose.stderr[-2000:]
+    assert "on 8 x TPU7x, mesh data=8" in verbose.stdout and "of the 94.75 GiB a program may hold" in verbose.stdout
+    assert "  expected: no public run on a TPU7x of a model under 1B parameters is known here" in verbose.stdout
     pod = run("--compile_only", "v5p-128", "--batch_size", "64", "--mesh", "data=16,fsdp=4")
     assert pod.returncode == 0 and "64 x TPU v5" in pod.stdout, pod.stderr[-2000:]
     huge = run("--compile_only", "v5e-8", "--model.n_embd", "8192", "--model.n_head", "64", "--batch_size", "8")
@@ -207,14 +251,17 @@ def test_a_program_compiled_for_a_tpu_takes_the_tpu_row_and_its_splash_kernel(v5
 
 
 @pytest.mark.slow  # a TPU compile of a minute or less on 2 cores (the quick tier keeps one)
-def test_the_serving_programs_compile_for_a_tpu_topology(v5e_8):
+def test_the_serving_programs_compile_for_a_tpu_topology():
+    """On Ironwood's 8 devices of 4 chips (serve.py's gpt2 on a v5e-8 is the subprocess test's)."""
+    _libtpu()
     from gpt.inference.compile_only import compile_engine
     from gpt.inference.engine_settings import EngineSettings
     from gpt.model.sharding import make_mesh
 
     config = GPTConfig.preset("tiny", vocab_size=50257)
     prefill, decode = compile_engine(config, EngineSettings(slots=8, cache_length=64, prefill_chunk=32), "none",
-                                     make_mesh(data=2, tensor=4, devices=v5e_8))
+                                     make_mesh(data=2, tensor=4, devices=parse_topology("tpu7x-8").devices()))
+    assert decode.device_kind == "TPU7x" and not any(line.startswith("  expected") for line in decode.lines())
     assert prefill.name == "prefill of 2 x 32 tokens" and decode.name == "decode of 8 slots x 1 step(s)"
     cache = 2 * config.n_layer * 8 * 64 * config.n_embd * 4  # keys and values, float32, of every slot
     assert decode.held["slots and their cache"] >= cache // 8  # split over the 8 chips (rows x heads)
@@ -277,3 +324,59 @@ def test_a_remat_step_with_splash_attention_compiles_for_a_tpu(compile_step):
                           remat=True, scan_layers=scan)
         report = compile_step(model, batch_size=8, block_size=128, mesh="fsdp=8")
         assert report.fits() and report.tokens == 8 * 128
+
+
+# ------------------------------------------------------------------ compile-only's programs are the runtime's
+
+@pytest.mark.slow  # a run's setup and two CPU compiles
+def test_compile_only_compiles_the_train_step_a_run_runs(tmp_path, corpus, monkeypatch):
+    """Given the run's own devices in place of a topology's, compile-only's train step takes the arguments the run's
+    step was compiled for (the batch the loader yields, the parameters and optimizer state): a change to either
+    that left compile-only behind fails here."""
+    import jax
+
+    from gpt.program_report import sharded_bytes
+    from gpt.train import compile_only
+    from gpt.train.checkpoint import CheckpointManager
+    from gpt.train.trainer import TrainConfig, batch_shape, plan, setup
+
+    from training import TINY
+
+    config = TrainConfig.from_flags(**{**TINY, "data": (corpus,), "out_dir": str(tmp_path / "run"), "max_steps": 4,
+                                       "grad_accum": 2, "eval_interval": 100, "checkpoint_interval": 100})
+    checkpoints = CheckpointManager(tmp_path / "run")
+    run = setup(plan(config, log=lambda *_: None), checkpoints, log=lambda *_: None)
+    checkpoints.close()
+    batch, shaped = run.batch(0), batch_shape(config, run.mesh)
+    assert (batch.shape, batch.dtype) == (shaped.shape, shaped.dtype)
+    assert batch.sharding.is_equivalent_to(shaped.sharding, batch.ndim)
+    devices = list(run.mesh.devices.flat)
+    monkeypatch.setattr(compile_only, "parse_topology", lambda name: SimpleNamespace(devices=lambda: devices))
+    report = compile_only.compile_train_step(config.replace(compile_only="v5e-8"), log=lambda *_: None)
+    ran = run.train_step.program.memory_analysis()
+    assert report.argument_bytes == ran.argument_size_in_bytes and report.devices == len(devices) == 2
+    assert report.held == {"parameters": sharded_bytes(run.params), "optimizer state": sharded_bytes(run.opt_state)}
+    assert report.tokens == 2 * config.batch_size * config.block_size and jax.devices()[0].platform == "cpu"
+
+
+@pytest.mark.slow  # an engine's and compile-only's CPU compiles
+def test_compile_only_compiles_the_engines_programs_over_the_slots_an_engine_keeps():
+    """Over the same mesh, compile-only's prefill and decode hold what an engine holds: its slots (5 asked over 2
+    data-parallel rows: 6 kept) and their cache, and its weights."""
+    import jax
+    from flax import nnx
+
+    from gpt.inference.compile_only import compile_engine
+    from gpt.inference.engine import Engine
+    from gpt.model.sharding import make_mesh
+    from gpt.model.transformer import GPT
+    from gpt.program_report import sharded_bytes
+
+    mesh = make_mesh(data=2, tensor=4, devices=jax.devices("cpu")[:8])
+    model = GPT(GPTConfig.preset("tiny", vocab_size=512), rngs=nnx.Rngs(0))
+    engine = Engine(model, slots=5, cache_length=64, prefill_chunk=32, mesh=mesh)
+    prefill, decode = compile_engine(model.config, engine.settings, "none", mesh)
+    assert engine.device.num_slots == 6 and decode.name == "decode of 6 slots x 1 step(s)"
+    assert decode.held == {"weights": sharded_bytes(engine.device.weights),
+                           "slots and their cache": sharded_bytes(engine.device.slots)}
+    assert prefill.name == f"prefill of {engine.device.rows_per_prefill} x 32 tokens"

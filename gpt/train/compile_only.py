@@ -9,7 +9,7 @@ import jax
 
 from gpt.hardware import chip_of, parse_topology
 from gpt.model.sharding import replicated
-from gpt.model.transformer import model_summary
+from gpt.model.transformer import model_summary, num_params
 from gpt.program_report import ProgramReport, compile_within_memory, compiling_line, sharded_bytes
 from gpt.train.step import abstract_train_state, flops_per_token, make_train_step
 from gpt.train.trainer import FIT_ADVICE, TrainConfig, batch_shape, initial_checkpoint, mesh_and_model
@@ -44,4 +44,4 @@ def compile_train_step(config: TrainConfig, log=print) -> ProgramReport:
     # leave the chip where the update is fused into the backward pass).
     return ProgramReport.of("train step", compiled, devices, held, tokens,
                             flops_per_token(model_config, config.block_size) * tokens, chip_of(devices[0].device_kind),
-                            floor_bytes=2 * sum(held.values()))
+                            floor_bytes=2 * sum(held.values()), trained_params=num_params(model_config))
