@@ -19,7 +19,7 @@ from gpt.tokenizer import get_tokenizer
 from gpt.tokenizer_json import TokenizerJson
 
 from chat_templates import CONVERSATION, STEPS, make_chat_model
-from hf_reference import LLAMA_SHAPE, make_tokenizer, random_hf_llama
+from hf_reference import LLAMA_SHAPE, make_sentencepiece_tokenizer, make_tokenizer, random_hf_llama
 from serving import Server, decisive_model
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -260,12 +260,18 @@ def test_model_output_that_is_markup_shows_as_text_and_runs_nothing_and_the_key_
     assert httpx.post(keyed_server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
 
 
+@pytest.mark.parametrize("family", ["llama-untied", "gemma3"])
 def test_on_a_llama_the_page_reads_generates_and_scores_through_the_models_own_tokenizer(browser, corpus_text,
-                                                                                          tmp_path):
-    """A Llama whose tokenizer.json puts <s> first and ends a text with </s>: the page's tokens, their ids and its
-    scores are that tokenizer's, as the API and gpt.eval give them."""
-    _, directory = random_hf_llama(tmp_path, "llama-untied", seed=5, max_position_embeddings=128)
-    make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
+                                                                                          tmp_path, family):
+    """A Llama whose tokenizer.json puts <s> first and ends a text with </s> (a byte-level BPE's), and a Gemma 3
+    (local and global layers) whose SentencePiece-style one does: the page's tokens, their ids and its scores are
+    that tokenizer's, as the API and gpt.eval give them."""
+    if family == "gemma3":
+        _, directory = random_hf_llama(tmp_path, family, seed=5, vocab_size=600, max_position_embeddings=128)
+        make_sentencepiece_tokenizer(directory, corpus_text[:50_000], "gemma", 600)
+    else:
+        _, directory = random_hf_llama(tmp_path, family, seed=5, max_position_embeddings=128)
+        make_tokenizer(directory, corpus_text[:50_000], bos=True, vocab_size=LLAMA_SHAPE["vocab_size"])
     tokenizer = TokenizerJson(directory)
     server = Server(pretrained.Checkpoint.at(str(directory)).load(), tokenizer=tokenizer, warmup=False, slots=2,
                     cache_length=128)
@@ -290,7 +296,7 @@ def test_on_a_llama_the_page_reads_generates_and_scores_through_the_models_own_t
         echoed = server.client.completions.create(model="tiny", prompt=SCORED_TEXT + "</s>", max_tokens=0, echo=True,
                                                   logprobs=0).choices[0].logprobs.tokens  # bytes of a character
         assert scored == echoed and (scored[0], scored[-1]) == ("<s>", "</s>")  # split by its tokens read as "�"
-        browser.save_screenshot(str(tmp_path / "llama.png"))
+        browser.save_screenshot(str(tmp_path / f"{family}.png"))
         no_policy_violations(browser)
     finally:
         server.stop()
