@@ -1,6 +1,6 @@
 """Causal attention through Pallas' splash kernel (the TPU's row of `gpt.model.backend`), run in Pallas' TPU
 interpreter on the CPU: forward and gradients equal the plain attention's, at GPT-2's head size (64, padded to
-the kernel's 128 lanes) and an odd one, with and without a mesh."""
+the kernel's 128 lanes) and an odd one, a local layer's band too, with and without a mesh."""
 
 import jax
 import jax.numpy as jnp
@@ -17,24 +17,26 @@ def _qkv(B, T, N, H, seed=0):
     return [jax.random.normal(jax.random.key(seed + i), (B, T, N, H), jnp.float32) for i in range(3)]
 
 
-def _plain(q, k, v):
+def _plain(q, k, v, window=None):
     B, T, N, H = q.shape
     rows = lambda x: x.transpose(0, 2, 1, 3).reshape(B * N, T, H)  # noqa: E731 (the cache's layout)
-    return attention.attend(q, rows(k), rows(v), None)  # the CPU's row: the plain form
+    return attention.attend(q, rows(k), rows(v), None, window)  # the CPU's row: the plain form, under its band
 
 
-@pytest.mark.parametrize("H", [64, pytest.param(48, marks=pytest.mark.slow)])  # GPT-2's head size, an odd one
-def test_splash_equals_plain_attention_forward_and_gradients(H):
+@pytest.mark.parametrize("H, window", [(64, None), pytest.param(48, None, marks=pytest.mark.slow), (64, 100)],
+                         ids=["gpt2-heads", "odd-heads", "local-100"])  # GPT-2's head size, an odd one, a band
+def test_splash_equals_plain_attention_forward_and_gradients(H, window):
     q, k, v = _qkv(2, 256, 3, H)
     cotangent = jax.random.normal(jax.random.key(9), q.shape)
 
     def loss(attend, q, k, v):
         return (attend(q, k, v) * cotangent).sum()
 
-    kernel = lambda q, k, v: splash.splash_causal(q, k, v, interpret=True)  # noqa: E731
-    np.testing.assert_allclose(kernel(q, k, v), _plain(q, k, v), atol=2e-6, rtol=2e-6)
+    kernel = lambda q, k, v: splash.splash_causal(q, k, v, window, interpret=True)  # noqa: E731
+    plain = lambda q, k, v: _plain(q, k, v, window)  # noqa: E731
+    np.testing.assert_allclose(kernel(q, k, v), plain(q, k, v), atol=2e-6, rtol=2e-6)
     for got, want in zip(jax.grad(loss, argnums=(1, 2, 3))(kernel, q, k, v),
-                         jax.grad(loss, argnums=(1, 2, 3))(_plain, q, k, v)):
+                         jax.grad(loss, argnums=(1, 2, 3))(plain, q, k, v)):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -58,12 +60,14 @@ def test_splash_over_a_mesh_runs_each_devices_rows_and_heads():
 def test_the_tpu_row_takes_splash_where_it_fits_and_the_plain_form_elsewhere(monkeypatch):
     monkeypatch.setattr(attention, "choices", lambda: backend.CHOICES["tpu"])
     called = []
-    monkeypatch.setattr(attention, "splash_causal", lambda q, k, v: called.append(q.shape) or q)
+    monkeypatch.setattr(attention, "splash_causal", lambda q, k, v, window: called.append((q.shape, window)) or q)
     q, k, v = _qkv(1, 128, 2, 64)
     rows = lambda x: x.transpose(0, 2, 1, 3).reshape(2, 128, 64)  # noqa: E731
     attention.attend(q, rows(k), rows(v), None)
-    assert called == [(1, 128, 2, 64)]
+    attention.attend(q, rows(k), rows(v), None, 32)  # a local layer's band: the kernel's local mask
+    attention.attend(q, rows(k), rows(v), None, jnp.int32(32))  # a traced one (a scan over kinds): a mask
+    assert called == [((1, 128, 2, 64), None), ((1, 128, 2, 64), 32)]
     short = _qkv(1, 64, 2, 64)  # 64 positions: no block of the kernel's divides them
     attention.attend(short[0], *(x.transpose(0, 2, 1, 3).reshape(2, 64, 64) for x in short[1:]), None)
     attention.attend(q, rows(k), rows(v), jnp.ones((1, 128, 128), bool))  # a mask: the plain form
-    assert called == [(1, 128, 2, 64)]
+    assert len(called) == 2

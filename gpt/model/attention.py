@@ -82,8 +82,8 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
 
     Which form runs is the backend's `attention` choice (`gpt.model.backend`). On GPUs it is
     `jax.nn.dot_product_attention`: cuDNN's fused (flash) kernel where it takes the call (`fused_causal`),
-    XLA's otherwise. On TPUs, causal attention without a mask is Pallas' splash kernel where its blocks and the
-    mesh divide the shapes (`gpt.model.splash`). Elsewhere it is the plain softmax(q k^T / sqrt(H)) v over
+    XLA's otherwise. On TPUs, causal attention without a mask (a local layer's band of a Python int included) is
+    Pallas' splash kernel where its blocks and the mesh divide the shapes (`gpt.model.splash`). Elsewhere it is the plain softmax(q k^T / sqrt(H)) v over
     rows x key heads as one batch axis, each key head's G query heads as one longer run of queries, which XLA
     on CPU runs about 1.7x faster (forward + backward) than the fallback inside `jax.nn.dot_product_attention`.
 
@@ -102,11 +102,12 @@ def attend(q_BTNH: jax.Array, k_MSH: jax.Array, v_MSH: jax.Array, mask_BTS: jax.
     G = N // K
     kind = choices().attention
     to_BSKH = lambda x: x.reshape(B, K, S, H).transpose(0, 2, 1, 3)  # noqa: E731
-    if mask_BTS is None and window is not None and not (kind == "dot_product" and isinstance(window, int)):
-        mask_BTS = jnp.broadcast_to(causal_band(T, window), (B, T, S))  # a traced window: a mask like any other
-    if kind == "splash" and mask_BTS is None and window is None and splash_fits(B, T, N):
+    kernel_window = window is None or isinstance(window, int)  # a fused kernel takes a Python int's band
+    if kind == "splash" and mask_BTS is None and kernel_window and splash_fits(B, T, N):
         every_head = lambda x: jnp.repeat(to_BSKH(x), G, axis=2)  # noqa: E731  (its kernel takes N key heads)
-        return splash_causal(q_BTNH, every_head(k_MSH), every_head(v_MSH))
+        return splash_causal(q_BTNH, every_head(k_MSH), every_head(v_MSH), window)
+    if mask_BTS is None and window is not None and not (kind == "dot_product" and kernel_window):
+        mask_BTS = jnp.broadcast_to(causal_band(T, window), (B, T, S))  # a traced window: a mask like any other
     if kind == "dot_product":
         k_BSKH, v_BSKH = to_BSKH(k_MSH), to_BSKH(v_MSH)
         if mask_BTS is None:

@@ -1,4 +1,6 @@
-"""Causal attention on a TPU through Pallas' splash attention kernel (`jax.experimental.pallas.ops.tpu`).
+"""Causal attention on a TPU through Pallas' splash attention kernel (`jax.experimental.pallas.ops.tpu`), each query
+seeing every earlier key or, on a local layer, the last `window` (the kernel's local mask: blocks wholly outside the
+band are skipped, never computed and masked).
 
 The kernel computes softmax(q k^T) v in blocks in the chip's vector memory, so that the T x T scores are never
 written to HBM (what XLA's attention does); its backward is blocked the same way. It takes one sequence's heads
@@ -40,18 +42,21 @@ def _names(axes) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def splash_causal(q_BTNH: jax.Array, k_BTNH: jax.Array, v_BTNH: jax.Array, interpret: bool = False) -> jax.Array:
-    """Causal attention [B, T, N, H] in q's dtype (the softmax in float32), each query seeing keys 0..itself.
+def splash_causal(q_BTNH: jax.Array, k_BTNH: jax.Array, v_BTNH: jax.Array, window: int | None = None,
+                  interpret: bool = False) -> jax.Array:
+    """Causal attention [B, T, N, H] in q's dtype (the softmax in float32), each query seeing keys 0..itself, or
+    only its last `window` (itself included: a local layer's, `gpt.model.attention.causal_band`).
 
     Args:
       q_BTNH, k_BTNH, v_BTNH: queries, keys and values [B, T, N, H], of shapes that `splash_fits`.
+      window: a Python int (the kernel's mask is built from it), or None for plainly causal.
       interpret: run the kernel in Pallas' TPU interpreter (on any backend: how it is tested on a CPU).
     """
     _, T, _, H = q_BTNH.shape
     padded = -(-H // LANES) * LANES
 
     def per_device(q, k, v):  # closes over Python numbers only: a traced value here would leak out of a remat
-        kernel = _kernel(T, q.shape[2], interpret)
+        kernel = _kernel(T, q.shape[2], window, interpret)
         pad = [(0, 0)] * 3 + [(0, padded - H)]
         q, k, v = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (q * H ** -0.5, k, v))  # [B, N, T, padded]
         return jax.vmap(kernel)(q, k, v)[..., :H].transpose(0, 2, 1, 3)
@@ -65,15 +70,17 @@ def splash_causal(q_BTNH: jax.Array, k_BTNH: jax.Array, v_BTNH: jax.Array, inter
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel(T: int, N: int, interpret: bool):
-    """The splash kernel for N heads of T positions, causal (its mask's block map is built once per shape)."""
+def _kernel(T: int, N: int, window: int | None, interpret: bool):
+    """The splash kernel for N heads of T positions, causal or local (its mask's block map is built once per
+    shape and window)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     block = next(size for size in _BLOCKS if T % size == 0)
     sizes = kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    mask = masks.MultiHeadMask([masks.CausalMask((T, T)) for _ in range(N)])
+    one = masks.CausalMask((T, T)) if window is None else masks.LocalMask((T, T), (window - 1, 0), offset=0)
+    mask = masks.MultiHeadMask([one for _ in range(N)])
     # Its block maps become arrays when it is made, and made inside a trace they are that trace's values, which a
     # remat's backward (tracing again) finds leaked; `ensure_compile_time_eval` does not keep them out. JAX's trace
     # state is per thread: made on a thread of its own, they are plain arrays.
