@@ -56,7 +56,9 @@ CHIPS: dict[str, Chip] = {chip.device_kind: chip for chip in (
     # The TPUs' program limits are libtpu's (0.0.42.1) own, from its refusals: "exceeds available HBM (15.75G)"
     # (v4's as one device a chip, its "megacore": 30.75G, as MaxText's logs show).
     # A v5p has 96 GiB (Cloud TPU's v5p page lists 95, the HBM its system and runtime leave to programs).
-    Chip("TPU v4", 32 * 2**30, 275e12, 1.2e12, 150e9, 31_488 * 2**20),
+    # v4's links: Cloud TPU's v4 page gives a pod of 4,096 chips 1.1 PB/s of all-reduce bandwidth, 269 GB/s a chip
+    # (six links of 45 GB/s one way, as the scaling book counts them).
+    Chip("TPU v4", 32 * 2**30, 275e12, 1.2e12, 269e9, 31_488 * 2**20),
     Chip("TPU v5 lite", 16 * 2**30, 197e12, 819e9, 200e9, 16_128 * 2**20),
     Chip("TPU v5", 96 * 2**30, 459e12, 2.765e12, 600e9, 98_037 * 2**20),
     Chip("TPU v6 lite", 32 * 2**30, 918e12, 1.638e12, 400e9, 32_000 * 2**20),
