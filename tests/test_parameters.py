@@ -51,12 +51,12 @@ def test_every_preset_builds_the_tables_weights_and_every_consumer_agrees(config
         assert param.get_metadata()["axes"] == ("layers", *w.axes)
     # GPT-2's checkpoint names (for a model GPT-2's format holds): each block weight in the tensor of its name, as
     # its block of columns; a tensor's blocks fill it.
-    if all(w.hf for w in declared):
+    if all(w.name in gpt2.BLOCK_NAMES for w in declared):
         hf = [(name, shape, parts) for name, per_layer, shape, parts in gpt2._table(config) if per_layer]
         assert [path for *_, parts in hf for path, _ in parts] == [f"blocks.{w.name}" for w in declared]
-        assert [name for name, *_ in hf] == list(dict.fromkeys(w.hf for w in declared))
+        assert [name for name, *_ in hf] == list(dict.fromkeys(gpt2.BLOCK_NAMES[w.name] for w in declared))
         for name, shape, parts in hf:
-            weights = [w for w in declared if w.hf == name]
+            weights = [w for w in declared if gpt2.BLOCK_NAMES[w.name] == name]
             assert sum(width for _, width in parts) == shape[-1]
             assert math.prod(shape) == sum(math.prod(w.dims(config)) for w in weights)
             assert all((len(shape) == 2) == bool(w.inputs) for w in weights)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import pickle
 import zipfile
@@ -27,7 +28,7 @@ from gpt.model.config import GPTConfig
 from gpt.model.config_json import MAX_CONTEXT, integer, number
 from gpt.model.families import by_model_type
 from gpt.model.hf_files import check_tensor_shapes, hub_snapshot, read_config_json, read_safetensors, write_export
-from gpt.model.parameters import weight_tensors
+from gpt.model.parameters import BlockWeight, weight_tensors
 from gpt.model.transformer import GPT, parameter
 from gpt.tokenizer import hf_tokenizer_files
 
@@ -36,8 +37,8 @@ __all__ = ["load", "save", "config_from_hf", "resolve"]
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 FAMILY = by_model_type({"model_type": "gpt2"})  # its registry entry (`gpt.model.families`)
 
-# The model's own weights: (our parameter path, Hugging Face name, its shape there). The block weights' are
-# `gpt.model.parameters`' (`_table`).
+# The model's own weights: (our parameter path, Hugging Face name, its shape there). The block weights' shapes are
+# `gpt.model.parameters`', their names in GPT-2's format below (`_table`).
 _MODEL_WEIGHTS = (
     ("wte", "wte.weight", lambda c: (c.vocab_size, c.n_embd)),
     ("wpe", "wpe.weight", lambda c: (c.block_size, c.n_embd)),
@@ -48,6 +49,29 @@ _MODEL_WEIGHTS = (
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
+# Each block weight's name in a GPT-2 checkpoint, {} for the layer; a weight missing here is one GPT-2's format has
+# not (the registry's `Family.holds` refuses a model that has one). Weights drawn as one tensor (`drawn_with`) are
+# one name's blocks of columns (c_attn: the queries', then the keys' and values').
+BLOCK_NAMES = {
+    "ln1_scale": "h.{}.ln_1.weight", "ln1_bias": "h.{}.ln_1.bias",
+    "q_kernel": "h.{}.attn.c_attn.weight", "kv_kernel": "h.{}.attn.c_attn.weight",
+    "q_bias": "h.{}.attn.c_attn.bias", "kv_bias": "h.{}.attn.c_attn.bias",
+    "out_kernel": "h.{}.attn.c_proj.weight", "out_bias": "h.{}.attn.c_proj.bias",
+    "ln2_scale": "h.{}.ln_2.weight", "ln2_bias": "h.{}.ln_2.bias",
+    "fc_kernel": "h.{}.mlp.c_fc.weight", "fc_bias": "h.{}.mlp.c_fc.bias",
+    "proj_kernel": "h.{}.mlp.c_proj.weight", "proj_bias": "h.{}.mlp.c_proj.bias",
+}
+
+
+def _hf_dims(weight: BlockWeight, config: GPTConfig) -> tuple[int, ...]:
+    """A block weight's shape in a GPT-2 checkpoint, from its letters: a matrix as [inputs, outputs] (GPT-2's
+    Conv1D), anything else flat."""
+    dims = weight.dims(config)
+    if not weight.inputs:
+        return (math.prod(dims),)
+    return math.prod(dims[: weight.inputs]), math.prod(dims[weight.inputs:])
+
+
 def _table(config: GPTConfig) -> list[tuple[str, bool, tuple[int, ...], list[tuple[str, int]]]]:
     """(Hugging Face name with {} for the layer, is it per layer, its Hugging Face shape, our parameters in it:
     (path, how many of its last axis's columns)) for every tensor a model of `config` has: the model's own, then
@@ -55,9 +79,9 @@ def _table(config: GPTConfig) -> list[tuple[str, bool, tuple[int, ...], list[tup
     queries', then the keys' and values')."""
     table = [(hf, False, shape(config), [(path, shape(config)[-1])]) for path, hf, shape in _MODEL_WEIGHTS]
     for tensor in weight_tensors(config):
-        parts = [(f"blocks.{w.name}", w.hf_dims(config)[-1]) for w in tensor]
-        shape = (*tensor[0].hf_dims(config)[:-1], sum(width for _, width in parts))
-        table.append((tensor[0].hf, True, shape, parts))
+        parts = [(f"blocks.{w.name}", _hf_dims(w, config)[-1]) for w in tensor]
+        shape = (*_hf_dims(tensor[0], config)[:-1], sum(width for _, width in parts))
+        table.append((BLOCK_NAMES[tensor[0].name], True, shape, parts))
     return table
 
 

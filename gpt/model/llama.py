@@ -25,7 +25,7 @@ from gpt.model.config import GPTConfig
 from gpt.model.families import Family, by_model_type, holding
 from gpt.model.hf_files import check_tensor_shapes, read_config_json, read_safetensors, write_export
 from gpt.model.llama_config import config_from_hf, config_to_hf
-from gpt.model.parameters import block_weights
+from gpt.model.parameters import BlockWeight, block_weights
 from gpt.model.transformer import GPT, parameter
 from gpt.tokenizer_json import TokenizerJson
 
@@ -55,33 +55,23 @@ def _block_names(family: Family) -> dict[str, str | tuple[str, ...]]:
     return {**_BLOCK_NAMES, **family.renamed}
 
 
-def _ours(name: str, array: np.ndarray, config: GPTConfig) -> np.ndarray:
-    """A Hugging Face block weight [out, in] (or a bias, a scale) in our layout, without the layer axis."""
-    H = config.head_dim
-    if name == "q_kernel":  # [N*H, D] -> [D, N, H]
-        return array.T.reshape(-1, config.n_head, H)
-    if name == "kv_kernel":  # k and v, each [K*H, D] -> [D, 2, K, H]
-        return np.stack([a.T.reshape(-1, config.kv_heads, H) for a in array], axis=1)
-    if name in ("q_bias", "kv_bias"):  # [N*H] -> [N, H]; k and v [K*H] -> [2, K, H]
-        return array.reshape(*array.shape[:-1], -1, H)
-    if name == "out_kernel":  # [D, N*H] -> [N, H, D]
-        return array.T.reshape(config.n_head, H, -1)
-    return array.T if array.ndim == 2 else array
+def _ours(w: BlockWeight, array: np.ndarray, config: GPTConfig) -> np.ndarray:
+    """A Hugging Face block weight in our layout (`w.dims`, without the layer axis): a matrix stored [outputs,
+    inputs] (torch's Linear; k's and v's stacked on a leading axis) or a vector (k's and v's biases stacked)."""
+    if w.inputs:
+        array = np.stack([a.T for a in array], axis=w.inputs) if w.separate else array.T  # [inputs, (2,) outputs]
+    return array.reshape(w.dims(config))
 
 
-def _theirs(name: str, value: np.ndarray, config: GPTConfig) -> np.ndarray:
-    """`_ours` undone: a block weight of ours (without the layer axis) as Hugging Face stores it (k and v
+def _theirs(w: BlockWeight, value: np.ndarray, config: GPTConfig) -> np.ndarray:
+    """`_ours` undone: a block weight of ours (without the layer axis) as Hugging Face stores it (k's and v's
     stacked on a leading axis)."""
-    D = config.n_embd
-    if name == "q_kernel":  # [D, N, H] -> [N*H, D]
-        return value.reshape(D, -1).T
-    if name == "kv_kernel":  # [D, 2, K, H] -> k and v, each [K*H, D]
-        return np.stack([value[:, i].reshape(D, -1).T for i in range(2)])
-    if name in ("q_bias", "kv_bias"):  # [N, H] -> [N*H]; [2, K, H] -> k and v [K*H]
-        return value.reshape(*value.shape[:-2], -1)
-    if name == "out_kernel":  # [N, H, D] -> [D, N*H]
-        return value.reshape(-1, D).T
-    return value.T if value.ndim == 2 else value
+    if not w.inputs:
+        return value.reshape(2, -1) if w.shape.startswith("2") else value.reshape(-1)
+    inputs = math.prod(w.dims(config)[:w.inputs])
+    if w.separate:  # [inputs, 2, outputs] -> k and v, each [outputs, inputs]
+        return value.reshape(inputs, 2, -1).transpose(1, 2, 0)
+    return value.reshape(inputs, -1).T
 
 
 def save(model: GPT, out_dir: str | os.PathLike, tokenizer_files: dict[str, str] | None = None) -> Path:
@@ -101,7 +91,7 @@ def save(model: GPT, out_dir: str | os.PathLike, tokenizer_files: dict[str, str]
     for w in block_weights(config):
         names, stacked = names_of[w.name], value(f"blocks.{w.name}")
         for i in range(config.n_layer):
-            theirs = _theirs(w.name, stacked[i], config)
+            theirs = _theirs(w, stacked[i], config)
             for name, array in zip(names, theirs) if isinstance(names, tuple) else [(names, theirs)]:
                 tensors[name.format(i)] = np.ascontiguousarray(array)
     return write_export(out_dir, tensors, {"config.json": json.dumps(hf_config, indent=2) + "\n",
@@ -155,7 +145,7 @@ def load(source: str | os.PathLike, dtype: str = "float32", param_dtype: str | N
         values["lm_head"] = take(_MODEL_NAMES["lm_head"])
     for w in block_weights(config):
         names = names_of[w.name]
-        layers = [_ours(w.name, np.stack([take(n.format(i)) for n in names]) if isinstance(names, tuple)
+        layers = [_ours(w, np.stack([take(n.format(i)) for n in names]) if isinstance(names, tuple)
                         else take(names.format(i)), config) for i in range(config.n_layer)]
         values[f"blocks.{w.name}"] = np.stack(layers)
     if tensors:
