@@ -95,7 +95,8 @@ def table(rows: list[dict]) -> str:
         scanned = " (scanned)" * MODELS[r["model"]].scan_layers
         expected = r.get("expected")
         below = " **below a public run**" * bool(expected and r["tokens_per_s"] < expected[1])
-        expected = f"{expected[0]:,.0f} - {expected[1]:,.0f}" if expected else "no public run"
+        expected = ("no public run" if not expected else f"about {expected[0]:,.0f}" if expected[0] == expected[1]
+                    else f"{expected[0]:,.0f} - {expected[1]:,.0f}")
         lines.append(f"| {r['model']} | {r['params'] / 1e6:,.0f} M | {r['topology']} | {r['mesh']} | "
                      f"{r['gib_per_device']:.2f} ({r['chip_gib']:.0f}) | {r['tokens_per_s']:,.0f} ({r['bound']})"
                      f"{scanned}{below} | {expected} |")

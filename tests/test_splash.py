@@ -23,7 +23,8 @@ def _plain(q, k, v, window=None):
     return attention.attend(q, rows(k), rows(v), None, window)  # the CPU's row: the plain form, under its band
 
 
-@pytest.mark.parametrize("H, window", [(64, None), pytest.param(48, None, marks=pytest.mark.slow), (64, 100)],
+@pytest.mark.parametrize("H, window", [(64, None), pytest.param(48, None, marks=pytest.mark.slow),
+                                       pytest.param(64, 100, marks=pytest.mark.slow)],
                          ids=["gpt2-heads", "odd-heads", "local-100"])  # GPT-2's head size, an odd one, a band
 def test_splash_equals_plain_attention_forward_and_gradients(H, window):
     q, k, v = _qkv(2, 256, 3, H)
