@@ -22,8 +22,14 @@ from gpt.train import TrainConfig
 from gpt.train.checkpoint import CheckpointManager
 from gpt.train.trainer import loop, plan, setup
 
-from hf_reference import (LLAMA_SHAPE, hf_logits, make_sentencepiece_tokenizer, make_tokenizer, random_hf_gpt2,
-                          random_hf_llama)
+from hf_reference import (
+    LLAMA_SHAPE,
+    hf_logits,
+    make_sentencepiece_tokenizer,
+    make_tokenizer,
+    random_hf_gpt2,
+    random_hf_llama,
+)
 from training import flat
 
 QUIET = dict(log=lambda *_: None)
