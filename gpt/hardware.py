@@ -63,8 +63,8 @@ CHIPS: dict[str, Chip] = {chip.device_kind: chip for chip in (
     Chip("TPU v5", 96 * 2**30, 459e12, 2.765e12, 600e9, 98_037 * 2**20),
     Chip("TPU v6 lite", 32 * 2**30, 918e12, 1.638e12, 400e9, 32_000 * 2**20),
     # TPU7x (Ironwood), a device: half of Cloud TPU's 192 GiB and 2,307 bf16 TFLOP/s a chip and of Google's 7.37 TB/s
-    # (2025-04-09). Its links, 1.2 TB/s both ways a chip, are given whole to each device: the chip's two devices
-    # share them, but also talk across the chip without them, and a floor must not be raised by a guess.
+    # (docs/sharding.md cites them). Its links, 1.2 TB/s both ways a chip, are given whole to each device: its two
+    # devices share them, but also talk across the chip without them, and a floor must not be raised by a guess.
     Chip("TPU7x", 96 * 2**30, 2307e12 / 2, 7.37e12 / 2, 600e9, 97_024 * 2**20),
 )}
 

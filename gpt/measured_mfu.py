@@ -30,7 +30,7 @@ class Measurement:
     mfu: float
     """Model FLOPs over the chip's bf16 peak, as the source computed it."""
     source: str
-    """Who measured it, where and when (docs/sharding.md gives the address)."""
+    """Who measured it and where (docs/sharding.md, "What to expect", gives each address and date)."""
 
 
 _MAXTEXT_V5E = "MaxText README, TPU v5e table (1x v5e-256)"
@@ -42,9 +42,9 @@ MEASUREMENTS = (
     Measurement("TPU v5 lite", 32e9, 0.6686, _MAXTEXT_V5E),
     Measurement("TPU v5 lite", 64e9, 0.5990, _MAXTEXT_V5E),
     Measurement("TPU v5 lite", 128e9, 0.5606, _MAXTEXT_V5E),
-    Measurement("TPU v5 lite", 164e6, 0.74, "vorushin.github.io, LLM pretraining on TPU v6e, 2026-02-22 (its v5e run)"),
-    Measurement("TPU v6 lite", 164e6, 0.465, "vorushin.github.io, LLM pretraining on TPU v6e, 2026-02-22"),
-    Measurement("TPU v6 lite", 124e6, 0.23, "nor-blog.pages.dev, modded-nanogpt in JAX on v6e-8, 2025-08-21"),
+    Measurement("TPU v5 lite", 164e6, 0.74, "vorushin.github.io, its v5e run"),
+    Measurement("TPU v6 lite", 164e6, 0.465, "vorushin.github.io, its v6e run"),
+    Measurement("TPU v6 lite", 124e6, 0.23, "nor-blog.pages.dev, modded-nanogpt in JAX on v6e-8"),
     Measurement("TPU v6 lite", 8e9, 0.4546, _MAXTEXT_TIERS),
     Measurement("TPU v6 lite", 70e9, 0.438, _MAXTEXT_TIERS),
     Measurement("TPU v6 lite", 70e9, 0.5033, _MAXTEXT_TIERS),

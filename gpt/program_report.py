@@ -245,8 +245,10 @@ class ProgramReport:
         expected = None if self.trained_params is None else expected_mfu(self.device_kind, self.trained_params)
         if expected is None or self.chip is None:
             return None
-        per_mfu = self.devices * self.chip.bf16_flops * self.tokens / self.model_flops
-        return expected[0] * per_mfu, expected[1] * per_mfu
+        return expected[0] * self._tokens_per_s_at_full_mfu(), expected[1] * self._tokens_per_s_at_full_mfu()
+
+    def _tokens_per_s_at_full_mfu(self) -> float:
+        return self.devices * self.chip.bf16_flops * self.tokens / self.model_flops
 
     def _expectation_line(self) -> list[str]:
         """The expected range in a sentence, or what is missing for one; none for a program that trains nothing."""
@@ -257,7 +259,7 @@ class ProgramReport:
         expected = expected_mfu(self.device_kind, self.trained_params)
         if expected is None:
             return [f"  expected: no public run on a {self.chip.device_kind} of a model {size} is known here"]
-        low, high = self.expected_tokens_per_s()
+        low, high = (mfu * self._tokens_per_s_at_full_mfu() for mfu in expected[:2])
         rate, mfu, runs = ((f"about {low:,.0f}", f"{expected[0]:.0%}", "a public run") if low == high else
                            (f"{low:,.0f} to {high:,.0f}", f"{expected[0]:.0%} to {expected[1]:.0%}", "public runs"))
         return [f"  expected: {rate} tokens/s, at the {mfu} MFU {runs} on a {self.chip.device_kind} reached with "
