@@ -51,6 +51,20 @@ def kernels_on(isa: str):
         cpu_kernels.limit_isa(KERNEL_ISAS[-1])
 
 
+@pytest.fixture(params=["xla", *KERNEL_ISAS])
+def attention_path(request, monkeypatch):
+    """A decode step's attention through XLA's ops, then the kernel on each instruction set the CPU has (chosen
+    when a function is traced: trace afresh under each)."""
+    if request.param == "xla":
+        from gpt.model import cpu_kernels
+
+        monkeypatch.setattr(cpu_kernels, "isa", lambda: None)
+        yield "xla"
+        return
+    with kernels_on(request.param):
+        yield request.param
+
+
 @pytest.fixture(params=KERNEL_ISAS)
 def kernel_isa(request):
     """Each instruction set of the compiled CPU kernels this CPU has, in turn."""

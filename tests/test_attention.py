@@ -9,18 +9,7 @@ import pytest
 from gpt.model import attention, cpu_kernels
 from gpt.model.attention import MAX_KERNEL_HEAD_DIM, attend, attend_paged
 
-from conftest import KERNEL_ISAS, kernels_on, some_quick
-
-
-@pytest.fixture(params=["xla", *KERNEL_ISAS])
-def path(request, monkeypatch):
-    """XLA's ops, then the kernel on each instruction set the CPU has."""
-    if request.param == "xla":
-        monkeypatch.setattr(cpu_kernels, "isa", lambda: None)
-        yield "xla"
-        return
-    with kernels_on(request.param):
-        yield request.param
+from conftest import some_quick
 
 
 def traced_afresh(fn):
@@ -38,7 +27,7 @@ def _pages(x, page_length):
 @pytest.mark.parametrize("page_length, furthest, K", some_quick(
     [(p, f, K) for p in (320, 128, 48, 13) for f in (39, 150, 319) for K in (3, 1)],
     quick=[(320, 150, 3), (48, 39, 1), (128, 319, 3), (13, 319, 1)]))
-def test_paged_decode_attention_equals_masked_attention(path, page_length, furthest, K):
+def test_paged_decode_attention_equals_masked_attention(attention_path, page_length, furthest, K):
     # attend_paged reads page 0 and every page that the furthest row has reached (one page: the whole
     # cache under the mask; 13: 25 pages, the last 8 slots long); either way it must equal plain attention
     # under the mask "slots 0..position", whatever the cache holds beyond each row's position.
@@ -56,7 +45,7 @@ def test_paged_decode_attention_equals_masked_attention(path, page_length, furth
 @pytest.mark.parametrize("H, N, K", some_quick(
     [(H, N, K) for H in (1, 20, 64, MAX_KERNEL_HEAD_DIM) for N, K in ((2, 2), (4, 1), (6, 2))],
     quick=[(1, 2, 2), (20, 4, 1), (64, 6, 2), (MAX_KERNEL_HEAD_DIM, 4, 1)]))
-def test_a_view_of_some_rows_is_the_float64_attention(path, H, N, K):
+def test_a_view_of_some_rows_is_the_float64_attention(attention_path, H, N, K):
     # A view (an engine's decode over some of its slots): query row b's head n reads cache row
     # rows[b] * K + n // (N / K), each of its slots 0..position, every head size the kernel takes (a last vector
     # of 1..16 lanes).

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gpt.inference.drafters import Drafter
+from gpt.inference.drafters import CATCH_UP, Drafter
 from gpt.inference.sampling import TOP_LOGPROBS, SamplingParams, choose
 from gpt.inference.scoring import scored_positions, token_scores
 from gpt.inference.speculation import count_standing
@@ -262,20 +262,23 @@ class Emitted:
 
 
 def init_slots(config: GPTConfig, num_slots: int, cache_length: int, max_stop_tokens: int,
-               history: bool = False, draft_config: GPTConfig | None = None) -> Slots:
+               history: bool = False, draft_config: GPTConfig | None = None, max_draft_tokens: int = 0) -> Slots:
     """Empty slots (all free) over a zeroed cache of `cache_length` positions per slot, paged on CPU so
     that a decode step reads only the pages its rows have reached (on a GPU, one page that cuDNN's
-    attention reads under the mask); with each slot's `history` when `history`, and a cache of the same
-    positions of shape `draft_config` when one is given: what a drafter keeps (`gpt.inference.drafters`)."""
+    attention reads under the mask), a local layer's a ring of its window and a step's verified positions
+    (`max_draft_tokens` + 1: `KVCache.init`); with each slot's `history` when `history`, and a cache of the same
+    positions of shape `draft_config` when one is given: what a drafter keeps (`gpt.inference.drafters`; its
+    forwards write up to CATCH_UP positions a row)."""
     S = num_slots
     page_length = choices().kv_page_length
     return Slots(
-        cache=KVCache.init(config, S, cache_length, page_length),
+        cache=KVCache.init(config, S, cache_length, page_length, writes=max_draft_tokens + 1),
         last_token=jnp.zeros((S,), jnp.int32), live=jnp.zeros((S,), jnp.bool_),
         remaining=jnp.zeros((S,), jnp.int32), generated=jnp.zeros((S,), jnp.int32),
         seen=jnp.zeros((S, config.vocab_size), jnp.bool_), settings=Settings.empty(S, max_stop_tokens),
         history=jnp.zeros((S, cache_length), jnp.int32) if history else None,
-        draft_cache=None if draft_config is None else KVCache.init(draft_config, S, cache_length, page_length),
+        draft_cache=None if draft_config is None else KVCache.init(draft_config, S, cache_length, page_length,
+                                                                   writes=CATCH_UP),
     ).laid_out()
 
 

@@ -50,7 +50,7 @@ compiled_decode = jax.jit(decode, static_argnames=("config", "max_steps", "draft
                           donate_argnames="slots")
 compiled_free = jax.jit(free, donate_argnames="slots")
 compiled_init_prefix = jax.jit(init_prefix, static_argnums=(0, 1, 2))
-compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3, 4, 5))
+compiled_init_slots = jax.jit(init_slots, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 # The programs that serve requests (`gpt.inference.engine.compiled_programs` counts what they hold).
 COMPILED = (compiled_prefill, compiled_choose_first, compiled_place, compiled_decode, compiled_free,
             compiled_init_prefix)
@@ -111,7 +111,7 @@ the slots keep what it needs) a decode may verify up to `max_draft_tokens` of it
             # The slots come from a program of their own: its output, with the weights beside it, is checked
             # against the devices' memory before anything is allocated.
             program = compiled_init_slots.lower(self.config, self.num_slots, cache_length, max_stop_tokens,
-                                                self.keeps_history, draft_config).compile()
+                                                self.keeps_history, draft_config, self.max_draft_tokens).compile()
             check_compiled_fits(program, self._devices(), "decoding slots' cache",
                                 f"{self.num_slots} slots of {cache_length} positions", fit_advice,
                                 held_already=sharded_bytes((self.weights, drafter)))

@@ -37,7 +37,8 @@ __all__ = ["Drafter", "PromptLookup", "SelfDraft", "DraftModel", "make_drafter",
            "CATCH_UP"]
 
 MAX_NGRAM = 3  # the longest suffix prompt lookup looks for; shorter ones are tried when it is not found
-CATCH_UP = 32  # positions a row a draft model runs at once of those it has not run (a new prompt's)
+CATCH_UP = 32  # positions a row a draft model runs at once of those it has not run (a new prompt's): the most any
+# of its forwards writes (its first guess runs 2), so its cache's local layers keep rings of their window + 31
 
 
 class Drafter:

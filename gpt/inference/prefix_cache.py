@@ -80,7 +80,7 @@ def load_prefix(config: GPTConfig, cached: PrefixCacheBlocks, ids_M: jax.Array, 
         return blocks_MNBH.transpose(1, 0, 2, 3).reshape(heads, -1, blocks_MNBH.shape[-1])[:, :C]
 
     cache = KVCache(k=tuple((page(p),) for p in cached.k), v=tuple((page(p),) for p in cached.v),
-                    lengths=jnp.reshape(length, (1,)).astype(jnp.int32))
+                    lengths=jnp.reshape(length, (1,)).astype(jnp.int32), length=C)
     seen = jnp.zeros((1, config.vocab_size), jnp.bool_).at[0, tokens_C].max(jnp.arange(C) < length)
     return Prefix(cache=cache, seen=seen, last_hidden=jnp.zeros((1, config.n_embd), config.compute_dtype))
 

@@ -147,7 +147,8 @@ def fused_causal(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, window
 
 
 def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
-                 positions_B1: jax.Array, rows_M: jax.Array | None = None, window: int | None = None) -> jax.Array:
+                 positions_B1: jax.Array, rows_M: jax.Array | None = None, window: int | None = None,
+                 ring: int | None = None) -> jax.Array:
     """One query per row over a paged KV cache (`gpt.model.kv_cache`), reading only the pages the rows have
     reached.
 
@@ -167,25 +168,33 @@ def attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tup
       positions_B1: int32 [B, 1], each row's query position; it sees cache slots 0..position.
       rows_M: int32 [B * K], the page row of each query row's key heads (a view of some of the cache's rows,
         `KVCache.select`); None when they are rows 0..B*K-1. Only the pages read are gathered.
-      window: a local layer's: each row sees slots position - window + 1..position; None: 0..position.
+      window: a local layer's: each row sees positions position - window + 1..position; None: 0..position.
+      ring: a local layer's ring of that many slots in one page (position p in slot p mod ring); None: slot s
+        holds position s.
     Returns:
       [B, 1, N, H] in q's dtype; the softmax is computed in float32.
     """
     B, _, N, H = q_B1NH.shape
     if q_B1NH.dtype == k_pages[0].dtype == jnp.float32 and H <= MAX_KERNEL_HEAD_DIM and cpu_kernels.isa() is not None:
-        return kernel_attend_paged(q_B1NH, k_pages, v_pages, positions_B1, rows_M, window)
+        return kernel_attend_paged(q_B1NH, k_pages, v_pages, positions_B1, rows_M, window, ring)
     take = (lambda page: page) if rows_M is None else (lambda page: page[rows_M])  # noqa: E731
     if len(k_pages) == 1:
         S = k_pages[0].shape[1]
-        return attend(q_B1NH, take(k_pages[0]), take(v_pages[0]), seen_slots(jnp.arange(S), positions_B1, window))
+        return attend(q_B1NH, take(k_pages[0]), take(v_pages[0]),
+                      seen_slots(jnp.arange(S), positions_B1, window, ring))
+    assert ring is None, "a ring is one page"
     return _attend_pages(q_B1NH, k_pages, v_pages, positions_B1, rows_M, take, window)
 
 
-def seen_slots(slots_S: jax.Array, positions_BT: jax.Array, window: int | None) -> jax.Array:
-    """bool [B, T, S]: which of cache slots `slots_S` [S] (a slot holds the position of its index) each query at
-    `positions_BT` [B, T] sees: those at or before its own, and within `window` of it where one is given."""
-    seen_BTS = slots_S[None, None, :] <= positions_BT[:, :, None]
-    return seen_BTS if window is None else seen_BTS & (slots_S[None, None, :] > positions_BT[:, :, None] - window)
+def seen_slots(slots_S: jax.Array, positions_BT: jax.Array, window: int | None, ring: int | None = None) -> jax.Array:
+    """bool [B, T, S]: which of cache slots `slots_S` [S] each query at `positions_BT` [B, T] sees: those holding a
+    position at or before its own (and not before 0), and within `window` of it where one is given. Slot s holds
+    position s, or in a `ring` of that many slots, for a query at p, p - ((p - s) mod ring) (`gpt.model.kv_cache`:
+    where it holds another, that one is outside the window)."""
+    back_BTS = positions_BT[:, :, None] - slots_S[None, None, :]  # how far before the query the slot's position is
+    back_BTS = back_BTS if ring is None else back_BTS % ring
+    seen_BTS = (back_BTS >= 0) & (back_BTS <= positions_BT[:, :, None])
+    return seen_BTS if window is None else seen_BTS & (back_BTS < window)
 
 
 def _attend_pages(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
@@ -243,9 +252,9 @@ def _combine_pages(parts: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.A
 
 def kernel_attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
                         positions_B1: jax.Array, rows_M: jax.Array | None = None,
-                        window: int | None = None) -> jax.Array:
+                        window: int | None = None, ring: int | None = None) -> jax.Array:
     """`attend_paged` (the same arguments, float32) in one compiled call (`gpt.model.kernels.decode_attention`):
-    each query reads the cache's slots 0..its position, and no more, where XLA ran about 25 small programs a
+    each query reads the slots of the positions it sees, and no more, where XLA ran about 25 small programs a
     layer. Each of a key head's G query heads reads its row on its own. Only where `cpu_kernels.isa()` is not
     None, for H <= MAX_KERNEL_HEAD_DIM. Returns [B, 1, N, H] float32."""
     B, _, N, H = q_B1NH.shape
@@ -254,5 +263,6 @@ def kernel_attend_paged(q_B1NH: jax.Array, k_pages: tuple[jax.Array, ...], v_pag
     rows_Q = jnp.repeat(rows_M, N // K)  # each query head's key row
     position_Q = jnp.repeat(positions_B1[:, 0].astype(jnp.int32), N)  # row b's position for each of its heads
     out_QH = cpu_kernels.call("gpt_decode_attention", jax.ShapeDtypeStruct((B * N, H), jnp.float32))(
-        q_B1NH.reshape(B * N, H), position_Q, rows_Q, *k_pages, *v_pages, window=np.int64(window or 0))
+        q_B1NH.reshape(B * N, H), position_Q, rows_Q, *k_pages, *v_pages, window=np.int64(window or 0),
+        ring=np.int64(ring or 0))
     return out_QH.reshape(B, 1, N, H)

@@ -204,8 +204,8 @@ def block(
     `gpt.model.layouts.dense` takes; `attention` its kind of attention (default: layer `layer`'s).
 
     With a cache, the new keys and values are written into layer `layer`'s buffers at `positions_BT`, and
-    attention reads that whole buffer as `mask_BTS` [B, T, S] says (`cache.mask(positions_BT, window)`, computed
-    once per forward and window by the caller). Without one, attention is causal over the T tokens (within
+    attention reads that whole buffer as `mask_BTS` [B, T, S] says (`cache.mask(positions_BT, layer, window)`,
+    computed once per forward and window by the caller). Without one, attention is causal over the T tokens (within
     the layer's window).
     Returns the block's output [B, T, D] and the updated cache."""
     attention = layer_attention(config, layer) if attention is None else attention
@@ -294,12 +294,14 @@ def _attention(attention: LayerAttention, q_BTNH: jax.Array, k_BTKH: jax.Array, 
     if cache is None:
         k_MTH, v_MTH = (x.transpose(0, 2, 1, 3).reshape(B * K, T, H) for x in (k_BTKH, v_BTKH))
         return attend(q_BTNH, k_MTH, v_MTH, None, window), None
+    ring = cache.ring(layer)
+    assert ring is None or T <= ring - window + 1, f"{T} positions a forward: a ring of {ring} for a window of {window}"
     cache = cache.write(layer, k_BTKH, v_BTKH, positions_BT)
     if T == 1:  # a decode step: read only the pages the rows have reached (one page: all, under the mask)
-        return attend_paged(q_BTNH, *cache.pages(layer), positions_BT, cache.head_rows(K), window), cache
+        return attend_paged(q_BTNH, *cache.pages(layer), positions_BT, cache.head_rows(K), window, ring), cache
     if cache.rows is not None or len(cache.k[layer]) > 1:  # a few positions a row (a draft's verification)
         return _attend_each_query(q_BTNH, cache, layer, positions_BT, K, window), cache
-    mask_BTS = cache.mask(positions_BT, window) if mask_BTS is None else mask_BTS
+    mask_BTS = cache.mask(positions_BT, layer, window) if mask_BTS is None else mask_BTS
     return attend(q_BTNH, *cache.layer(layer), mask_BTS), cache
 
 
@@ -313,7 +315,7 @@ def _attend_each_query(q_BTNH: jax.Array, cache: KVCache, layer: int, positions_
     rows_BK = (jnp.arange(B * K, dtype=jnp.int32) if rows_M is None else rows_M).reshape(B, 1, K)
     rows_M = jnp.broadcast_to(rows_BK, (B, T, K)).reshape(B * T * K)  # query (b, t)'s key heads: row b's
     out = attend_paged(q_BTNH.reshape(B * T, 1, N, H), *cache.pages(layer), positions_BT.reshape(B * T, 1), rows_M,
-                       window)
+                       window, cache.ring(layer))
     return out.reshape(B, T, N, H)
 
 
@@ -432,9 +434,10 @@ def transform(
     """
     num_layers = config.n_layer
     keys = None if dropout_key is None else jax.random.split(dropout_key, num_layers)
-    # Each window's mask over the cache, made once for every layer of that window.
-    masks = {} if cache is None else {window: cache.mask(positions_BT, window)
-                                      for window in {config.layer_window(layer) for layer in range(num_layers)}}
+    # Each window's mask over the cache, made once for every layer of that window (and so of that ring).
+    windows = {config.layer_window(layer): layer for layer in range(num_layers)}
+    masks = {} if cache is None else {window: cache.mask(positions_BT, layer, window)
+                                      for window, layer in windows.items()}
 
     def step(attention: LayerAttention):
         """A block of this attention without a cache: (x, its weights, its dropout key) -> x."""

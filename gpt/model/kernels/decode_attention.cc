@@ -1,12 +1,14 @@
 // A decode step's attention on CPU, as an XLA FFI custom call: one query per (batch row, head) over a paged
 // KV cache (gpt/model/kv_cache.py), reading only the slots each query sees.
 //
-//   DecodeAttention(q [M, H], positions [M] int32, rows [M] int32, k pages..., v pages...; window) -> [M, H]
+//   DecodeAttention(q [M, H], positions [M] int32, rows [M] int32, k pages..., v pages...; window, ring) -> [M, H]
 //
-// float32 throughout. Query m sees slots 0..positions[m] of the cache's row rows[m] (with a window W > 0, a
+// float32 throughout. Query m sees positions 0..positions[m] of the cache's row rows[m] (with a window W > 0, a
 // local layer's: the last W of them, positions[m] - W + 1..positions[m]); the pages are buffers
 // [R, P, H] of consecutive slots (each its own length P), the keys' pages first, then as many of the
-// values'. The softmax is scale * q.k over the seen slots, its largest score subtracted before exp. XLA ran
+// values'. Slot s holds position s, or in a ring (ring > 0: one page of that many slots, W <= ring) position
+// p in slot p mod ring. The softmax is scale * q.k over the seen slots, its largest score subtracted before exp.
+// XLA ran
 // the same as about 25 small programs a layer (per page: two dots, the mask, a max, an exp, a sum, and a
 // conditional; then their combination), each with its own dispatch; this is one call that reads each
 // seen key and value once. Rows are split over XLA's CPU threads; AVX-512 or AVX2 (with FMA) picked at
@@ -38,7 +40,8 @@ struct Attention {
   float* out;
   int64_t head_dim, slots;  // slots: all the pages' together
   float scale;
-  int64_t window;  // how many slots a query sees, its own the last; 0: all up to its own
+  int64_t window;  // how many positions a query sees, its own the last; 0: all up to its own
+  int64_t ring;    // a ring's slots (position p in slot p mod ring); 0: slot s holds position s
   std::vector<const float*> k, v;
   std::vector<int64_t> page_slots;
 };
@@ -91,7 +94,7 @@ std::optional<ffi::Error> TakePages(const ffi::RemainingArgs& pages, int64_t M, 
 
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> positions,
                                ffi::Buffer<ffi::S32> rows, ffi::RemainingArgs pages, int64_t window,
-                               ffi::ResultBuffer<ffi::F32> out) {
+                               int64_t ring, ffi::ResultBuffer<ffi::F32> out) {
   const auto dims = q.dimensions();
   const size_t M = dims.size() == 2 ? dims[0] : 0;
   if (dims.size() != 2 || positions.element_count() != M || rows.element_count() != M)
@@ -99,13 +102,15 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   if (Isa() == 0) return ffi::Error::InvalidArgument("decode_attention: a CPU with AVX2 and FMA");
   if (dims[1] < 1 || dims[1] > kMaxHeadDim) return ffi::Error::InvalidArgument("decode_attention: heads of 1 to 128");
   Attention a{q.typed_data(), positions.typed_data(), rows.typed_data(), out->typed_data(), dims[1], 0,
-              static_cast<float>(1.0 / std::sqrt(static_cast<double>(dims[1]))), window, {}, {}, {}};
+              static_cast<float>(1.0 / std::sqrt(static_cast<double>(dims[1]))), window, ring, {}, {}, {}};
   if (window < 0) return ffi::Error::InvalidArgument("decode_attention: a window of 0 (none) or more slots");
   if (auto error = TakePages(pages, M, a)) return *error;
+  if (ring < 0 || (ring > 0 && (a.page_slots.size() != 1 || a.page_slots[0] != ring || window < 1 || window > ring)))
+    return ffi::Error::InvalidArgument("decode_attention: a ring is one page of its slots, a window of 1 to them");
   const bool wide = Isa() == 2;
   ParallelFor(pool, M, 1, [&a, wide](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;  // a row's scores, kept from call to call (a decode step makes dozens)
-    scores.resize(a.slots);
+    scores.resize(a.ring > 0 ? a.window : a.slots);  // a row's scores, from its first seen position
     wide ? avx512::AttendRowsOfHead(a, begin, end, scores.data())
          : avx2::AttendRowsOfHead(a, begin, end, scores.data());
   });
@@ -123,4 +128,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, gpt_kernels::DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Attr<int64_t>("window")
+                                  .Attr<int64_t>("ring")
                                   .Ret<ffi::Buffer<ffi::F32>>());
