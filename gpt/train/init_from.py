@@ -75,12 +75,13 @@ def with_vocabulary(model: GPT, vocab_size: int) -> GPT:
     (a chat format's new tokens: `gpt.chat_format`); itself where it has them."""
     import jax.numpy as jnp
 
-    rows = model.wte.value.shape[0]
+    rows = model.wte.shape[0]
     if rows >= vocab_size:
         return model
     for table in (model.wte, model.lm_head):
         if table is not None:
-            mean = table.value.mean(axis=0, keepdims=True, dtype=jnp.float32).astype(table.value.dtype)
-            table.value = jnp.concatenate([table.value, jnp.repeat(mean, vocab_size - rows, axis=0)])
+            old = table[...]
+            mean = old.mean(axis=0, keepdims=True, dtype=jnp.float32).astype(old.dtype)
+            table.set_value(jnp.concatenate([old, jnp.repeat(mean, vocab_size - rows, axis=0)]))
     model.config = model.config.replace(vocab_size=vocab_size)
     return model

@@ -349,9 +349,8 @@ class Run:
 
 def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     """Compile the train step from the state's shapes (a step that cannot fit the devices' memory stops the
-    run here, before the corpus's preparation, which can take hours), prepare the corpus (process 0, once every
-    process has compiled; the others wait for it up to --prepare_timeout_s), make the loaders, and place the
-    train state on the mesh or restore it from the newest intact checkpoint."""
+    run here, before the corpus's preparation, which can take hours), prepare the corpus (`_prepared_corpus`),
+    make the loaders, and place the train state on the mesh or restore it from the newest intact checkpoint."""
     config, model_config, mesh = checked.config, checked.model_config, checked.mesh
     pid, nproc = jax.process_index(), jax.process_count()
     data_dir = checked.out_dir / "data"
@@ -362,23 +361,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
                                                          label_smoothing=config.label_smoothing,
                                                          scored_only=checked.conversations),
                                          abstract_params, abstract_opt_state, config, mesh)
-
-    def prepare_corpus() -> dict:  # under the data directory's lock, which the run holds
-        return prepare(checked.inputs, data_dir, config.val_fraction, config.text_field,
-                       progress=config.progress_style if jax.process_index() == 0 else "none",
-                       corpus_sources=checked.corpus_sources, lock=False, tokenizer=checked.tokenizer)
-
-    if nproc > 1:  # the others' wait for the corpus then times process 0's preparation, not a slower compile
-        multihost_utils.sync_global_devices("gpt: train step compiled")
-    if pid == 0:
-        keep_tokenizer(checked.out_dir, checked.tokenizer, checked.end_of_turn)  # before a checkpoint exists
-        meta = prepare_corpus()
-    if nproc > 1:  # the others wait for process 0, then find the shards up to date
-        wait_for_all("gpt: corpus prepared", config.prepare_timeout_s,
-                     f"process 0 did not finish preparing the corpus in {data_dir} within --prepare_timeout_s="
-                     f"{config.prepare_timeout_s}")
-        if pid != 0:
-            meta = prepare_corpus()
+    meta = _prepared_corpus(checked)
     data_identity = verify_shards(data_dir, model_config.vocab_size)  # before anything trains on them
     checkpoints.check_trained_on(data_identity, data_dir, "resume with the data it was trained on, or train a new "
                                  "run in another --out_dir")
@@ -388,16 +371,7 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     if checked.conversations:
         _report_cut_conversations(train_batches, meta, config.block_size, log)
 
-    # From here on, work is compiled.
-    _, params, opt_state, _ = init_train_state(_build_model(config, model_config, checked.checkpoint), optimizer,
-                                               mesh)
-    restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state},
-                                                 {"params": shardings[0], "opt_state": shardings[1]}, log)
-    start = 0
-    if restored is not None:
-        start, trees, _ = restored
-        params, opt_state = trees["params"], trees["opt_state"]
-        log(f"resumed from {checkpoints.directory / str(start)}")
+    params, opt_state, start = _placed_state(checked, checkpoints, shardings, log)
     end = min(config.optim.max_steps, config.stop_after or config.optim.max_steps)
     log(f"model: {num_params(model_config):,} parameters; data: {meta['train_tokens']:,} train / "
         f"{meta['val_tokens']:,} val tokens; mesh {dict(mesh.shape)}, params + optimizer state "
@@ -408,6 +382,47 @@ def setup(checked: Plan, checkpoints: CheckpointManager, log=print) -> Run:
     return Run(config, model_config, mesh, checked.identity, data_identity, graphdef, params, opt_state, train_step,
                make_eval_step(graphdef, mesh, checked.conversations), make_schedule(optimizer, optimizer.lr), train_batches, val_batches,
                checkpoints, MetricsWriter(checked.out_dir, resume_step=start, enabled=pid == 0), start, end)
+
+
+def _prepared_corpus(checked: Plan) -> dict:
+    """The corpus's metadata once its shards are prepared in the run's data directory: by process 0 (with the
+    run's tokenizer kept beside it, before a checkpoint exists) once every process has compiled its step; the
+    others wait for it up to --prepare_timeout_s, then find the shards up to date."""
+    config, data_dir = checked.config, checked.out_dir / "data"
+    pid, nproc = jax.process_index(), jax.process_count()
+
+    def prepare_corpus() -> dict:  # under the data directory's lock, which the run holds
+        return prepare(checked.inputs, data_dir, config.val_fraction, config.text_field,
+                       progress=config.progress_style if pid == 0 else "none",
+                       corpus_sources=checked.corpus_sources, lock=False, tokenizer=checked.tokenizer)
+
+    if nproc > 1:  # the others' wait for the corpus then times process 0's preparation, not a slower compile
+        multihost_utils.sync_global_devices("gpt: train step compiled")
+    if pid == 0:
+        keep_tokenizer(checked.out_dir, checked.tokenizer, checked.end_of_turn)
+        meta = prepare_corpus()
+    if nproc > 1:
+        wait_for_all("gpt: corpus prepared", config.prepare_timeout_s,
+                     f"process 0 did not finish preparing the corpus in {data_dir} within --prepare_timeout_s="
+                     f"{config.prepare_timeout_s}")
+        if pid != 0:
+            meta = prepare_corpus()
+    return meta
+
+
+def _placed_state(checked: Plan, checkpoints: CheckpointManager, shardings, log) -> tuple:
+    """(params, optimizer state, first step): the newest intact checkpoint's, else the initial model's (fresh or
+    `--init_from`'s), placed on the mesh as `shardings` say. From here on, work is compiled."""
+    config, model_config = checked.config, checked.model_config
+    _, params, opt_state, _ = init_train_state(_build_model(config, model_config, checked.checkpoint), config.optim,
+                                               checked.mesh)
+    restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state},
+                                                 {"params": shardings[0], "opt_state": shardings[1]}, log)
+    if restored is None:
+        return params, opt_state, 0
+    start, trees, _ = restored
+    log(f"resumed from {checkpoints.directory / str(start)}")
+    return trees["params"], trees["opt_state"], start
 
 
 def _compiled_within_memory(step: TrainStep, params, opt_state, config: TrainConfig, mesh: Mesh) -> TrainStep:
