@@ -102,6 +102,7 @@ def test_an_engines_rings_hold_the_window_and_a_steps_guesses_and_compile_only_h
     assert decode.held["slots and their cache"] == sharded_bytes(slots)
 
 
+@pytest.mark.slow  # two engines' compiles; the quick tier's ring is the decode above
 def test_a_conversation_loaded_from_the_prefix_cache_enters_the_rings_as_it_would_run(model):
     """Turns that reuse the history's blocks (past the window) generate the plain forward's greedy tokens, as they do
     without the cache."""
