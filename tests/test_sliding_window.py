@@ -136,3 +136,14 @@ def test_a_window_and_its_layers_disagreeing_is_refused_in_one_line():
         GPTConfig.preset("tiny", position="rope", layer_kinds="gx", sliding_window=4)
     with pytest.raises(ConfigError, match="no rotary positions .'n'., but position is 'learned'"):
         GPTConfig.preset("tiny", layer_kinds="n")
+
+
+def test_a_local_layers_attention_flops_are_its_windows():
+    """The MFU's FLOPs a token count a local layer's attention over the keys it sees: its window, not the sequence."""
+    from gpt.model.transformer import flops_per_token
+
+    windowed = GPTConfig.preset("tiny", position="rope", layer_kinds="lg", n_layer=2, sliding_window=4)
+    global_only = windowed.replace(layer_kinds="", sliding_window=None)
+    per_key = 12 * windowed.n_head * windowed.head_dim
+    assert flops_per_token(global_only, 128) - flops_per_token(windowed, 128) == per_key * (128 - 4)
+    assert flops_per_token(global_only, 3) == flops_per_token(windowed, 3)  # a sequence inside the window

@@ -618,7 +618,9 @@ def model_summary(config: GPTConfig) -> str:
 
 def flops_per_token(config: GPTConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (matmul parameters: the LM head is one matmul, a lookup table is none)
-    plus 12 x layers x width x sequence for attention's two matmuls (the PaLM paper's formula, appendix B)."""
+    plus 12 x width x sequence a layer for attention's two matmuls (the PaLM paper's formula, appendix B), a local
+    layer's sequence its window where that is shorter (the keys it sees)."""
     tables = (config.block_size if config.position == "learned" else 0) + (0 if config.tied_head else config.vocab_size)
     matmul_params = num_params(config) - tables * config.n_embd
-    return 6 * matmul_params + 12 * config.n_layer * config.n_head * config.head_dim * seq_len
+    seen = sum(min(seq_len, config.layer_window(layer) or seq_len) for layer in range(config.n_layer))
+    return 6 * matmul_params + 12 * config.n_head * config.head_dim * seen
