@@ -33,11 +33,12 @@ def largest_block_scale(inputs: int) -> int:
     return min(127, (2**31 - 1) // (127 * 8 * inputs))
 
 
-def quantize(matrix_KD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """float32 matrix [K, D] (D a multiple of BLOCK) -> (levels int8 [K, D] in [-8, 7], block scales int8
-    [K, D / BLOCK], output scales float32 [K]); matrix ~= levels * block scale * output scale."""
+def quantize(matrix_KD: jax.Array, block: int = BLOCK) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 matrix [K, D] (D a multiple of `block`) -> (levels int8 [K, D] in [-8, 7], block scales int8
+    [K, D / block], output scales float32 [K]); matrix ~= levels * block scale * output scale. The layout's block is
+    BLOCK; another is for measuring (bench/quantize_quality.py)."""
     K, D = matrix_KD.shape
-    blocks = matrix_KD.reshape(K, D // BLOCK, BLOCK)
+    blocks = matrix_KD.reshape(K, D // block, block)
     extreme = jnp.take_along_axis(blocks, jnp.abs(blocks).argmax(axis=-1, keepdims=True), axis=-1)  # [K, B, 1]
     top = largest_block_scale(D)
     output_scale = jnp.abs(extreme).max(axis=1, keepdims=True) / (-min(_DIVISORS, key=abs) * top)  # [K, 1, 1]
