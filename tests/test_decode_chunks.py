@@ -53,8 +53,8 @@ def completions(model, steps_per_call: int) -> list[list[int]]:
     return [c.tokens for c in submitted], [c.finish_reason for c in submitted]
 
 
-@pytest.mark.parametrize("chunk, steps_per_call", [(4, 8), pytest.param(8, 8, marks=pytest.mark.slow),
-                                                    pytest.param(3, 8, marks=pytest.mark.slow)])
+@pytest.mark.slow  # a GPU's choice, two engines warmed up a case (the quick tier: the chunks' program, below)
+@pytest.mark.parametrize("chunk, steps_per_call", [(4, 8), (8, 8), (3, 8)])
 def test_chunks_give_the_step_by_step_loops_tokens_stops_and_lengths(model, chunks, chunk, steps_per_call):
     chunks(1)
     want = completions(model, steps_per_call)

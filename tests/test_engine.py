@@ -50,6 +50,7 @@ def test_a_short_request_overtakes_a_long_one(model):
     assert short.tokens == generate(model, [[9, 8, 7, 6, 5]], 4, sampling=GREEDY)[0]
 
 
+@pytest.mark.slow  # the policy, host-only, in the quick tier: tests/test_scheduler.py
 def test_a_round_admits_first_come_and_prefills_shortest_first(model):
     """Free slots go to the earliest requests; among those, the shortest prompt gets its first token first
     (the round's last first token comes no later, and the others sooner)."""

@@ -133,6 +133,7 @@ def test_compile_count_is_flat_within_a_bucket():
     assert 0 <= after["place"] - first["place"] <= 1
 
 
+@pytest.mark.slow  # its compiles (the quick tier refuses a cache over the memory: tests/test_engine.py)
 def test_a_call_that_checks_its_memory_first_compiles_its_programs_once_and_refuses_what_cannot_fit(monkeypatch):
     import gpt.program_report
     from gpt.inference import device_slots

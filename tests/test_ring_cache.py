@@ -21,6 +21,8 @@ from gpt.model.sharding import make_mesh
 from gpt.model.transformer import forward, lm_head
 from gpt.program_report import sharded_bytes
 
+from conftest import KERNEL_ISAS
+
 WINDOWED = GPTConfig.preset("tiny", position="rope", layer_kinds="lg", n_layer=2, sliding_window=5, n_kv_head=2,
                             block_size=64, vocab_size=256)
 
@@ -32,6 +34,8 @@ def model():
     return model
 
 
+# The quick tier's: the kernel's path, a CPU's own (XLA's, a GPU's or a TPU's, in the full suite).
+@pytest.mark.parametrize("attention_path", [pytest.param("xla", marks=pytest.mark.slow), *KERNEL_ISAS], indirect=True)
 def test_a_ring_decodes_as_the_plain_forward_through_rolled_back_guesses(attention_path, model):
     """Two rows enter a ring of 5 + 3 - 1 slots from a prefill; then forwards of 3 positions whose tokens past a
     row's accepted count are wrong guesses (rolled back by the lengths alone, as a verification's are), of 1
