@@ -81,8 +81,7 @@ def compile_engine(config: GPTConfig, settings: EngineSettings, quantize: str, m
         slots_count = slots_over(settings.slots, rows)  # the engine's own rounding
         slots = _abstract_outputs(compiled_init_slots, config, slots_count, settings.cache_length,
                                   settings.max_stop_tokens, drafter is not None and drafter.keeps_history,
-                                  None if drafter is None else drafter.cache_config,
-                                  settings.draft_tokens if drafter is not None else 0)
+                                  None if drafter is None else drafter.cache_config, settings.draft_tokens)
         piece = min(settings.prefill_chunk, settings.cache_length)
         lowered = lower_largest(config, weights, slots, rows, piece, settings.steps_per_call, settings.draft_tokens,
                                 drafter)
